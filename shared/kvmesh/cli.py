@@ -1,0 +1,114 @@
+"""The ``kvmesh`` command."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+import uuid
+
+logger = logging.getLogger("kvmesh")
+
+
+def _positive_int(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be a positive integer, got {text}")
+    return value
+
+
+def _non_negative_float(text: str) -> float:
+    value = float(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0, got {text}")
+    return value
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="kvmesh", description="LLM serving with a cluster-wide KV cache")
+    parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
+    commands = parser.add_subparsers(dest="command", required=True)
+
+    gen = commands.add_parser("generate", help="generate text in this process (a quick look at the engine)")
+    gen.add_argument("--prompt", required=True, help="the prompt text")
+    gen.add_argument("--chat", action="store_true", help="wrap the prompt as a user message in the chat template")
+    gen.add_argument("--system", help="system message (with --chat)")
+    gen.add_argument("--model", help="model directory or .gguf file (default: SmolLM2-135M-Instruct)")
+    gen.add_argument("--max-tokens", type=_positive_int, default=128)
+    gen.add_argument("--temperature", type=_non_negative_float, default=0.0, help="0 is greedy (default)")
+    gen.add_argument("--top-p", type=float, default=1.0)
+    gen.add_argument("--top-k", type=int, default=0)
+    gen.add_argument("--seed", type=int)
+    gen.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+    gen.add_argument("--ignore-eos", action="store_true")
+    gen.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
+    gen.add_argument("--device", default="cpu", help="cpu, cuda or npu")
+    gen.add_argument("--json", action="store_true", help='print {"token_ids": [...], "text": "..."}')
+    return parser
+
+
+def _generate(args: argparse.Namespace) -> int:
+    from kvmesh.engine.llm_engine import EngineConfig, LLMEngine
+    from kvmesh.engine.request import SamplingParams
+    from kvmesh.engine.tokenizer import ChatTemplateError
+
+    params = SamplingParams(
+        temperature=args.temperature,
+        top_p=args.top_p,
+        top_k=args.top_k,
+        seed=args.seed,
+        max_tokens=args.max_tokens,
+        stop=tuple(args.stop),
+        ignore_eos=args.ignore_eos,
+    )
+    logger.info("loading the model")
+    engine = LLMEngine(EngineConfig(model=args.model, dtype=args.dtype, device=args.device, kv_cache_bytes=256 * 2**20))
+    tokenizer = engine.tokenizer
+    text = args.prompt
+    if args.chat:
+        messages = ([{"role": "system", "content": args.system}] if args.system else []) + [
+            {"role": "user", "content": args.prompt}
+        ]
+        try:
+            text = tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+        except ChatTemplateError as exc:
+            raise SystemExit(f"kvmesh generate: {exc}") from None
+    prompt_ids = tokenizer.encode(text, add_special_tokens=not args.chat)
+    if not prompt_ids:
+        raise SystemExit("kvmesh generate: the prompt is empty")
+    request_id = uuid.uuid4().hex
+    engine.add_request(request_id, prompt_ids, params)
+    token_ids: list[int] = []
+    pieces: list[str] = []
+    while engine.has_unfinished():
+        for out in engine.step():
+            token_ids.extend(out.new_token_ids)
+            pieces.append(out.text)
+            if not args.json:
+                sys.stdout.write(out.text)
+                sys.stdout.flush()
+    if args.json:
+        print(json.dumps({"token_ids": token_ids, "text": "".join(pieces)}, ensure_ascii=False))
+    else:
+        sys.stdout.write("\n")
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(
+        level=logging.DEBUG if args.verbose else logging.INFO,
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+        stream=sys.stderr,
+    )
+    try:
+        if args.command == "generate":
+            return _generate(args)
+    except ValueError as exc:
+        raise SystemExit(f"kvmesh {args.command}: {exc}") from None
+    return 2
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

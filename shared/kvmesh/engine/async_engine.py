@@ -1,0 +1,221 @@
+"""The asyncio face of the engine, for the workers: submit, stream deltas, abort, and the
+two disaggregation hooks (prefill for export, decode from imported KV).
+
+The ``LLMEngine`` runs on one thread of its own; every call is a command executed on that
+thread between steps, and outputs come back to the event loop. Model steps never block
+the loop.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import logging
+import queue
+import threading
+from collections.abc import AsyncIterator, Callable
+from typing import Any, TypeVar
+
+from kvmesh.engine.kv_cache_manager import PoolStats
+from kvmesh.engine.llm_engine import EngineConfig, LLMEngine, RequestOutput
+from kvmesh.engine.request import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+T = TypeVar("T")
+
+
+class EngineDeadError(RuntimeError):
+    """The engine thread stopped (shut down or failed); no request can proceed."""
+
+
+class AsyncEngine:
+    def __init__(self, engine: LLMEngine) -> None:
+        self.engine = engine
+        self._commands: queue.SimpleQueue[tuple[Callable[[], Any], concurrent.futures.Future | None]] = (
+            queue.SimpleQueue()
+        )
+        self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
+        self._stop = threading.Event()
+        self._error: BaseException | None = None
+        self._thread = threading.Thread(target=self._run, name="kvmesh-engine", daemon=True)
+        self._thread.start()
+
+    @classmethod
+    async def create(cls, config: EngineConfig | None = None) -> AsyncEngine:
+        """Load the model off the event loop, then start the engine thread."""
+        engine = await asyncio.to_thread(LLMEngine, config)
+        return cls(engine)
+
+    # -- the engine thread ---------------------------------------------------------------
+    def _run(self) -> None:
+        try:
+            while not self._stop.is_set():
+                idle = not self.engine.has_unfinished()
+                self._run_commands(wait=idle)
+                if self.engine.has_unfinished():
+                    outputs = self.engine.step()
+                    if outputs:
+                        self._deliver(outputs)
+                    else:
+                        # Nothing could be scheduled (no room); wait for a command to change that.
+                        self._run_commands(wait=True)
+        except BaseException as exc:  # noqa: BLE001 - the thread must report any failure
+            logger.exception("engine thread failed")
+            self._error = exc
+        finally:
+            self._stop.set()
+            self._fail_everything()
+
+    def _run_commands(self, wait: bool) -> None:
+        try:
+            command, future = self._commands.get(timeout=0.1) if wait else self._commands.get_nowait()
+        except queue.Empty:
+            return
+        while True:
+            try:
+                result = command()
+            except Exception as exc:  # noqa: BLE001 - handed to the caller
+                if future is not None:
+                    future.set_exception(exc)
+            else:
+                if future is not None:
+                    future.set_result(result)
+            try:
+                command, future = self._commands.get_nowait()
+            except queue.Empty:
+                return
+
+    def _deliver(self, outputs: list[RequestOutput]) -> None:
+        for out in outputs:
+            stream = self._streams.get(out.request_id)
+            if stream is not None:
+                loop, q = stream
+                loop.call_soon_threadsafe(q.put_nowait, out)
+
+    def _fail_everything(self) -> None:
+        error = EngineDeadError(f"engine stopped: {self._error!r}" if self._error else "engine stopped")
+        for loop, q in list(self._streams.values()):
+            if not loop.is_closed():
+                loop.call_soon_threadsafe(q.put_nowait, error)
+        while True:
+            try:
+                _, future = self._commands.get_nowait()
+            except queue.Empty:
+                break
+            if future is not None and not future.done():
+                future.set_exception(error)
+
+    async def _call(self, command: Callable[[], T]) -> T:
+        if self._stop.is_set():
+            raise EngineDeadError("engine stopped")
+        future: concurrent.futures.Future = concurrent.futures.Future()
+        self._commands.put((command, future))
+        return await asyncio.wrap_future(future)
+
+    # -- requests ------------------------------------------------------------------------
+    async def generate(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: SamplingParams | None = None,
+        *,
+        export_kv: bool = False,
+    ) -> AsyncIterator[RequestOutput]:
+        """Submit a request and iterate its outputs; leaving early aborts it."""
+        q = self._open_stream(request_id)
+        try:
+            await self._call(lambda: self.engine.add_request(request_id, prompt_token_ids, params, export_kv=export_kv))
+        except BaseException:
+            self._streams.pop(request_id, None)
+            raise
+        async for out in self._drain(request_id, q):
+            yield out
+
+    async def generate_from_import(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        first_token_id: int,
+        handle: str,
+        params: SamplingParams | None = None,
+    ) -> AsyncIterator[RequestOutput]:
+        """Decode a request whose prompt KV was written into the blocks of ``handle``; the
+        first output carries ``first_token_id``."""
+        q = self._open_stream(request_id)
+        try:
+            first = await self._call(
+                lambda: self.engine.add_imported_request(request_id, prompt_token_ids, first_token_id, handle, params)
+            )
+        except BaseException:
+            self._streams.pop(request_id, None)
+            raise
+        q.put_nowait(first)
+        async for out in self._drain(request_id, q):
+            yield out
+
+    def _open_stream(self, request_id: str) -> asyncio.Queue:
+        if request_id in self._streams:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        q: asyncio.Queue = asyncio.Queue()
+        self._streams[request_id] = (asyncio.get_running_loop(), q)
+        return q
+
+    async def _drain(self, request_id: str, q: asyncio.Queue) -> AsyncIterator[RequestOutput]:
+        finished = False
+        try:
+            while True:
+                item = await q.get()
+                if isinstance(item, BaseException):
+                    raise item
+                finished = item.finished
+                yield item
+                if finished:
+                    return
+        finally:
+            self._streams.pop(request_id, None)
+            if not finished and not self._stop.is_set():
+                self._commands.put((lambda: self.engine.abort_request(request_id), None))
+
+    async def prefill_export(
+        self, request_id: str, prompt_token_ids: list[int], params: SamplingParams | None = None
+    ) -> RequestOutput:
+        """Prefill and sample the first token; the blocks stay held (``out.kv_export``)
+        until ``release_export``."""
+        last: RequestOutput | None = None
+        async for out in self.generate(request_id, prompt_token_ids, params, export_kv=True):
+            last = out
+        assert last is not None and last.finished
+        return last
+
+    async def abort(self, request_id: str) -> bool:
+        return await self._call(lambda: self.engine.abort_request(request_id)) is not None
+
+    async def release_export(self, request_id: str) -> bool:
+        return await self._call(lambda: self.engine.release_export(request_id))
+
+    async def allocate_import(self, handle: str, num_tokens: int) -> list[int] | None:
+        return await self._call(lambda: self.engine.allocate_import(handle, num_tokens))
+
+    async def release_import(self, handle: str) -> bool:
+        return await self._call(lambda: self.engine.release_import(handle))
+
+    async def pool_stats(self) -> PoolStats:
+        return await self._call(self.engine.pool_stats)
+
+    async def take_kv_events(self) -> list:
+        return await self._call(self.engine.take_kv_events)
+
+    async def load(self) -> dict[str, int]:
+        return await self._call(self.engine.load)
+
+    # -- lifetime ------------------------------------------------------------------------
+    async def shutdown(self) -> None:
+        self._stop.set()
+        await asyncio.to_thread(self._thread.join, 10.0)
+
+    async def __aenter__(self) -> AsyncEngine:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.shutdown()

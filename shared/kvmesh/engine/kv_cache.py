@@ -1,0 +1,98 @@
+"""The KV pool: one tensor allocated at start, one contiguous region per block.
+
+Layout ``(num_blocks, num_layers, 2, block_size, kv_heads, head_dim)``: a block's K and V
+for every layer sit together, so block ``b`` is the byte range
+``[base + b * block_bytes, base + (b + 1) * block_bytes)`` and a run of adjacent blocks is a
+single range a transfer engine can move at once.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    for name, value in DTYPES.items():
+        if value == dtype:
+            return name
+    raise ValueError(f"unsupported dtype {dtype}")
+
+
+@dataclass(slots=True, frozen=True)
+class KVLayout:
+    num_blocks: int
+    block_size: int
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    dtype: str
+
+    @property
+    def itemsize(self) -> int:
+        return DTYPES[self.dtype].itemsize
+
+    @property
+    def block_bytes(self) -> int:
+        return self.num_layers * 2 * self.block_size * self.num_kv_heads * self.head_dim * self.itemsize
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return (self.num_blocks, self.num_layers, 2, self.block_size, self.num_kv_heads, self.head_dim)
+
+    def compatible_with(self, other: KVLayout) -> bool:
+        """Blocks can be copied byte for byte between two pools of these layouts."""
+        return (self.block_size, self.num_layers, self.num_kv_heads, self.head_dim, self.dtype) == (
+            other.block_size,
+            other.num_layers,
+            other.num_kv_heads,
+            other.head_dim,
+            other.dtype,
+        )
+
+
+def num_blocks_for_budget(budget_bytes: int, block_bytes: int) -> int:
+    count = budget_bytes // block_bytes
+    if count < 1:
+        raise ValueError(f"a KV budget of {budget_bytes} bytes does not hold one {block_bytes}-byte block")
+    return count
+
+
+class KVCachePool:
+    def __init__(self, layout: KVLayout, device: torch.device | str = "cpu") -> None:
+        self.layout = layout
+        self.tensor = torch.zeros(layout.shape, dtype=DTYPES[layout.dtype], device=device)
+        logger.info(
+            "KV pool: %d blocks of %d tokens, %.1f MiB",
+            layout.num_blocks,
+            layout.block_size,
+            self.nbytes / 2**20,
+        )
+
+    @property
+    def base_address(self) -> int:
+        return self.tensor.data_ptr()
+
+    @property
+    def nbytes(self) -> int:
+        return self.tensor.numel() * self.tensor.element_size()
+
+    def block_address(self, block_id: int) -> int:
+        return self.base_address + block_id * self.layout.block_bytes
+
+    def layer_views(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """K and V of one layer, each (num_blocks, block_size, kv_heads, head_dim), strided."""
+        return self.tensor[:, layer, 0], self.tensor[:, layer, 1]
+
+    def read_blocks(self, block_ids: Sequence[int]) -> torch.Tensor:
+        return self.tensor[torch.as_tensor(list(block_ids), dtype=torch.long)].clone()
+
+    def write_blocks(self, block_ids: Sequence[int], data: torch.Tensor) -> None:
+        self.tensor[torch.as_tensor(list(block_ids), dtype=torch.long)] = data.to(self.tensor.dtype)

@@ -1,0 +1,257 @@
+"""The synchronous engine: requests in, one scheduled model step at a time, outputs out.
+
+It is not thread-safe; ``AsyncEngine`` runs it on a thread of its own. It knows nothing of
+NATS, etcd or HTTP.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from kvmesh.engine.block_pool import BlockPool, KVCacheEvent
+from kvmesh.engine.detokenizer import OutputText
+from kvmesh.engine.device import resolve_device
+from kvmesh.engine.kv_cache import DTYPES, KVCachePool, KVLayout, num_blocks_for_budget
+from kvmesh.engine.kv_cache_manager import KVCacheManager, PoolStats
+from kvmesh.engine.loader.default_model import DEFAULT_MODEL, resolve_model
+from kvmesh.engine.model.config import ModelConfig
+from kvmesh.engine.model.llama import LlamaModel
+from kvmesh.engine.model.weights import load_weights
+from kvmesh.engine.model_runner import ModelRunner
+from kvmesh.engine.request import FinishReason, Request, SamplingParams
+from kvmesh.engine.scheduler import Scheduler, SchedulerConfig, max_model_len
+from kvmesh.engine.tokenizer import Tokenizer
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(slots=True)
+class EngineConfig:
+    model: str | None = None  # None or the default name, a model directory, or a .gguf file
+    served_model_name: str | None = None  # also keys the block hashes; defaults to the dir name
+    device: str = "cpu"
+    dtype: str = "float32"
+    block_size: int = 16
+    kv_cache_bytes: int = 512 * 2**20
+    num_blocks: int | None = None  # overrides kv_cache_bytes
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 1024
+    enable_prefix_caching: bool = True
+    num_threads: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.dtype not in DTYPES:
+            raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {self.dtype!r}")
+        if self.block_size < 1 or self.max_num_seqs < 1 or self.max_num_batched_tokens < 1:
+            raise ValueError("block_size, max_num_seqs and max_num_batched_tokens must be positive")
+
+
+@dataclass(slots=True, frozen=True)
+class KVExport:
+    """KV of a finished prefill, held in this engine's blocks until released."""
+
+    block_ids: tuple[int, ...]
+    num_tokens: int
+    layout: KVLayout
+
+
+@dataclass(slots=True)
+class RequestOutput:
+    request_id: str
+    new_token_ids: list[int]
+    text: str  # new text since the previous output
+    finished: bool
+    finish_reason: FinishReason | None
+    num_prompt_tokens: int
+    num_cached_tokens: int
+    kv_export: KVExport | None = None
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig | None = None) -> None:
+        self.config = config = config or EngineConfig()
+        if config.num_threads:
+            torch.set_num_threads(config.num_threads)
+        started = time.monotonic()
+        self.model_dir: Path = resolve_model(config.model)
+        default_name = DEFAULT_MODEL if config.model in (None, DEFAULT_MODEL) else self.model_dir.name
+        self.model_name = config.served_model_name or default_name
+        self.model_config = ModelConfig.from_dir(self.model_dir)
+        self.tokenizer = Tokenizer.from_dir(self.model_dir)
+        self.eos_token_ids = tuple(dict.fromkeys((*self.tokenizer.eos_token_ids, *self.model_config.eos_token_ids)))
+        self.device = resolve_device(config.device)
+        dtype = DTYPES[config.dtype]
+        weights = load_weights(self.model_dir, self.model_config, dtype, self.device)
+        self.model = LlamaModel(self.model_config, weights, dtype, self.device)
+
+        mc = self.model_config
+        layout = KVLayout(1, config.block_size, mc.num_layers, mc.num_kv_heads, mc.head_dim, config.dtype)
+        num_blocks = config.num_blocks or num_blocks_for_budget(config.kv_cache_bytes, layout.block_bytes)
+        self.kv_layout = KVLayout(num_blocks, config.block_size, mc.num_layers, mc.num_kv_heads, mc.head_dim, config.dtype)
+        self.kv_pool = KVCachePool(self.kv_layout, self.device)
+        block_pool = BlockPool(num_blocks, enable_caching=config.enable_prefix_caching, block_size=config.block_size)
+        self.kv_manager = KVCacheManager(
+            block_pool, extra_keys=(self.model_name,), enable_prefix_caching=config.enable_prefix_caching
+        )
+        self.max_model_len = max_model_len(mc.max_position_embeddings, num_blocks, config.block_size)
+        self.scheduler = Scheduler(
+            self.kv_manager,
+            SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens, self.max_model_len),
+        )
+        self.runner = ModelRunner(self.model, self.kv_pool, self.kv_manager)
+        self._texts: dict[str, OutputText] = {}
+        logger.info(
+            "engine ready in %.1fs: model %s (%s, %d layers) on %s in %s, %d KV blocks of %d tokens",
+            time.monotonic() - started,
+            self.model_name,
+            mc.model_type,
+            mc.num_layers,
+            self.device,
+            config.dtype,
+            num_blocks,
+            config.block_size,
+        )
+
+    # -- requests ------------------------------------------------------------------------
+    def _new_request(
+        self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, export_kv: bool
+    ) -> Request:
+        vocab = self.model_config.vocab_size
+        if any(not 0 <= t < vocab for t in prompt_token_ids):
+            raise ValueError(f"prompt token ids must lie in [0, {vocab})")
+        return Request(request_id, list(prompt_token_ids), params, self.eos_token_ids, export_kv=export_kv)
+
+    def add_request(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: SamplingParams | None = None,
+        *,
+        export_kv: bool = False,
+    ) -> Request:
+        """Queue a request. With ``export_kv`` it stops after its first token and its blocks
+        stay held (see ``release_export``) for another worker to pull."""
+        req = self._new_request(request_id, prompt_token_ids, params or SamplingParams(), export_kv)
+        self.scheduler.add_request(req)
+        self._texts[request_id] = OutputText(self.tokenizer, req.sampling.stop)
+        return req
+
+    def add_imported_request(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        first_token_id: int,
+        handle: str,
+        params: SamplingParams | None = None,
+    ) -> RequestOutput:
+        """Start decoding a request whose prompt KV was written into the blocks held under
+        ``handle`` (see ``allocate_import``); ``first_token_id`` came with the KV. Returns
+        the output for that first token."""
+        req = self._new_request(request_id, prompt_token_ids, params or SamplingParams(), False)
+        if len(prompt_token_ids) + 1 >= self.max_model_len:
+            raise ValueError(f"the prompt has {len(prompt_token_ids)} tokens; the limit is {self.max_model_len - 2}")
+        self.kv_manager.attach_held(handle, req, len(prompt_token_ids))
+        req.num_cached_tokens = len(prompt_token_ids)
+        req.token_ids.append(first_token_id)
+        self.scheduler.add_running(req)
+        self._texts[request_id] = OutputText(self.tokenizer, req.sampling.stop)
+        reason = self.scheduler.token_stop_reason(req, first_token_id)
+        if reason is not None:
+            self.scheduler.finish(req, reason)
+        return self._output(req)
+
+    def abort_request(self, request_id: str) -> RequestOutput | None:
+        req = self.scheduler.abort(request_id)
+        if req is None:
+            return None
+        return self._output(req, new_tokens=0)
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    # -- stepping ------------------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        out = self.scheduler.schedule()
+        if not out.scheduled:
+            return []
+        sampled = self.runner.execute(out)
+        advanced = self.scheduler.update_from_output(out, sampled)
+        return [self._output(req) for req in advanced]
+
+    def _output(self, req: Request, new_tokens: int = 1) -> RequestOutput:
+        text_state = self._texts[req.request_id]
+        new_ids = req.token_ids[-new_tokens:] if new_tokens else []
+        for token in new_ids:
+            if text_state.add_token(token) and not req.is_finished:
+                self.scheduler.finish(req, FinishReason.STOP)
+        finished = req.is_finished
+        export = None
+        if finished:
+            del self._texts[req.request_id]
+            if req.export_kv and req.request_id in self.kv_manager.held:
+                export = KVExport(
+                    tuple(b.block_id for b in self.kv_manager.held[req.request_id]),
+                    req.num_prompt_tokens,
+                    self.kv_layout,
+                )
+        return RequestOutput(
+            request_id=req.request_id,
+            new_token_ids=list(new_ids),
+            text=text_state.take_delta(finished),
+            finished=finished,
+            finish_reason=req.finish_reason,
+            num_prompt_tokens=req.num_prompt_tokens,
+            num_cached_tokens=req.num_cached_tokens,
+            kv_export=export,
+        )
+
+    def generate(
+        self, prompts: list[list[int]], params: SamplingParams | list[SamplingParams] | None = None
+    ) -> list[RequestOutput]:
+        """Run prompts to completion; one combined output per prompt, in order."""
+        per_prompt = params if isinstance(params, list) else [params or SamplingParams()] * len(prompts)
+        ids = [f"generate-{time.monotonic_ns()}-{i}" for i in range(len(prompts))]
+        results = {
+            rid: RequestOutput(rid, [], "", False, None, len(p), 0) for rid, p in zip(ids, prompts)
+        }
+        for rid, prompt, sp in zip(ids, prompts, per_prompt):
+            self.add_request(rid, prompt, sp)
+        while self.has_unfinished():
+            for out in self.step():
+                merged = results[out.request_id]
+                merged.new_token_ids.extend(out.new_token_ids)
+                merged.text += out.text
+                merged.finished, merged.finish_reason = out.finished, out.finish_reason
+                merged.num_cached_tokens = out.num_cached_tokens
+        return [results[rid] for rid in ids]
+
+    # -- disaggregation ------------------------------------------------------------------
+    def release_export(self, request_id: str) -> bool:
+        """Free the blocks a finished export held (after the peer pulled them)."""
+        return self.kv_manager.release_held(request_id)
+
+    def allocate_import(self, handle: str, num_tokens: int) -> list[int] | None:
+        """Blocks to receive the KV of ``num_tokens`` tokens from a peer; ``None`` if no room."""
+        return self.kv_manager.allocate_held(handle, num_tokens)
+
+    def release_import(self, handle: str) -> bool:
+        return self.kv_manager.release_held(handle)
+
+    # -- reporting -----------------------------------------------------------------------
+    def take_kv_events(self) -> list[KVCacheEvent]:
+        return self.kv_manager.take_events()
+
+    def pool_stats(self) -> PoolStats:
+        return self.kv_manager.stats()
+
+    def load(self) -> dict[str, int]:
+        return {
+            "running": len(self.scheduler.running),
+            "waiting": len(self.scheduler.waiting),
+            "free_blocks": self.kv_manager.pool.num_free_blocks,
+        }

@@ -1,0 +1,80 @@
+"""Llama / Qwen2 decoder forward over a flat batch of tokens with a paged KV cache."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from kvmesh.engine.kv_cache import KVCachePool
+from kvmesh.engine.model.attention import AttentionMetadata, paged_attention, write_kv
+from kvmesh.engine.model.config import ModelConfig
+from kvmesh.engine.model.weights import ModelWeights
+
+
+class RotaryEmbedding:
+    """Rotary position embedding in the Hugging Face (rotate-half) layout."""
+
+    def __init__(self, head_dim: int, max_positions: int, theta: float, dtype: torch.dtype, device: torch.device):
+        inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64, device=device).float() / head_dim))
+        positions = torch.arange(max_positions, device=device, dtype=torch.float32)
+        freqs = torch.outer(positions, inv_freq)
+        emb = torch.cat([freqs, freqs], dim=-1)
+        half = head_dim // 2
+        sin = emb.sin()
+        sin[:, :half] = -sin[:, :half]  # rotate_half(x) * sin == roll(x, half) * signed_sin
+        self.cos = emb.cos().to(dtype)
+        self.signed_sin = sin.to(dtype)
+        self.half = half
+
+    def apply(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """x: (T, heads, head_dim)."""
+        cos = self.cos[positions].unsqueeze(1)
+        sin = self.signed_sin[positions].unsqueeze(1)
+        return x * cos + torch.roll(x, self.half, dims=-1) * sin
+
+
+class LlamaModel:
+    def __init__(self, config: ModelConfig, weights: ModelWeights, dtype: torch.dtype, device: torch.device):
+        self.config = config
+        self.weights = weights
+        self.dtype = dtype
+        self.device = device
+        self.rotary = RotaryEmbedding(
+            config.head_dim, config.max_position_embeddings, config.rope_theta, dtype, device
+        )
+        self.q_size = config.num_heads * config.head_dim
+        self.kv_size = config.num_kv_heads * config.head_dim
+        self.scale = config.head_dim**-0.5
+
+    @torch.inference_mode()
+    def forward(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata, kv: KVCachePool
+    ) -> torch.Tensor:
+        """Final hidden states (T, hidden) for the flat batch."""
+        cfg = self.config
+        eps = cfg.rms_norm_eps
+        hidden_shape = (cfg.hidden_size,)
+        heads, kv_heads, head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        inter = cfg.intermediate_size
+        num_tokens = input_ids.shape[0]
+        x = F.embedding(input_ids, self.weights.embed)
+        residual = x
+        for index, layer in enumerate(self.weights.layers):
+            h = F.rms_norm(x if index == 0 else residual, hidden_shape, layer.input_norm, eps)
+            qkv = F.linear(h, layer.qkv, layer.qkv_bias)
+            qk = qkv[:, : self.q_size + self.kv_size].view(num_tokens, heads + kv_heads, head_dim)
+            qk = self.rotary.apply(qk, positions)
+            q, k = qk[:, :heads], qk[:, heads:]
+            v = qkv[:, self.q_size + self.kv_size :].view(num_tokens, kv_heads, head_dim)
+            k_cache, v_cache = kv.layer_views(index)
+            write_kv(k_cache, v_cache, k, v, meta)
+            attn = paged_attention(q, k, v, k_cache, v_cache, meta, self.scale)
+            residual = residual + F.linear(attn.view(num_tokens, self.q_size), layer.o_proj)
+            h = F.rms_norm(residual, hidden_shape, layer.post_norm, eps)
+            gate_up = F.linear(h, layer.gate_up)
+            residual = residual + F.linear(F.silu(gate_up[:, :inter]) * gate_up[:, inter:], layer.down)
+        return F.rms_norm(residual, hidden_shape, self.weights.norm, eps)
+
+    @torch.inference_mode()
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return F.linear(hidden, self.weights.lm_head).float()

@@ -1,0 +1,103 @@
+"""Turns a scheduled step into tensors, runs the model and samples the next tokens."""
+
+from __future__ import annotations
+
+import torch
+
+from kvmesh.engine.kv_cache import KVCachePool
+from kvmesh.engine.kv_cache_manager import KVCacheManager, cdiv
+from kvmesh.engine.model.attention import AttentionMetadata, PrefillSpan
+from kvmesh.engine.model.llama import LlamaModel
+from kvmesh.engine.request import Request
+from kvmesh.engine.sampler import sample
+from kvmesh.engine.scheduler import SchedulerOutput
+
+
+class ModelRunner:
+    def __init__(self, model: LlamaModel, kv_pool: KVCachePool, kv_manager: KVCacheManager) -> None:
+        self.model = model
+        self.kv_pool = kv_pool
+        self.kv_manager = kv_manager
+        self.block_size = kv_pool.layout.block_size
+        self.device = model.device
+
+    def _tensor(self, values: list[int]) -> torch.Tensor:
+        return torch.tensor(values, dtype=torch.long, device=self.device)
+
+    def prepare(self, out: SchedulerOutput) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, list[int], list[Request]]:
+        bs = self.block_size
+        decodes = [item for item in out.scheduled if item.num_new_tokens == 1]
+        prefills = [item for item in out.scheduled if item.num_new_tokens > 1]
+        input_ids: list[int] = []
+        positions: list[int] = []
+        slot_blocks: list[int] = []
+        slot_offsets: list[int] = []
+        sample_rows: list[int] = []
+        sample_reqs: list[Request] = []
+
+        tables: list[list[int]] = []
+        context_lens: list[int] = []
+        for row, item in enumerate(decodes):
+            req = item.request
+            pos = req.num_computed_tokens
+            blocks = self.kv_manager.block_ids(req.request_id)
+            input_ids.append(req.token_ids[pos])
+            positions.append(pos)
+            slot_blocks.append(blocks[pos // bs])
+            slot_offsets.append(pos % bs)
+            tables.append(blocks[: cdiv(pos + 1, bs)])
+            context_lens.append(pos + 1)
+            if item.samples:
+                sample_rows.append(row)
+                sample_reqs.append(req)
+        decode_tables = decode_mask = None
+        if decodes:
+            width = max(len(t) for t in tables)
+            decode_tables = self._tensor([t + [0] * (width - len(t)) for t in tables]).view(len(tables), width)
+            keys = torch.arange(width * bs, device=self.device)
+            decode_mask = (keys.unsqueeze(0) < self._tensor(context_lens).unsqueeze(1)).view(len(tables), 1, 1, -1)
+
+        spans: list[PrefillSpan] = []
+        for item in prefills:
+            req = item.request
+            start_pos, count = req.num_computed_tokens, item.num_new_tokens
+            end_pos = start_pos + count
+            blocks = self.kv_manager.block_ids(req.request_id)
+            flat_start = len(input_ids)
+            input_ids.extend(req.token_ids[start_pos:end_pos])
+            span_positions = range(start_pos, end_pos)
+            positions.extend(span_positions)
+            slot_blocks.extend(blocks[p // bs] for p in span_positions)
+            slot_offsets.extend(p % bs for p in span_positions)
+            table = mask = None
+            if start_pos > 0:
+                table = self._tensor(blocks[: cdiv(end_pos, bs)])
+                keys = torch.arange(end_pos, device=self.device)
+                queries = torch.arange(start_pos, end_pos, device=self.device)
+                mask = (keys.unsqueeze(0) <= queries.unsqueeze(1)).view(1, 1, count, end_pos)
+            spans.append(PrefillSpan(flat_start, count, end_pos, table, mask))
+            if item.samples:
+                sample_rows.append(flat_start + count - 1)
+                sample_reqs.append(req)
+
+        meta = AttentionMetadata(
+            slot_blocks=self._tensor(slot_blocks),
+            slot_offsets=self._tensor(slot_offsets),
+            num_decode=len(decodes),
+            decode_block_tables=decode_tables,
+            decode_mask=decode_mask,
+            prefills=spans,
+        )
+        # The flat order is decodes first, then prefills: sampled tokens follow that order.
+        out.scheduled = decodes + prefills
+        return self._tensor(input_ids), self._tensor(positions), meta, sample_rows, sample_reqs
+
+    def execute(self, out: SchedulerOutput) -> list[int]:
+        """Run one step; returns one sampled token per request that reached its last token,
+        in the order of ``out.scheduled`` (which this reorders: decodes first)."""
+        input_ids, positions, meta, rows, reqs = self.prepare(out)
+        hidden = self.model.forward(input_ids, positions, meta, self.kv_pool)
+        if not rows:
+            return []
+        logits = self.model.logits(hidden[self._tensor(rows)])
+        return sample(logits, reqs)

@@ -1,0 +1,199 @@
+"""Continuous batching with chunked prefill under a token budget, preemption by recompute.
+
+Each step the running requests are served first (one token each while decoding, the next
+chunk while prefilling), then waiting requests are admitted while the token budget, the
+sequence limit and the KV pool allow. When a running request needs a block and none is
+free, the most recently admitted running request is preempted: its blocks are freed (full
+ones stay in the prefix cache) and it waits to be recomputed.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections import deque
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from kvmesh.engine.kv_cache_manager import KVCacheManager, cdiv
+from kvmesh.engine.request import FinishReason, Request, RequestStatus
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(slots=True)
+class ScheduledRequest:
+    request: Request
+    num_new_tokens: int
+
+    @property
+    def samples(self) -> bool:
+        """This step reaches the request's last known token, so it yields a new token."""
+        return self.request.num_computed_tokens + self.num_new_tokens == self.request.num_tokens
+
+
+@dataclass(slots=True)
+class SchedulerOutput:
+    scheduled: list[ScheduledRequest] = field(default_factory=list)
+    preempted: list[Request] = field(default_factory=list)
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(item.num_new_tokens for item in self.scheduled)
+
+
+@dataclass(slots=True)
+class SchedulerConfig:
+    max_num_seqs: int
+    max_num_batched_tokens: int
+    max_model_len: int
+
+
+class Scheduler:
+    def __init__(self, kv: KVCacheManager, config: SchedulerConfig) -> None:
+        self.kv = kv
+        self.config = config
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self.requests: dict[str, Request] = {}
+
+    def add_request(self, req: Request) -> None:
+        if req.request_id in self.requests:
+            raise ValueError(f"request id {req.request_id!r} is already in use")
+        if req.num_tokens >= self.config.max_model_len:
+            raise ValueError(
+                f"the prompt has {req.num_tokens} tokens; this engine serves at most "
+                f"{self.config.max_model_len - 1} prompt tokens"
+            )
+        self.requests[req.request_id] = req
+        self.waiting.append(req)
+
+    def add_running(self, req: Request) -> None:
+        """Admit a request whose KV is already in its blocks (a disaggregated decode)."""
+        if req.request_id in self.requests:
+            raise ValueError(f"request id {req.request_id!r} is already in use")
+        self.requests[req.request_id] = req
+        req.status = RequestStatus.RUNNING
+        req.first_scheduled_time = time.monotonic()
+        self.running.append(req)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    # -- one step ------------------------------------------------------------------------
+    def schedule(self) -> SchedulerOutput:
+        out = SchedulerOutput()
+        budget = self.config.max_num_batched_tokens
+        index = 0
+        while index < len(self.running) and budget > 0:
+            req = self.running[index]
+            num_new = min(req.num_tokens - req.num_computed_tokens, budget)
+            while self.kv.allocate_slots(req, num_new) is None:
+                victim = self.running.pop()
+                self._preempt(victim)
+                out.preempted.append(victim)
+                if victim is req:
+                    break
+            else:
+                out.scheduled.append(ScheduledRequest(req, num_new))
+                budget -= num_new
+                index += 1
+                continue
+            break
+        if out.preempted:
+            return out
+        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
+            req = self.waiting[0]
+            hits = self.kv.get_computed_blocks(req)
+            num_hit_tokens = len(hits) * self.kv.block_size
+            num_new = min(req.num_tokens - num_hit_tokens, budget)
+            if self.kv.allocate_slots(req, num_new, hits) is None:
+                break
+            self.waiting.popleft()
+            req.num_computed_tokens = num_hit_tokens
+            if req.first_scheduled_time is None:
+                req.first_scheduled_time = time.monotonic()
+                req.num_cached_tokens = num_hit_tokens
+            req.status = RequestStatus.RUNNING
+            self.running.append(req)
+            out.scheduled.append(ScheduledRequest(req, num_new))
+            budget -= num_new
+        return out
+
+    def _preempt(self, req: Request) -> None:
+        logger.debug("preempting %s at %d tokens", req.request_id, req.num_tokens)
+        self.kv.free(req)
+        req.num_computed_tokens = 0
+        req.num_preemptions += 1
+        req.status = RequestStatus.WAITING
+        self.waiting.appendleft(req)
+
+    def update_from_output(self, out: SchedulerOutput, sampled: Sequence[int]) -> list[Request]:
+        """Advance the scheduled requests; append sampled tokens (one per sampling request,
+        in order). Returns the requests that got a new token."""
+        advanced: list[Request] = []
+        tokens = iter(sampled)
+        for item in out.scheduled:
+            req = item.request
+            samples = item.samples
+            req.num_computed_tokens += item.num_new_tokens
+            if not samples:
+                continue
+            token = next(tokens)
+            req.token_ids.append(token)
+            advanced.append(req)
+            reason = self.token_stop_reason(req, token)
+            if reason is not None:
+                self.finish(req, reason)
+        return advanced
+
+    def token_stop_reason(self, req: Request, token: int) -> FinishReason | None:
+        params = req.sampling
+        if req.export_kv:
+            return FinishReason.LENGTH  # the first token is all a prefill-for-export makes
+        if not params.ignore_eos and token in req.eos_token_ids:
+            return FinishReason.STOP
+        if token in params.stop_token_ids:
+            return FinishReason.STOP
+        if req.num_output_tokens >= params.max_tokens or req.num_tokens >= self.config.max_model_len:
+            return FinishReason.LENGTH
+        return None
+
+    # -- leaving -------------------------------------------------------------------------
+    def finish(self, req: Request, reason: FinishReason) -> None:
+        """End a request (finished or aborted) and give its blocks back, or hold them for
+        export when it is a prefill whose KV another worker will pull."""
+        if req.is_finished:
+            return
+        if req.status is RequestStatus.RUNNING:
+            self.running.remove(req)
+        elif req in self.waiting:
+            self.waiting.remove(req)
+        req.status = RequestStatus.FINISHED
+        req.finish_reason = reason
+        del self.requests[req.request_id]
+        if req.export_kv and reason is not FinishReason.ABORT:
+            self.kv.hold(req)
+        else:
+            self.kv.free(req)
+
+    def abort(self, request_id: str) -> Request | None:
+        req = self.requests.get(request_id)
+        if req is not None:
+            self.finish(req, FinishReason.ABORT)
+        return req
+
+
+def max_model_len(max_positions: int, num_blocks: int, block_size: int) -> int:
+    """Longest sequence the engine accepts: the model's positions and the whole pool."""
+    return min(max_positions, num_blocks * block_size)
+
+
+__all__ = [
+    "ScheduledRequest",
+    "Scheduler",
+    "SchedulerConfig",
+    "SchedulerOutput",
+    "cdiv",
+    "max_model_len",
+]

