@@ -20,3 +20,18 @@ def default_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
         return resolve_model(None, cache_root=tmp_path_factory.mktemp("kvmesh_cache"))
     except ModelNotFoundError as exc:
         pytest.skip(str(exc))
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A tiny random-weight Llama with its own small BPE tokenizer, built offline."""
+    from kvmesh.testing.tiny_model import build_tiny_model
+
+    return build_tiny_model(tmp_path_factory.mktemp("tiny_llama"), arch="llama", seed=0)
+
+
+@pytest.fixture(scope="session")
+def tiny_qwen2_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    from kvmesh.testing.tiny_model import build_tiny_model
+
+    return build_tiny_model(tmp_path_factory.mktemp("tiny_qwen2"), arch="qwen2", seed=1)

@@ -73,10 +73,10 @@ def _generate(args: argparse.Namespace) -> int:
         try:
             text = tokenizer.apply_chat_template(messages, add_generation_prompt=True)
         except ChatTemplateError as exc:
-            raise SystemExit(f"kvmesh generate: {exc}") from None
+            raise SystemExit(f"kvmesh generate: error: {exc}") from None
     prompt_ids = tokenizer.encode(text, add_special_tokens=not args.chat)
     if not prompt_ids:
-        raise SystemExit("kvmesh generate: the prompt is empty")
+        raise SystemExit("kvmesh generate: error: the prompt is empty")
     request_id = uuid.uuid4().hex
     engine.add_request(request_id, prompt_ids, params)
     token_ids: list[int] = []
@@ -102,11 +102,13 @@ def main(argv: list[str] | None = None) -> int:
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
         stream=sys.stderr,
     )
+    from kvmesh.errors import KvmeshError
+
     try:
         if args.command == "generate":
             return _generate(args)
-    except ValueError as exc:
-        raise SystemExit(f"kvmesh {args.command}: {exc}") from None
+    except (KvmeshError, ValueError) as exc:
+        raise SystemExit(f"kvmesh {args.command}: error: {exc}") from None
     return 2
 
 

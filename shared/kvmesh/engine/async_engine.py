@@ -19,13 +19,14 @@ from typing import Any, TypeVar
 from kvmesh.engine.kv_cache_manager import PoolStats
 from kvmesh.engine.llm_engine import EngineConfig, LLMEngine, RequestOutput
 from kvmesh.engine.request import SamplingParams
+from kvmesh.errors import EngineError
 
 logger = logging.getLogger(__name__)
 
 T = TypeVar("T")
 
 
-class EngineDeadError(RuntimeError):
+class EngineDeadError(EngineError):
     """The engine thread stopped (shut down or failed); no request can proceed."""
 
 

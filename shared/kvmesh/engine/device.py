@@ -5,9 +5,10 @@ from __future__ import annotations
 import importlib
 
 import torch
+from kvmesh.errors import ModelLoadError
 
 
-class DeviceError(RuntimeError):
+class DeviceError(ModelLoadError):
     pass
 
 

@@ -21,6 +21,7 @@ import jinja2.ext
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Tokenizer as HFTokenizer
 from tokenizers import decoders
+from kvmesh.errors import ModelLoadError
 
 logger = logging.getLogger(__name__)
 
@@ -31,7 +32,7 @@ class ChatTemplateError(ValueError):
     """There is no chat template, the messages are malformed, or the template failed to render."""
 
 
-class TokenizerLoadError(ValueError):
+class TokenizerLoadError(ModelLoadError):
     """The model directory lacks a usable tokenizer."""
 
 

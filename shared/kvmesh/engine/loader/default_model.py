@@ -13,6 +13,7 @@ import os
 from pathlib import Path
 
 from kvmesh.engine.loader import gguf_convert
+from kvmesh.errors import ModelLoadError
 
 logger = logging.getLogger(__name__)
 
@@ -34,7 +35,7 @@ CONVERTER_VERSION = 1
 _HASH_CHUNK = 1 << 20
 
 
-class ModelNotFoundError(Exception):
+class ModelNotFoundError(ModelLoadError):
     """A model name or path could not be resolved to a model."""
 
 

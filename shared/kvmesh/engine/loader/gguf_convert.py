@@ -27,6 +27,7 @@ import numpy as np
 from safetensors.numpy import save_file
 from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers, processors
 from tokenizers import Tokenizer as HFTokenizer
+from kvmesh.errors import ModelLoadError
 
 logger = logging.getLogger(__name__)
 
@@ -74,7 +75,7 @@ _GLOBAL_TENSORS = {
 }
 
 
-class GGUFConversionError(ValueError):
+class GGUFConversionError(ModelLoadError):
     """The GGUF file cannot be converted (unsupported architecture, tokenizer or missing data)."""
 
 

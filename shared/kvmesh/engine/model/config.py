@@ -5,11 +5,12 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 from pathlib import Path
+from kvmesh.errors import ModelLoadError
 
 SUPPORTED_ARCHITECTURES = {"llama", "qwen2"}
 
 
-class UnsupportedModelError(ValueError):
+class UnsupportedModelError(ModelLoadError):
     pass
 
 

@@ -11,11 +11,12 @@ import torch
 from safetensors import safe_open
 
 from kvmesh.engine.model.config import ModelConfig
+from kvmesh.errors import ModelLoadError
 
 logger = logging.getLogger(__name__)
 
 
-class WeightsError(ValueError):
+class WeightsError(ModelLoadError):
     pass
 
 

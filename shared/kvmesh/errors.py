@@ -1,0 +1,15 @@
+"""The domain's exceptions. Services translate them once, at their edges."""
+
+from __future__ import annotations
+
+
+class KvmeshError(Exception):
+    """Base of every error kvmesh raises on purpose."""
+
+
+class ModelLoadError(KvmeshError, ValueError):
+    """The model, its weights, its tokenizer or the device could not be loaded or used."""
+
+
+class EngineError(KvmeshError, RuntimeError):
+    """The engine cannot serve requests."""
