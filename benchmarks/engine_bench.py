@@ -55,6 +55,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 
 from kvmesh.engine.llm_engine import EngineConfig, LLMEngine
 from kvmesh.engine.request import SamplingParams
@@ -421,11 +422,15 @@ class Context:
 def warm_up(ctx: Context) -> None:
     """A short run through prefill, batched decode and (for transformers) padding."""
     prompts = [ctx.prompts.make(48), ctx.prompts.make(40)]
+    t0 = time.perf_counter()
     ctx.kv.run(prompts, 4)
+    log.info("warm-up: kvmesh %.2fs", time.perf_counter() - t0)
     if ctx.hf is not None:
+        t0 = time.perf_counter()
         ctx.hf.run_batched(prompts, 4, 2)
         ctx.hf.run_single(prompts[0], 4)
         ctx.hf.prefill(prompts, 2)
+        log.info("warm-up: transformers %.2fs", time.perf_counter() - t0)
 
 
 def bench_decode(ctx: Context) -> tuple[list[Row], dict[str, Any]]:
@@ -614,9 +619,9 @@ def _best_time(fn: Callable[[], Any], repeats: int) -> float:
     return best
 
 
-def measure_machine(sizes: Sizes, repeats: int) -> dict[str, float]:
+def measure_machine(sizes: Sizes, repeats: int) -> dict[str, Any]:
     """Memory bandwidth (copy and read) and matmul GFLOP/s, with the benchmark's threads."""
-    result: dict[str, float] = {}
+    result: dict[str, Any] = {}
     numel = sizes.bandwidth_mib * 2**20 // 4
     src = torch.rand(numel, dtype=torch.float32)
     dst = torch.empty_like(src)
@@ -633,10 +638,17 @@ def measure_machine(sizes: Sizes, repeats: int) -> dict[str, float]:
         b = torch.randn(n, n, dtype=dtype)
         t = _best_time(lambda: torch.mm(a, b), repeats)
         result[f"matmul_{name}_gflop_s"] = 2 * n**3 / t / 1e9
-        # the shape of a batch-1 decode step: a matrix-vector product, memory bound
-        x = torch.randn(1, n, dtype=dtype)
-        t = _best_time(lambda: torch.mm(x, b), repeats * 20)
-        result[f"matvec_{name}_gb_s"] = n * n * b.element_size() / t / 1e9
+        del a, b
+        # What a batch-1 decode step does: one token times a weight matrix far larger than
+        # the caches (the float32 copy is bandwidth_mib), so it runs at memory speed at best.
+        cols = 4096
+        rows = sizes.bandwidth_mib * 2**20 // (4 * cols)
+        weight = torch.randn(rows, cols, dtype=dtype)
+        x = torch.randn(1, cols, dtype=dtype)
+        t = _best_time(lambda: F.linear(x, weight), repeats)
+        result[f"matvec_{name}_gb_s"] = weight.numel() * weight.element_size() / t / 1e9
+        del weight, x
+    result["matvec_shape"] = f"1x{cols} @ ({rows}x{cols})^T"
     gc.collect()
     return result
 
@@ -675,6 +687,7 @@ def metadata(args: argparse.Namespace, argv: list[str]) -> dict[str, Any]:
         "load_average_at_start": os.getloadavg() if hasattr(os, "getloadavg") else None,
         "rounds": args.rounds,
         "quick": args.quick,
+        "skip_hf": args.skip_hf,
     }
 
 
@@ -720,7 +733,7 @@ def dtype_table(result: DtypeResult) -> str:
     return "\n".join(lines) + "\n"
 
 
-def machine_table(machine: dict[str, float], results: list[DtypeResult]) -> str:
+def machine_table(machine: dict[str, Any], results: list[DtypeResult]) -> str:
     n = int(machine["matmul_n"])
     lines = [
         "### machine",
@@ -732,19 +745,22 @@ def machine_table(machine: dict[str, float], results: list[DtypeResult]) -> str:
     ]
     for name in TORCH_DTYPES:
         lines.append(f"| matmul {n}x{n} {name} | {machine[f'matmul_{name}_gflop_s']:.1f} GFLOP/s |")
-        lines.append(f"| matrix-vector 1x{n} @ {n}x{n} {name} (weight read rate) | "
+        lines.append(f"| matrix-vector {machine['matvec_shape']} {name} (weight read rate) | "
                      f"{machine[f'matvec_{name}_gb_s']:.1f} GB/s |")
     for r in results:
         weights = r.checks.get("decode_weight_bytes")
         if weights:
-            ceiling = machine["read_gb_s"] * 1e9 / weights
-            lines.append(f"| batch-1 decode ceiling, {r.dtype} ({weights / 2**20:.0f} MiB of weights per token "
-                         f"at the read bandwidth) | {ceiling:.0f} tokens/s |")
+            by_read = machine["read_gb_s"] * 1e9 / weights
+            by_matvec = machine[f"matvec_{r.dtype}_gb_s"] * 1e9 / weights
+            lines.append(f"| batch-1 decode ceiling, {r.dtype}: {weights / 2**20:.0f} MiB of weights per token "
+                         f"at the read bandwidth / at the {r.dtype} matrix-vector rate | "
+                         f"{by_read:.0f} / {by_matvec:.0f} tokens/s |")
     return "\n".join(lines) + "\n"
 
 
 def metadata_block(meta: dict[str, Any]) -> str:
     load = meta.get("load_average_at_start")
+    end = meta.get("load_average_at_end")
     return "\n".join([
         f"- command: `{meta['command']}`",
         f"- date: {meta['date_utc']}",
@@ -752,13 +768,15 @@ def metadata_block(meta: dict[str, Any]) -> str:
         f"torch threads {meta['torch_threads']}",
         f"- torch {meta['torch_version']}, transformers {meta['transformers_version']}, "
         f"Python {meta['python_version']}",
-        f"- rounds: {meta['rounds']} (median reported), interleaved kvmesh / transformers"
+        f"- rounds: {meta['rounds']} (median reported)"
+        + ("" if meta["skip_hf"] else ", interleaved kvmesh / transformers")
         + (", QUICK sizes (smoke test, not a benchmark)" if meta["quick"] else ""),
-        f"- load average at start: {', '.join(f'{x:.2f}' for x in load) if load else 'n/a'}",
+        f"- load average at start: {', '.join(f'{x:.2f}' for x in load) if load else 'n/a'}; "
+        f"at end: {', '.join(f'{x:.2f}' for x in end) if end else 'n/a'}",
     ]) + "\n"
 
 
-def markdown_report(meta: dict[str, Any], machine: dict[str, float] | None, results: list[DtypeResult]) -> str:
+def markdown_report(meta: dict[str, Any], machine: dict[str, Any] | None, results: list[DtypeResult]) -> str:
     parts = [f"## kvmesh vs transformers, SmolLM2-135M-Instruct, CPU ({meta['date_utc']})", "", metadata_block(meta)]
     for r in results:
         parts.append(dtype_table(r))
@@ -825,13 +843,14 @@ def main(argv: list[str] | None = None) -> int:
     if not args.skip_machine:
         log.info("measuring the machine (bandwidth, matmul)")
         machine = measure_machine(sizes, repeats=3 if args.quick else 5)
-        log.info("machine: %s", {k: round(v, 1) for k, v in machine.items()})
+        log.info("machine: %s", {k: round(v, 1) if isinstance(v, float) else v for k, v in machine.items()})
 
     results = []
     for dtype in args.dtypes:
         results.append(run_dtype(dtype, sizes, args))
         gc.collect()
 
+    meta["load_average_at_end"] = os.getloadavg() if hasattr(os, "getloadavg") else None
     report = markdown_report(meta, machine, results)
     print()
     print(report)

@@ -124,6 +124,8 @@ class KVCacheManager:
     # -- disaggregation: blocks held for a KV export or filled by an import ---------------
     def hold(self, req: Request) -> list[int]:
         """Move a request's blocks to the held set under its id; they stay referenced."""
+        if req.request_id in self.held:
+            raise ValueError(f"blocks are already held under {req.request_id!r}")
         blocks = self.req_blocks.pop(req.request_id)
         self._num_named.pop(req.request_id, None)
         self.held[req.request_id] = blocks

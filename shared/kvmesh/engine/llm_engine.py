@@ -153,6 +153,8 @@ class LLMEngine:
         ``handle`` (see ``allocate_import``); ``first_token_id`` came with the KV. Returns
         the output for that first token."""
         req = self._new_request(request_id, prompt_token_ids, params or SamplingParams(), False)
+        if request_id in self.scheduler.requests:
+            raise ValueError(f"request id {request_id!r} is already in use")
         if len(prompt_token_ids) + 1 >= self.max_model_len:
             raise ValueError(f"the prompt has {len(prompt_token_ids)} tokens; the limit is {self.max_model_len - 2}")
         self.kv_manager.attach_held(handle, req, len(prompt_token_ids))

@@ -50,12 +50,14 @@ class ModelRunner:
             if item.samples:
                 sample_rows.append(row)
                 sample_reqs.append(req)
-        decode_tables = decode_mask = None
+        decode_tables = decode_bias = None
         if decodes:
             width = max(len(t) for t in tables)
             decode_tables = self._tensor([t + [0] * (width - len(t)) for t in tables]).view(len(tables), width)
             keys = torch.arange(width * bs, device=self.device)
-            decode_mask = (keys.unsqueeze(0) < self._tensor(context_lens).unsqueeze(1)).view(len(tables), 1, 1, -1)
+            visible = keys.unsqueeze(0) < self._tensor(context_lens).unsqueeze(1)
+            decode_bias = torch.zeros(visible.shape, dtype=torch.float32, device=self.device)
+            decode_bias = decode_bias.masked_fill_(~visible, float("-inf")).view(len(tables), 1, 1, -1)
 
         spans: list[PrefillSpan] = []
         for item in prefills:
@@ -85,7 +87,7 @@ class ModelRunner:
             slot_offsets=self._tensor(slot_offsets),
             num_decode=len(decodes),
             decode_block_tables=decode_tables,
-            decode_mask=decode_mask,
+            decode_bias=decode_bias,
             prefills=spans,
         )
         # The flat order is decodes first, then prefills: sampled tokens follow that order.

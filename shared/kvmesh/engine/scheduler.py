@@ -57,9 +57,14 @@ class Scheduler:
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
 
+    def check_new_id(self, request_id: str) -> None:
+        if request_id in self.requests:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        if request_id in self.kv.held:
+            raise ValueError(f"request id {request_id!r} still has exported KV blocks held")
+
     def add_request(self, req: Request) -> None:
-        if req.request_id in self.requests:
-            raise ValueError(f"request id {req.request_id!r} is already in use")
+        self.check_new_id(req.request_id)
         if req.num_tokens >= self.config.max_model_len:
             raise ValueError(
                 f"the prompt has {req.num_tokens} tokens; this engine serves at most "

@@ -31,7 +31,7 @@ class AttentionMetadata:
     slot_offsets: torch.Tensor  # (T,) offset inside that block
     num_decode: int  # the first num_decode tokens decode, one token per sequence
     decode_block_tables: torch.Tensor | None  # (B, max_blocks)
-    decode_mask: torch.Tensor | None  # (B, 1, 1, max_blocks * block_size)
+    decode_bias: torch.Tensor | None  # (B, 1, 1, max_blocks * block_size) float32: 0 or -inf
     prefills: list[PrefillSpan]
 
 
@@ -44,11 +44,31 @@ def write_kv(
 
 
 def _gather(cache: torch.Tensor, block_table: torch.Tensor) -> torch.Tensor:
-    """K or V of the blocks in ``block_table`` (..., n) as (..., kv_heads, n*block_size, dim)."""
-    gathered = cache[block_table]  # (..., n, block_size, kv_heads, dim)
-    shape = gathered.shape
-    flat = gathered.reshape(*shape[:-4], shape[-4] * shape[-3], shape[-2], shape[-1])
-    return flat.transpose(-3, -2)
+    """K or V of the blocks in ``block_table`` (..., n) as (..., kv_heads, n*block_size, dim).
+
+    ``index_select`` copies whole blocks, which is several times faster than advanced
+    indexing on the strided per-layer view of the pool.
+    """
+    gathered = torch.index_select(cache, 0, block_table.reshape(-1))  # (N*n, block_size, kv_heads, dim)
+    _, block_size, kv_heads, dim = gathered.shape
+    tokens = gathered.view(*block_table.shape[:-1], block_table.shape[-1] * block_size, kv_heads, dim)
+    return tokens.transpose(-3, -2).contiguous()
+
+
+def _decode_attention(
+    q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, bias: torch.Tensor, scale: float
+) -> torch.Tensor:
+    """One query per sequence: q (B, heads, dim), keys/values (B, kv_heads, S, dim).
+
+    The query heads that share a KV head are stacked as rows of one small matmul, so K and
+    V are never repeated. Softmax runs in float32, as Hugging Face's eager attention does.
+    """
+    batch, heads, dim = q.shape
+    kv_heads = keys.shape[1]
+    grouped = q.view(batch, kv_heads, heads // kv_heads, dim)
+    scores = torch.matmul(grouped, keys.transpose(-1, -2)).float() * scale + bias
+    probs = torch.softmax(scores, dim=-1).to(values.dtype)
+    return torch.matmul(probs, values).view(batch, heads, dim)
 
 
 def paged_attention(
@@ -64,14 +84,10 @@ def paged_attention(
     out = torch.empty_like(q)
     num_decode = meta.num_decode
     if num_decode:
-        assert meta.decode_block_tables is not None
+        assert meta.decode_block_tables is not None and meta.decode_bias is not None
         keys = _gather(k_cache, meta.decode_block_tables)  # (B, kv_heads, S, dim)
         values = _gather(v_cache, meta.decode_block_tables)
-        queries = q[:num_decode].unsqueeze(2)  # (B, heads, 1, dim)
-        attended = F.scaled_dot_product_attention(
-            queries, keys, values, attn_mask=meta.decode_mask, scale=scale, enable_gqa=True
-        )
-        out[:num_decode] = attended.squeeze(2)
+        out[:num_decode] = _decode_attention(q[:num_decode], keys, values, meta.decode_bias, scale)
     for span in meta.prefills:
         end = span.start + span.length
         queries = q[span.start : end].transpose(0, 1).unsqueeze(0)  # (1, heads, L, dim)
