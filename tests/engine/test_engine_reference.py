@@ -128,3 +128,48 @@ def test_decode_logits_close_after_cache_hit(model_dir, reference, prompts):
     want = reference_logits(reference, tokens)
     hit = (len(prompts[5]) // 4) * 4
     torch.testing.assert_close(got, want[hit:], atol=2e-4, rtol=1e-4)
+
+
+def test_cascade_attention_for_a_shared_prefix(model_dir, reference, prompts, monkeypatch):
+    """Sequences decoding together over a common prefix read it once (cascade attention);
+    their tokens still equal the reference."""
+    from kvmesh.engine import model_runner
+
+    shared_calls = []
+    original = model_runner.shared_prefix_blocks
+    monkeypatch.setattr(
+        model_runner, "shared_prefix_blocks", lambda *a: shared_calls.append(original(*a)) or shared_calls[-1]
+    )
+    engine = make_engine(model_dir)
+    engine.runner.cascade_min_blocks = 2
+    prefix = prompts[5] + prompts[1]
+    batch = [prefix + p for p in prompts[:4]]
+    outs = engine.generate(batch, GREEDY)
+    assert max(shared_calls) >= len(prefix) // 4 - 1, "the decode batches were meant to share the prefix"
+    assert [o.new_token_ids for o in outs] == [reference_greedy(reference, p, NEW_TOKENS) for p in batch]
+
+
+def test_cascade_decode_logits_match_plain(model_dir, prompts):
+    """The cascade path and the plain path compute the same attention (float32)."""
+    from kvmesh.engine.model.attention import DecodeBatch, _decode_attention
+
+    engine = make_engine(model_dir)
+    prefix = prompts[5]
+    batch = [prefix + p for p in prompts[:3]]
+    engine.generate(batch, SamplingParams(max_tokens=1))
+    for index, p in enumerate(batch):
+        engine.add_request(f"c{index}", p, SamplingParams(max_tokens=3, ignore_eos=True))
+    engine.step()  # prefill (all from cache but the last token), now all decode together
+    out = engine.scheduler.schedule()
+    engine.runner.cascade_min_blocks = 10**9
+    _, _, meta, _, _ = engine.runner.prepare(out)
+    assert meta.decode is not None and meta.decode.shared_prefix is None
+    k_cache, v_cache = engine.kv_pool.layer_views(0)
+    torch.manual_seed(0)
+    q = torch.randn(meta.num_decode, engine.model_config.num_heads, engine.model_config.head_dim)
+    plain = _decode_attention(q, k_cache, v_cache, meta.decode, 0.125)
+    engine.runner.cascade_min_blocks = 1
+    _, _, cascade_meta, _, _ = engine.runner.prepare(out)
+    assert cascade_meta.decode.shared_prefix is not None
+    cascade = _decode_attention(q, k_cache, v_cache, cascade_meta.decode, 0.125)
+    torch.testing.assert_close(cascade, plain, atol=1e-5, rtol=1e-5)

@@ -69,6 +69,7 @@ class KVCachePool:
     def __init__(self, layout: KVLayout, device: torch.device | str = "cpu") -> None:
         self.layout = layout
         self.tensor = torch.zeros(layout.shape, dtype=DTYPES[layout.dtype], device=device)
+        self._layer_views = [(self.tensor[:, layer, 0], self.tensor[:, layer, 1]) for layer in range(layout.num_layers)]
         logger.info(
             "KV pool: %d blocks of %d tokens, %.1f MiB",
             layout.num_blocks,
@@ -89,7 +90,7 @@ class KVCachePool:
 
     def layer_views(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
         """K and V of one layer, each (num_blocks, block_size, kv_heads, head_dim), strided."""
-        return self.tensor[:, layer, 0], self.tensor[:, layer, 1]
+        return self._layer_views[layer]
 
     def read_blocks(self, block_ids: Sequence[int]) -> torch.Tensor:
         return self.tensor[torch.as_tensor(list(block_ids), dtype=torch.long)].clone()

@@ -6,15 +6,36 @@ import torch
 
 from kvmesh.engine.kv_cache import KVCachePool
 from kvmesh.engine.kv_cache_manager import KVCacheManager, cdiv
-from kvmesh.engine.model.attention import AttentionMetadata, PrefillSpan
+from kvmesh.engine.model.attention import AttentionMetadata, DecodeBatch, PrefillSpan
 from kvmesh.engine.model.llama import LlamaModel
 from kvmesh.engine.request import Request
 from kvmesh.engine.sampler import sample
 from kvmesh.engine.scheduler import SchedulerOutput
 
 
+def shared_prefix_blocks(tables: list[list[int]], context_lens: list[int], block_size: int) -> int:
+    """How many leading blocks every table has in common, leaving each sequence at least
+    one token of its own after them."""
+    limit = min((length - 1) // block_size for length in context_lens)
+    first = tables[0]
+    count = 0
+    while count < limit and all(table[count] == first[count] for table in tables):
+        count += 1
+    return count
+
+
 class ModelRunner:
-    def __init__(self, model: LlamaModel, kv_pool: KVCachePool, kv_manager: KVCacheManager) -> None:
+    def __init__(
+        self,
+        model: LlamaModel,
+        kv_pool: KVCachePool,
+        kv_manager: KVCacheManager,
+        *,
+        cascade_min_blocks: int = 8,
+    ) -> None:
+        """``cascade_min_blocks``: decode batches whose sequences share at least this many
+        leading blocks read them once for the whole batch (cascade attention)."""
+        self.cascade_min_blocks = cascade_min_blocks
         self.model = model
         self.kv_pool = kv_pool
         self.kv_manager = kv_manager
@@ -50,14 +71,7 @@ class ModelRunner:
             if item.samples:
                 sample_rows.append(row)
                 sample_reqs.append(req)
-        decode_tables = decode_bias = None
-        if decodes:
-            width = max(len(t) for t in tables)
-            decode_tables = self._tensor([t + [0] * (width - len(t)) for t in tables]).view(len(tables), width)
-            keys = torch.arange(width * bs, device=self.device)
-            visible = keys.unsqueeze(0) < self._tensor(context_lens).unsqueeze(1)
-            decode_bias = torch.zeros(visible.shape, dtype=torch.float32, device=self.device)
-            decode_bias = decode_bias.masked_fill_(~visible, float("-inf")).view(len(tables), 1, 1, -1)
+        decode = self._decode_batch(tables, context_lens) if decodes else None
 
         spans: list[PrefillSpan] = []
         for item in prefills:
@@ -86,13 +100,32 @@ class ModelRunner:
             slot_blocks=self._tensor(slot_blocks),
             slot_offsets=self._tensor(slot_offsets),
             num_decode=len(decodes),
-            decode_block_tables=decode_tables,
-            decode_bias=decode_bias,
+            decode=decode,
             prefills=spans,
         )
         # The flat order is decodes first, then prefills: sampled tokens follow that order.
         out.scheduled = decodes + prefills
         return self._tensor(input_ids), self._tensor(positions), meta, sample_rows, sample_reqs
+
+    def _decode_batch(self, tables: list[list[int]], context_lens: list[int]) -> DecodeBatch:
+        bs = self.block_size
+        shared = shared_prefix_blocks(tables, context_lens, bs) if len(tables) > 1 else 0
+        prefix = None
+        if shared >= self.cascade_min_blocks:
+            prefix = self._tensor(tables[0][:shared])
+            tables = [table[shared:] for table in tables]
+            context_lens = [length - shared * bs for length in context_lens]
+        else:
+            shared = 0
+        width = max(len(t) for t in tables)
+        block_tables = self._tensor([t + [0] * (width - len(t)) for t in tables]).view(len(tables), width)
+        bias = None
+        if min(context_lens) < width * bs:
+            keys = torch.arange(width * bs, device=self.device)
+            visible = keys.unsqueeze(0) < self._tensor(context_lens).unsqueeze(1)
+            bias = torch.zeros(visible.shape, dtype=torch.float32, device=self.device)
+            bias = bias.masked_fill_(~visible, float("-inf")).view(len(tables), 1, 1, -1)
+        return DecodeBatch(block_tables, bias, prefix)
 
     def execute(self, out: SchedulerOutput) -> list[int]:
         """Run one step; returns one sampled token per request that reached its last token,

@@ -26,12 +26,25 @@ class PrefillSpan:
 
 
 @dataclass(slots=True)
+class DecodeBatch:
+    """The sequences that attend with one query each (the first B tokens of the batch).
+
+    When every sequence starts with the same blocks (a shared system prompt, a document
+    many questions are asked about), those blocks are ``shared_prefix`` and are read once
+    for the whole batch (cascade attention); ``block_tables`` then hold only the rest.
+    """
+
+    block_tables: torch.Tensor  # (B, n) block ids after the shared prefix, padded
+    bias: torch.Tensor | None  # (B, 1, 1, n * block_size) float32, 0 or -inf; None: nothing masked
+    shared_prefix: torch.Tensor | None = None  # (P,) block ids every sequence begins with
+
+
+@dataclass(slots=True)
 class AttentionMetadata:
     slot_blocks: torch.Tensor  # (T,) block id for each new token's K/V
     slot_offsets: torch.Tensor  # (T,) offset inside that block
     num_decode: int  # the first num_decode tokens decode, one token per sequence
-    decode_block_tables: torch.Tensor | None  # (B, max_blocks)
-    decode_bias: torch.Tensor | None  # (B, 1, 1, max_blocks * block_size) float32: 0 or -inf
+    decode: DecodeBatch | None
     prefills: list[PrefillSpan]
 
 
@@ -56,19 +69,43 @@ def _gather(cache: torch.Tensor, block_table: torch.Tensor) -> torch.Tensor:
 
 
 def _decode_attention(
-    q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, bias: torch.Tensor, scale: float
+    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, batch: DecodeBatch, scale: float
 ) -> torch.Tensor:
-    """One query per sequence: q (B, heads, dim), keys/values (B, kv_heads, S, dim).
+    """One query per sequence: q (B, heads, dim) -> (B, heads, dim).
 
     The query heads that share a KV head are stacked as rows of one small matmul, so K and
     V are never repeated. Softmax runs in float32, as Hugging Face's eager attention does.
     """
-    batch, heads, dim = q.shape
-    kv_heads = keys.shape[1]
-    grouped = q.view(batch, kv_heads, heads // kv_heads, dim)
-    scores = torch.matmul(grouped, keys.transpose(-1, -2)).float() * scale + bias
-    probs = torch.softmax(scores, dim=-1).to(values.dtype)
-    return torch.matmul(probs, values).view(batch, heads, dim)
+    num_seqs, heads, dim = q.shape
+    kv_heads = k_cache.shape[2]
+    group = heads // kv_heads
+    grouped = q.view(num_seqs, kv_heads, group, dim)
+    keys = _gather(k_cache, batch.block_tables)  # (B, kv_heads, S, dim)
+    values = _gather(v_cache, batch.block_tables)
+    scores = torch.matmul(grouped, keys.transpose(-1, -2)).float() * scale  # (B, kv_heads, group, S)
+    if batch.bias is not None:
+        scores = scores + batch.bias
+    if batch.shared_prefix is None:
+        probs = torch.softmax(scores, dim=-1).to(values.dtype)
+        return torch.matmul(probs, values).view(num_seqs, heads, dim)
+
+    # Cascade: every query of the batch against the shared prefix in one matmul per KV head,
+    # then one softmax over [prefix, own tokens] without concatenating them.
+    prefix_keys = _gather(k_cache, batch.shared_prefix)  # (kv_heads, P, dim)
+    prefix_values = _gather(v_cache, batch.shared_prefix)
+    stacked = grouped.transpose(0, 1).reshape(kv_heads, num_seqs * group, dim)
+    prefix_scores = torch.matmul(stacked, prefix_keys.transpose(-1, -2)).float() * scale  # (kv_heads, B*group, P)
+    prefix_scores = prefix_scores.view(kv_heads, num_seqs, group, -1).transpose(0, 1)  # (B, kv_heads, group, P)
+    peak = torch.maximum(prefix_scores.amax(-1, keepdim=True), scores.amax(-1, keepdim=True))
+    prefix_weights = torch.exp(prefix_scores - peak)
+    own_weights = torch.exp(scores - peak)
+    total = prefix_weights.sum(-1, keepdim=True) + own_weights.sum(-1, keepdim=True)
+    dtype = values.dtype
+    stacked_weights = prefix_weights.transpose(0, 1).reshape(kv_heads, num_seqs * group, -1).to(dtype)
+    prefix_out = torch.matmul(stacked_weights, prefix_values).view(kv_heads, num_seqs, group, dim).transpose(0, 1)
+    own_out = torch.matmul(own_weights.to(dtype), values)
+    out = (prefix_out.float() + own_out.float()) / total
+    return out.to(dtype).reshape(num_seqs, heads, dim)
 
 
 def paged_attention(
@@ -81,13 +118,14 @@ def paged_attention(
     scale: float,
 ) -> torch.Tensor:
     """Attention of the flat batch; q (T, heads, dim), k/v (T, kv_heads, dim) -> (T, heads, dim)."""
-    out = torch.empty_like(q)
     num_decode = meta.num_decode
+    if not meta.prefills:
+        assert meta.decode is not None
+        return _decode_attention(q, k_cache, v_cache, meta.decode, scale)
+    out = torch.empty_like(q)
     if num_decode:
-        assert meta.decode_block_tables is not None and meta.decode_bias is not None
-        keys = _gather(k_cache, meta.decode_block_tables)  # (B, kv_heads, S, dim)
-        values = _gather(v_cache, meta.decode_block_tables)
-        out[:num_decode] = _decode_attention(q[:num_decode], keys, values, meta.decode_bias, scale)
+        assert meta.decode is not None
+        out[:num_decode] = _decode_attention(q[:num_decode], k_cache, v_cache, meta.decode, scale)
     for span in meta.prefills:
         end = span.start + span.length
         queries = q[span.start : end].transpose(0, 1).unsqueeze(0)  # (1, heads, L, dim)

@@ -26,10 +26,12 @@ class RotaryEmbedding:
         self.signed_sin = sin.to(dtype)
         self.half = half
 
-    def apply(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    def tables(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos and signed sin for ``positions``, (T, 1, head_dim): once per step, not per layer."""
+        return self.cos[positions].unsqueeze(1), self.signed_sin[positions].unsqueeze(1)
+
+    def apply(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         """x: (T, heads, head_dim)."""
-        cos = self.cos[positions].unsqueeze(1)
-        sin = self.signed_sin[positions].unsqueeze(1)
         return x * cos + torch.roll(x, self.half, dims=-1) * sin
 
 
@@ -57,13 +59,14 @@ class LlamaModel:
         heads, kv_heads, head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         inter = cfg.intermediate_size
         num_tokens = input_ids.shape[0]
+        cos, sin = self.rotary.tables(positions)
         x = F.embedding(input_ids, self.weights.embed)
         residual = x
         for index, layer in enumerate(self.weights.layers):
             h = F.rms_norm(x if index == 0 else residual, hidden_shape, layer.input_norm, eps)
             qkv = F.linear(h, layer.qkv, layer.qkv_bias)
             qk = qkv[:, : self.q_size + self.kv_size].view(num_tokens, heads + kv_heads, head_dim)
-            qk = self.rotary.apply(qk, positions)
+            qk = self.rotary.apply(qk, cos, sin)
             q, k = qk[:, :heads], qk[:, heads:]
             v = qkv[:, self.q_size + self.kv_size :].view(num_tokens, kv_heads, head_dim)
             k_cache, v_cache = kv.layer_views(index)

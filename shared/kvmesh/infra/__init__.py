@@ -1,0 +1,1 @@
+"""Running the real servers kvmesh needs (nats-server, etcd) and the service processes."""
