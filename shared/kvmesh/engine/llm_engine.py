@@ -43,6 +43,7 @@ class EngineConfig:
     max_num_batched_tokens: int = 1024
     enable_prefix_caching: bool = True
     num_threads: int | None = None
+    prepack_weights: bool = True  # oneDNN-prepacked linear weights on CPU (see model/linear.py)
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:
@@ -87,7 +88,8 @@ class LLMEngine:
         self.device = resolve_device(config.device)
         dtype = DTYPES[config.dtype]
         weights = load_weights(self.model_dir, self.model_config, dtype, self.device)
-        self.model = LlamaModel(self.model_config, weights, dtype, self.device)
+        self.model = LlamaModel(self.model_config, weights, dtype, self.device, prepack=config.prepack_weights)
+        del weights
 
         mc = self.model_config
         layout = KVLayout(1, config.block_size, mc.num_layers, mc.num_kv_heads, mc.head_dim, config.dtype)

@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import torch.nn.functional as F
 
 from kvmesh.engine.kv_cache import KVCachePool
 from kvmesh.engine.model.attention import AttentionMetadata, paged_attention, write_kv
 from kvmesh.engine.model.config import ModelConfig
+from kvmesh.engine.model.linear import Linear
 from kvmesh.engine.model.weights import ModelWeights
 
 
@@ -35,10 +38,45 @@ class RotaryEmbedding:
         return x * cos + torch.roll(x, self.half, dims=-1) * sin
 
 
+@dataclass(slots=True)
+class DecoderLayer:
+    input_norm: torch.Tensor
+    qkv: Linear
+    o_proj: Linear
+    post_norm: torch.Tensor
+    gate_up: Linear
+    down: Linear
+
+
 class LlamaModel:
-    def __init__(self, config: ModelConfig, weights: ModelWeights, dtype: torch.dtype, device: torch.device):
+    def __init__(
+        self,
+        config: ModelConfig,
+        weights: ModelWeights,
+        dtype: torch.dtype,
+        device: torch.device,
+        *,
+        prepack: bool = True,
+    ):
         self.config = config
-        self.weights = weights
+        self.embed = weights.embed
+        self.norm = weights.norm
+        self.lm_head = Linear(weights.lm_head, prepack=prepack)
+        self.layers = [
+            DecoderLayer(
+                input_norm=layer.input_norm,
+                qkv=Linear(layer.qkv, layer.qkv_bias, prepack=prepack),
+                o_proj=Linear(layer.o_proj, prepack=prepack),
+                post_norm=layer.post_norm,
+                gate_up=Linear(layer.gate_up, prepack=prepack),
+                down=Linear(layer.down, prepack=prepack),
+            )
+            for layer in weights.layers
+        ]
+        if self.layers and self.layers[0].qkv.prepacked:
+            for layer in self.layers:  # the prepacked copies are all that is used from here on
+                for linear in (layer.qkv, layer.o_proj, layer.gate_up, layer.down):
+                    linear.weight = None
         self.dtype = dtype
         self.device = device
         self.rotary = RotaryEmbedding(
@@ -60,11 +98,11 @@ class LlamaModel:
         inter = cfg.intermediate_size
         num_tokens = input_ids.shape[0]
         cos, sin = self.rotary.tables(positions)
-        x = F.embedding(input_ids, self.weights.embed)
+        x = F.embedding(input_ids, self.embed)
         residual = x
-        for index, layer in enumerate(self.weights.layers):
+        for index, layer in enumerate(self.layers):
             h = F.rms_norm(x if index == 0 else residual, hidden_shape, layer.input_norm, eps)
-            qkv = F.linear(h, layer.qkv, layer.qkv_bias)
+            qkv = layer.qkv(h)
             qk = qkv[:, : self.q_size + self.kv_size].view(num_tokens, heads + kv_heads, head_dim)
             qk = self.rotary.apply(qk, cos, sin)
             q, k = qk[:, :heads], qk[:, heads:]
@@ -72,12 +110,12 @@ class LlamaModel:
             k_cache, v_cache = kv.layer_views(index)
             write_kv(k_cache, v_cache, k, v, meta)
             attn = paged_attention(q, k, v, k_cache, v_cache, meta, self.scale)
-            residual = residual + F.linear(attn.view(num_tokens, self.q_size), layer.o_proj)
+            residual = residual + layer.o_proj(attn.view(num_tokens, self.q_size))
             h = F.rms_norm(residual, hidden_shape, layer.post_norm, eps)
-            gate_up = F.linear(h, layer.gate_up)
-            residual = residual + F.linear(F.silu(gate_up[:, :inter]) * gate_up[:, inter:], layer.down)
-        return F.rms_norm(residual, hidden_shape, self.weights.norm, eps)
+            gate_up = layer.gate_up(h)
+            residual = residual + layer.down(F.silu(gate_up[:, :inter]) * gate_up[:, inter:])
+        return F.rms_norm(residual, hidden_shape, self.norm, eps)
 
     @torch.inference_mode()
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return F.linear(hidden, self.weights.lm_head).float()
+        return self.lm_head(hidden).float()
