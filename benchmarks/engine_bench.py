@@ -598,12 +598,12 @@ def run_dtype(dtype: str, sizes: Sizes, args: argparse.Namespace) -> DtypeResult
 
 def decode_weight_bytes(engine: LLMEngine) -> int:
     """Bytes of weights a batch-1 decode step reads (every layer, the final norm, the LM head)."""
-    w = engine.model.weights
-    tensors = [w.norm, w.lm_head]
-    for layer in w.layers:
-        values = (getattr(layer, f.name) for f in dataclasses.fields(layer))
-        tensors.extend(t for t in values if isinstance(t, torch.Tensor))
-    return sum(t.numel() * t.element_size() for t in tensors)
+    c = engine.model_config
+    q_size, kv_size = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
+    per_layer = c.hidden_size * (q_size + 2 * kv_size) + q_size * c.hidden_size
+    per_layer += 3 * c.hidden_size * c.intermediate_size + 2 * c.hidden_size
+    params = c.num_layers * per_layer + c.hidden_size + c.vocab_size * c.hidden_size
+    return params * engine.kv_layout.itemsize
 
 
 # ----------------------------------------------------------------------------- machine

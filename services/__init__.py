@@ -1,0 +1,1 @@
+"""kvmesh's services, one folder each; imported as ``kvmesh.services.<name>``."""

@@ -1,0 +1,1 @@
+"""The router: OpenAI-compatible HTTP API, KV-aware worker choice, token streams."""
