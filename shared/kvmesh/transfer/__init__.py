@@ -1,0 +1,1 @@
+"""Moving KV blocks between workers' pools (the Mooncake transfer engine)."""

@@ -1,0 +1,81 @@
+"""One worker's Mooncake transfer engine: its KV pool registered once, blocks pulled from peers.
+
+Protocol tcp with P2P handshake metadata: a peer is addressed as ``"<ip>:<rpc port>"`` and
+no metadata server is needed. Reads are one-sided: the peer's process takes no part beyond
+its engine serving the bytes. Calls block, so the async wrapper runs them on a thread.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+import time
+from dataclasses import dataclass
+
+from kvmesh.errors import KvmeshError
+from kvmesh.transfer.runs import BlockRun, byte_ranges
+
+logger = logging.getLogger(__name__)
+
+
+class TransferError(KvmeshError):
+    """A KV transfer failed (peer gone, address not registered, engine error)."""
+
+
+@dataclass(slots=True, frozen=True)
+class TransferStats:
+    bytes: int
+    ranges: int
+    seconds: float
+
+
+class MooncakeAgent:
+    def __init__(self, hostname: str = "127.0.0.1", *, protocol: str = "tcp", metadata: str = "P2PHANDSHAKE") -> None:
+        try:
+            from mooncake.engine import TransferEngine
+        except ImportError as exc:
+            raise TransferError(
+                "the Mooncake transfer engine is not installed (pip install mooncake-transfer-engine-non-cuda; "
+                "it needs the system library libibverbs1)"
+            ) from exc
+        self._engine = TransferEngine()
+        status = self._engine.initialize(hostname, metadata, protocol, "")
+        if status != 0:
+            raise TransferError(f"Mooncake initialize({hostname!r}, {metadata!r}, {protocol!r}) returned {status}")
+        self.endpoint = f"{hostname}:{self._engine.get_rpc_port()}"
+        self._lock = threading.Lock()
+        self.bytes_read = 0
+        self.transfers = 0
+
+    def register(self, address: int, nbytes: int) -> None:
+        status = self._engine.register_memory(address, nbytes)
+        if status != 0:
+            raise TransferError(f"registering {nbytes} bytes at {address:#x} returned {status}")
+        logger.info("Mooncake: %.1f MiB registered, serving at %s", nbytes / 2**20, self.endpoint)
+
+    def read_blocks(
+        self,
+        peer_endpoint: str,
+        runs: list[BlockRun],
+        *,
+        peer_base: int,
+        local_base: int,
+        block_bytes: int,
+    ) -> TransferStats:
+        """Pull block runs from a peer's pool into ours, one batched read."""
+        peer_addrs, local_addrs, lengths = byte_ranges(runs, src_base=peer_base, dst_base=local_base, block_bytes=block_bytes)
+        if not lengths:
+            return TransferStats(0, 0, 0.0)
+        started = time.perf_counter()
+        status = self._engine.batch_transfer_sync_read(peer_endpoint, local_addrs, peer_addrs, lengths)
+        seconds = time.perf_counter() - started
+        if status != 0:
+            raise TransferError(f"reading {sum(lengths)} bytes in {len(lengths)} ranges from {peer_endpoint} failed ({status})")
+        with self._lock:
+            self.bytes_read += sum(lengths)
+            self.transfers += 1
+        return TransferStats(sum(lengths), len(lengths), seconds)
+
+    async def read_blocks_async(self, peer_endpoint: str, runs: list[BlockRun], **layout: int) -> TransferStats:
+        return await asyncio.to_thread(self.read_blocks, peer_endpoint, runs, **layout)
