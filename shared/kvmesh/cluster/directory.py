@@ -1,0 +1,108 @@
+"""The live set of workers, read from etcd and kept current by a watch.
+
+A worker whose lease expires disappears from etcd and so from here; a broken watch is
+re-established from a fresh read, so the view converges after an etcd restart.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Callable
+
+from pydantic import ValidationError
+
+from kvmesh.cluster.etcd_store import ClusterError, EtcdStore
+from kvmesh.protocol import Keys, WorkerRecord
+
+logger = logging.getLogger(__name__)
+
+
+class WorkerDirectory:
+    def __init__(self, store: EtcdStore, keys: Keys) -> None:
+        self.store = store
+        self.prefix = keys.workers()
+        self.workers: dict[str, WorkerRecord] = {}  # by worker id
+        self._changed = asyncio.Event()
+        self._listeners: list[Callable[[str, WorkerRecord | None], None]] = []
+        self._task: asyncio.Task | None = None
+
+    def on_change(self, listener: Callable[[str, WorkerRecord | None], None]) -> None:
+        """``listener(worker_id, record or None when gone)``."""
+        self._listeners.append(listener)
+
+    async def start(self) -> None:
+        revision = await self._load()
+        self._task = asyncio.create_task(self._follow(revision), name="worker-directory")
+
+    async def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            try:
+                await self._task
+            except asyncio.CancelledError:
+                pass
+
+    def alive(self, role: str) -> list[WorkerRecord]:
+        return [record for record in self.workers.values() if record.role == role]
+
+    async def wait_for(self, predicate: Callable[[WorkerDirectory], bool], timeout: float) -> None:
+        async with asyncio.timeout(timeout):
+            while not predicate(self):
+                self._changed.clear()
+                await self._changed.wait()
+
+    async def _load(self) -> int:
+        items, revision = await self.store.get_prefix(self.prefix)
+        seen = {}
+        for item in items:
+            record = self._parse(item.key, item.value)
+            if record is not None:
+                seen[record.worker_id] = record
+        for worker_id in set(self.workers) - set(seen):
+            self._set(worker_id, None)
+        for worker_id, record in seen.items():
+            self._set(worker_id, record)
+        return revision
+
+    async def _follow(self, revision: int) -> None:
+        while True:
+            try:
+                async for event in self.store.watch_prefix(self.prefix, start_revision=revision + 1):
+                    worker_id = event.key.rsplit("/", 1)[-1]
+                    if event.kind == "delete":
+                        self._set(worker_id, None)
+                    else:
+                        record = self._parse(event.key, event.value)
+                        if record is not None:
+                            self._set(worker_id, record)
+                raise ClusterError("watch ended")
+            except (ClusterError, OSError) as exc:
+                logger.warning("worker watch broke (%s); reloading", exc)
+                while True:
+                    await asyncio.sleep(0.5)
+                    try:
+                        revision = await self._load()
+                        break
+                    except ClusterError:
+                        continue
+
+    def _parse(self, key: str, value: bytes) -> WorkerRecord | None:
+        try:
+            return WorkerRecord.decode(value)
+        except ValidationError:
+            logger.warning("ignoring a malformed worker record at %s", key)
+            return None
+
+    def _set(self, worker_id: str, record: WorkerRecord | None) -> None:
+        if record is None:
+            if self.workers.pop(worker_id, None) is None:
+                return
+            logger.info("worker %s left", worker_id)
+        else:
+            if worker_id not in self.workers:
+                logger.info("worker %s (%s) joined", worker_id, record.role)
+            self.workers[worker_id] = record
+        self._changed.set()
+        for listener in self._listeners:
+            listener(worker_id, record)

@@ -1,0 +1,133 @@
+"""The etcd client of kvmesh: every call has a timeout; transport errors become ``ClusterError``.
+
+Built on ``etcd3aio`` (asyncio, grpc.aio): ``etcd3`` 0.12 no longer imports beside protobuf 4+.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+
+import grpc
+from etcd3aio import Etcd3Client, EtcdError, prefix_range_end
+
+from kvmesh.errors import KvmeshError
+
+logger = logging.getLogger(__name__)
+
+
+class ClusterError(KvmeshError):
+    """etcd could not be reached or refused an operation."""
+
+
+@dataclass(slots=True, frozen=True)
+class KeyValue:
+    key: str
+    value: bytes
+    lease: int
+    mod_revision: int
+
+
+@dataclass(slots=True, frozen=True)
+class WatchEvent:
+    kind: str  # "put" or "delete"
+    key: str
+    value: bytes
+
+
+_TRANSPORT_ERRORS = (EtcdError, grpc.aio.AioRpcError, asyncio.TimeoutError, OSError)
+
+
+class EtcdStore:
+    def __init__(self, endpoints: list[str], *, timeout: float = 5.0) -> None:
+        self.endpoints = endpoints
+        self.timeout = timeout
+        self._client = Etcd3Client(endpoints, watch_max_reconnect_backoff_seconds=1.0)
+        self._connected = False
+
+    async def connect(self) -> None:
+        await self._client.connect()
+        self._connected = True
+
+    async def close(self) -> None:
+        if self._connected:
+            await self._client.close()
+            self._connected = False
+
+    async def __aenter__(self) -> EtcdStore:
+        await self.connect()
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()
+
+    async def _call(self, what: str, awaitable):
+        try:
+            return await asyncio.wait_for(awaitable, self.timeout)
+        except _TRANSPORT_ERRORS as exc:
+            raise ClusterError(f"etcd {what} failed: {exc!r}") from exc
+
+    # -- keys ----------------------------------------------------------------------------
+    async def put(self, key: str, value: bytes, *, lease: int = 0) -> None:
+        await self._call(f"put {key}", self._client.kv.put(key, value, lease=lease, timeout=self.timeout))
+
+    async def get(self, key: str) -> KeyValue | None:
+        response = await self._call(f"get {key}", self._client.kv.get(key, timeout=self.timeout))
+        return _key_value(response.kvs[0]) if response.kvs else None
+
+    async def get_prefix(self, prefix: str) -> tuple[list[KeyValue], int]:
+        """Every key under ``prefix`` and the store revision they were read at."""
+        response = await self._call(
+            f"get {prefix}*", self._client.kv.get(prefix, prefix_range_end(prefix), timeout=self.timeout)
+        )
+        return [_key_value(kv) for kv in response.kvs], response.header.revision
+
+    async def delete(self, key: str) -> bool:
+        response = await self._call(f"delete {key}", self._client.kv.delete(key, timeout=self.timeout))
+        return response.deleted > 0
+
+    # -- leases --------------------------------------------------------------------------
+    async def grant(self, ttl: int) -> int:
+        response = await self._call("lease grant", self._client.lease.grant(ttl, timeout=self.timeout))
+        return response.ID
+
+    async def revoke(self, lease_id: int) -> None:
+        try:
+            await self._call("lease revoke", self._client.lease.revoke(lease_id, timeout=self.timeout))
+        except ClusterError as exc:
+            if "not found" not in str(exc):
+                raise
+
+    async def refresh(self, lease_id: int) -> int:
+        """One keepalive; returns the lease's new TTL, 0 when the lease is gone."""
+
+        async def once() -> int:
+            call = self._client.lease.keep_alive(lease_id)
+            try:
+                async for response in call:
+                    return response.TTL
+                return 0
+            finally:
+                call.cancel()
+
+        return await self._call("lease keepalive", once())
+
+    # -- watch ---------------------------------------------------------------------------
+    async def watch_prefix(self, prefix: str, start_revision: int = 0) -> AsyncIterator[WatchEvent]:
+        """Events under ``prefix`` from ``start_revision`` (reconnects on transient errors)."""
+        stream = self._client.watch.watch(prefix, prefix_range_end(prefix), start_revision=start_revision)
+        try:
+            async for response in stream:
+                for event in response.events:
+                    kind = "delete" if event.type == 1 else "put"
+                    yield WatchEvent(kind, event.kv.key.decode(), event.kv.value)
+        except _TRANSPORT_ERRORS as exc:
+            raise ClusterError(f"etcd watch {prefix} failed: {exc!r}") from exc
+        finally:
+            await stream.aclose()
+
+
+def _key_value(kv) -> KeyValue:
+    return KeyValue(kv.key.decode(), kv.value, kv.lease, kv.mod_revision)

@@ -1,0 +1,71 @@
+"""A worker's record in etcd under a lease it keeps alive; re-registered if the lease is lost.
+
+If the worker dies, nobody refreshes the lease and etcd deletes the record when the TTL
+runs out. If etcd restarts or the worker is cut off for longer than the TTL, the next
+refresh finds the lease gone and the worker registers again under a new one.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+
+from kvmesh.cluster.etcd_store import ClusterError, EtcdStore
+
+logger = logging.getLogger(__name__)
+
+
+class LeasedKey:
+    def __init__(self, store: EtcdStore, key: str, value: bytes, *, ttl: int) -> None:
+        if ttl < 1:
+            raise ValueError("a lease TTL is at least 1 second")
+        self.store = store
+        self.key = key
+        self.value = value
+        self.ttl = ttl
+        self.lease_id: int | None = None
+        self.registrations = 0
+        self._task: asyncio.Task | None = None
+
+    async def start(self) -> None:
+        await self._register()
+        self._task = asyncio.create_task(self._keep_alive(), name=f"keepalive {self.key}")
+
+    async def _register(self) -> None:
+        lease_id = await self.store.grant(self.ttl)
+        await self.store.put(self.key, self.value, lease=lease_id)
+        self.lease_id = lease_id
+        self.registrations += 1
+        logger.info("registered %s (lease %x, ttl %ds)", self.key, lease_id, self.ttl)
+
+    async def update(self, value: bytes) -> None:
+        self.value = value
+        if self.lease_id is not None:
+            await self.store.put(self.key, value, lease=self.lease_id)
+
+    async def _keep_alive(self) -> None:
+        interval = max(self.ttl / 3, 0.2)
+        while True:
+            await asyncio.sleep(interval)
+            try:
+                if self.lease_id is None or await self.store.refresh(self.lease_id) <= 0:
+                    logger.warning("lease of %s was lost; registering again", self.key)
+                    await self._register()
+            except ClusterError as exc:
+                logger.warning("keeping %s alive failed (%s); retrying", self.key, exc)
+
+    async def stop(self, *, revoke: bool = True) -> None:
+        """Stop refreshing; with ``revoke`` the key is deleted now instead of at expiry."""
+        if self._task is not None:
+            self._task.cancel()
+            try:
+                await self._task
+            except asyncio.CancelledError:
+                pass
+            self._task = None
+        if revoke and self.lease_id is not None:
+            try:
+                await self.store.revoke(self.lease_id)
+            except ClusterError as exc:
+                logger.warning("could not revoke the lease of %s: %s", self.key, exc)
+            self.lease_id = None

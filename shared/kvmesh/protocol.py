@@ -1,0 +1,252 @@
+"""What crosses a process: NATS subjects and payloads, etcd keys and values.
+
+Every payload is a pydantic model, encoded as JSON; the engine's dataclasses are converted
+at the edge by the ``from_*`` / ``to_*`` helpers here, and nowhere else.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from kvmesh.engine.kv_cache import KVLayout
+from kvmesh.engine.request import SamplingParams
+
+Role = Literal["prefill", "decode", "router", "kv-metadata"]
+
+
+# --------------------------------------------------------------------------- subjects
+class Subjects:
+    """All NATS subjects of one namespace, ``kvmesh.<namespace>.*``."""
+
+    def __init__(self, namespace: str) -> None:
+        if not namespace or any(c in namespace for c in ". *>"):
+            raise ValueError(f"bad namespace {namespace!r}: one NATS token, no dots or wildcards")
+        self.root = f"kvmesh.{namespace}"
+
+    def prefill(self, worker_id: str | None = None) -> str:
+        """A chosen prefill worker's own subject, or the queue subject for unrouted work."""
+        return f"{self.root}.prefill" + (f".{worker_id}" if worker_id else "")
+
+    def decode(self, worker_id: str | None = None) -> str:
+        return f"{self.root}.decode" + (f".{worker_id}" if worker_id else "")
+
+    def release(self, prefill_worker_id: str) -> str:
+        """Decode -> prefill: the pinned blocks of a request were pulled (or given up)."""
+        return f"{self.root}.release.{prefill_worker_id}"
+
+    @property
+    def cancel(self) -> str:
+        """Router -> all workers: stop a request."""
+        return f"{self.root}.cancel"
+
+    @property
+    def load(self) -> str:
+        """Workers -> routers: periodic load reports."""
+        return f"{self.root}.load"
+
+    def stats(self, worker_id: str) -> str:
+        """Request/reply: a worker's pool and transfer counters."""
+        return f"{self.root}.stats.{worker_id}"
+
+    def stream(self, router_id: str, request_id: str) -> str:
+        """Decode -> router: one request's token events."""
+        return f"{self.root}.stream.{router_id}.{request_id}"
+
+
+QUEUE_GROUP = {"prefill": "prefill-workers", "decode": "decode-workers"}
+
+
+# --------------------------------------------------------------------------- etcd keys
+class Keys:
+    """etcd keys of one namespace, ``/kvmesh/<namespace>/*``."""
+
+    def __init__(self, namespace: str) -> None:
+        self.root = f"/kvmesh/{namespace}/"
+
+    def workers(self, role: str | None = None) -> str:
+        return self.root + "workers/" + (f"{role}/" if role else "")
+
+    def worker(self, role: str, worker_id: str) -> str:
+        return self.workers(role) + worker_id
+
+    def pins(self, prefill_worker_id: str) -> str:
+        return f"{self.root}pins/{prefill_worker_id}/"
+
+    def pin(self, prefill_worker_id: str, request_id: str) -> str:
+        return self.pins(prefill_worker_id) + request_id
+
+
+# --------------------------------------------------------------------------- payloads
+class Message(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    def encode(self) -> bytes:
+        return self.model_dump_json().encode()
+
+    @classmethod
+    def decode(cls, data: bytes):  # -> Self
+        return cls.model_validate_json(data)
+
+
+class ErrorInfo(Message):
+    code: Literal["bad_request", "overloaded", "unavailable", "internal", "cancelled"]
+    message: str
+
+
+class SamplingSpec(Message):
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int = 0
+    seed: int | None = None
+    max_tokens: int = 16
+    stop: tuple[str, ...] = ()
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+
+    def to_params(self) -> SamplingParams:
+        return SamplingParams(**self.model_dump())
+
+    @classmethod
+    def from_params(cls, params: SamplingParams) -> SamplingSpec:
+        return cls(
+            temperature=params.temperature,
+            top_p=params.top_p,
+            top_k=params.top_k,
+            seed=params.seed,
+            max_tokens=params.max_tokens,
+            stop=params.stop,
+            stop_token_ids=params.stop_token_ids,
+            ignore_eos=params.ignore_eos,
+        )
+
+
+class KVLayoutSpec(Message):
+    num_blocks: int
+    block_size: int
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    dtype: str
+
+    def to_layout(self) -> KVLayout:
+        return KVLayout(**self.model_dump())
+
+    @classmethod
+    def from_layout(cls, layout: KVLayout) -> KVLayoutSpec:
+        return cls(
+            num_blocks=layout.num_blocks,
+            block_size=layout.block_size,
+            num_layers=layout.num_layers,
+            num_kv_heads=layout.num_kv_heads,
+            head_dim=layout.head_dim,
+            dtype=layout.dtype,
+        )
+
+
+class WorkerRecord(Message):
+    """``workers/<role>/<id>`` in etcd, under the worker's lease."""
+
+    worker_id: str
+    role: Role
+    model: str
+    subject: str
+    transfer_endpoint: str | None = None
+    kv_base_address: int | None = None
+    kv_layout: KVLayoutSpec | None = None
+    host: str
+    pid: int
+    started_at: float
+
+
+class KVHandle(Message):
+    """Where a prefill's KV waits: the blocks, their pool, and the pin that holds them."""
+
+    prefill_worker_id: str
+    transfer_endpoint: str
+    kv_base_address: int
+    layout: KVLayoutSpec
+    block_ids: tuple[int, ...]
+    num_tokens: int
+    pin_key: str
+    pin_lease_id: int
+
+
+class PrefillRequest(Message):
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling: SamplingSpec
+
+
+class PrefillResponse(Message):
+    request_id: str
+    first_token_id: int | None = None
+    num_cached_tokens: int = 0
+    kv: KVHandle | None = None
+    finished: bool = False  # the first token already ends the request (eos, max_tokens=1)
+    finish_reason: str | None = None
+    error: ErrorInfo | None = None
+
+
+class DecodeRequest(Message):
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling: SamplingSpec
+    reply_subject: str
+    first_token_id: int | None = None  # with kv: the token the prefill sampled
+    kv: KVHandle | None = None  # None: the decode worker prefills itself
+
+
+class DecodeAck(Message):
+    request_id: str
+    accepted: bool
+    error: ErrorInfo | None = None
+
+
+class TokenEvent(Message):
+    """One step of a request's output, to the router's reply subject, numbered from 0."""
+
+    request_id: str
+    seq: int
+    token_ids: list[int] = Field(default_factory=list)
+    text: str = ""
+    finished: bool = False
+    finish_reason: str | None = None
+    num_prompt_tokens: int = 0
+    num_cached_tokens: int = 0
+    error: ErrorInfo | None = None
+
+
+class ReleaseRequest(Message):
+    request_id: str
+    bytes_pulled: int = 0
+    ok: bool = True
+
+
+class CancelRequest(Message):
+    request_id: str
+
+
+class LoadReport(Message):
+    worker_id: str
+    role: Role
+    running: int
+    waiting: int
+    free_blocks: int
+    total_blocks: int
+    draining: bool = False
+    timestamp: float
+
+
+class WorkerStats(Message):
+    worker_id: str
+    num_blocks: int
+    num_free: int
+    num_cached: int
+    num_in_use: int
+    num_held: int
+    pins: int
+    bytes_pulled: int
+    bytes_served: int
+    transfers: int

@@ -1,0 +1,110 @@
+"""Worker registration under leases and the live directory, against a real etcd."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import time
+
+import pytest
+
+from kvmesh.cluster.directory import WorkerDirectory
+from kvmesh.cluster.etcd_store import ClusterError, EtcdStore
+from kvmesh.cluster.registration import LeasedKey
+from kvmesh.infra.servers import start_etcd
+from kvmesh.protocol import Keys, WorkerRecord
+
+KEYS = Keys("test")
+
+
+def record(worker_id: str, role: str = "prefill") -> WorkerRecord:
+    return WorkerRecord(
+        worker_id=worker_id, role=role, model="m", subject=f"s.{worker_id}", host="127.0.0.1", pid=os.getpid(), started_at=time.time()
+    )
+
+
+@pytest.fixture
+async def etcd(tmp_path):
+    server = await asyncio.to_thread(start_etcd, tmp_path)
+    yield server
+    server.stop()
+
+
+@pytest.fixture
+async def store(etcd):
+    async with EtcdStore([etcd.endpoint], timeout=3.0) as s:
+        yield s
+
+
+async def test_registration_shows_in_directory_and_leaves_on_stop(store):
+    directory = WorkerDirectory(store, KEYS)
+    await directory.start()
+    try:
+        a = LeasedKey(store, KEYS.worker("prefill", "a"), record("a").encode(), ttl=2)
+        await a.start()
+        await directory.wait_for(lambda d: "a" in d.workers, timeout=5)
+        assert [r.worker_id for r in directory.alive("prefill")] == ["a"]
+        assert directory.alive("decode") == []
+        await a.stop()  # drained: revoked at once
+        await directory.wait_for(lambda d: "a" not in d.workers, timeout=5)
+    finally:
+        await directory.stop()
+
+
+async def test_a_dead_worker_leaves_when_its_lease_expires(store):
+    directory = WorkerDirectory(store, KEYS)
+    await directory.start()
+    try:
+        b = LeasedKey(store, KEYS.worker("decode", "b"), record("b", "decode").encode(), ttl=1)
+        await b.start()
+        await directory.wait_for(lambda d: "b" in d.workers, timeout=5)
+        started = time.monotonic()
+        await b.stop(revoke=False)  # as if killed: nobody refreshes the lease any more
+        await directory.wait_for(lambda d: "b" not in d.workers, timeout=10)
+        assert 0.5 < time.monotonic() - started < 6  # the TTL was really waited out
+    finally:
+        await directory.stop()
+
+
+async def test_lease_lost_means_registering_again(store):
+    c = LeasedKey(store, KEYS.worker("prefill", "c"), record("c").encode(), ttl=2)
+    await c.start()
+    first_lease = c.lease_id
+    await store.revoke(first_lease)  # as if etcd forgot the lease
+    for _ in range(50):
+        if c.registrations > 1:
+            break
+        await asyncio.sleep(0.1)
+    assert c.registrations == 2 and c.lease_id != first_lease
+    assert (await store.get(KEYS.worker("prefill", "c"))) is not None
+    await c.stop()
+
+
+async def test_etcd_restart_is_survived(tmp_path):
+    server = await asyncio.to_thread(start_etcd, tmp_path)
+    endpoint = server.endpoint
+    async with EtcdStore([endpoint], timeout=2.0) as store:
+        directory = WorkerDirectory(store, KEYS)
+        await directory.start()
+        d = LeasedKey(store, KEYS.worker("prefill", "d"), record("d").encode(), ttl=2)
+        await d.start()
+        await directory.wait_for(lambda x: "d" in x.workers, timeout=5)
+        server.stop()
+        with pytest.raises(ClusterError):
+            await store.put("/x", b"y")
+        # Same data dir, same port: etcd comes back with its keys and leases.
+        server = await asyncio.to_thread(start_etcd, tmp_path, port=server.port)
+        try:
+            await asyncio.sleep(3)
+            await directory.wait_for(lambda x: "d" in x.workers, timeout=10)
+            assert (await store.get(KEYS.worker("prefill", "d"))) is not None
+        finally:
+            await d.stop()
+            await directory.stop()
+            server.stop()
+
+
+async def test_unreachable_etcd_is_a_clear_error():
+    async with EtcdStore(["127.0.0.1:9"], timeout=0.5) as store:
+        with pytest.raises(ClusterError, match="etcd put"):
+            await store.put("/k", b"v")
