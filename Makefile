@@ -1,12 +1,20 @@
-# The two commands of the README: `make demo` and `make test`.
+# The two commands of the README: `make up` and `make test`.
 PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.kvmesh-installed
 
-.PHONY: install demo test bench
+.PHONY: install system-deps up demo test bench
 
-$(STAMP): pyproject.toml constraints.txt
+# The Mooncake transfer engine wheel links libibverbs even without RDMA hardware.
+system-deps:
+	@if ! ldconfig -p | grep -q libibverbs.so.1; then \
+	  if [ "$$(id -u)" = 0 ]; then apt-get update -qq && apt-get install -y -qq libibverbs1; \
+	  else echo "kvmesh needs the system library libibverbs1: sudo apt-get install libibverbs1" >&2; exit 1; fi; \
+	fi
+
+$(STAMP): pyproject.toml constraints.txt setup.py
+	$(MAKE) system-deps
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet --upgrade pip
 	$(BIN)/python -m pip install --quiet -c constraints.txt -e '.[test]'
@@ -17,6 +25,9 @@ $(STAMP): pyproject.toml constraints.txt
 
 install: $(STAMP)
 
+up: $(STAMP)
+	$(BIN)/kvmesh up
+
 demo: $(STAMP)
 	$(BIN)/kvmesh generate --chat --prompt "What is the capital of France?"
 
@@ -24,4 +35,4 @@ test: $(STAMP)
 	$(BIN)/python -m pytest -q
 
 bench: $(STAMP)
-	$(BIN)/python benchmarks/engine_bench.py --out docs/benchmarks-engine.json
+	$(BIN)/python benchmarks/engine_bench.py --out docs/benchmarks-engine.json --markdown docs/benchmarks.md

@@ -45,7 +45,65 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
     gen.add_argument("--device", default="cpu", help="cpu, cuda or npu")
     gen.add_argument("--json", action="store_true", help='print {"token_ids": [...], "text": "..."}')
+
+    up = commands.add_parser("up", help="run the whole mesh on this machine: nats, etcd, router, workers")
+    up.add_argument("--prefill", type=int, default=1, help="prefill workers (0: decode workers prefill themselves)")
+    up.add_argument("--decode", type=_positive_int, default=1, help="decode workers")
+    up.add_argument("--host", default="127.0.0.1")
+    up.add_argument("--port", type=int, default=8000, help="the router's port (0 picks a free one)")
+    up.add_argument("--model", help="model directory or .gguf file (default: SmolLM2-135M-Instruct)")
+    up.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
+    up.add_argument("--kv-cache-mib", type=_positive_int, default=256, help="KV pool per worker")
+    up.add_argument("--api-key", help="require this Bearer token on /v1")
+    up.add_argument("--workdir", help="logs and server data (default: a new temporary folder)")
     return parser
+
+
+def _up(args: argparse.Namespace) -> int:
+    import signal
+    import tempfile
+    import time
+    from pathlib import Path
+
+    from kvmesh.infra.local_mesh import LocalMesh, MeshOptions
+
+    if args.prefill < 0:
+        raise SystemExit("kvmesh up: error: --prefill must be >= 0")
+    workdir = Path(args.workdir or tempfile.mkdtemp(prefix="kvmesh-up-"))
+    options = MeshOptions(
+        prefill=args.prefill,
+        decode=args.decode,
+        host=args.host,
+        port=args.port,
+        model=args.model,
+        dtype=args.dtype,
+        kv_cache_mib=args.kv_cache_mib,
+        api_key=args.api_key,
+    )
+    mesh = LocalMesh(options, workdir)
+
+    def progress(message: str) -> None:
+        sys.stderr.write(f"kvmesh up: {message}\n")
+        sys.stderr.flush()
+
+    def terminate(signum: int, frame: object) -> None:
+        raise KeyboardInterrupt
+
+    signal.signal(signal.SIGTERM, terminate)
+    try:
+        mesh.start(progress)
+        print(f"kvmesh is serving at {mesh.base_url}/v1   (logs: {workdir / 'logs'}; Ctrl-C stops)", flush=True)
+        while True:
+            dead = [p.name for p in [mesh.router, *mesh.workers.values()] if p is not None and not p.is_running()]
+            if dead:
+                progress(f"{', '.join(dead)} exited; see {workdir / 'logs'}")
+                return 1
+            time.sleep(1.0)
+    except KeyboardInterrupt:
+        return 0
+    finally:
+        progress("stopping")
+        mesh.stop()
 
 
 def _generate(args: argparse.Namespace) -> int:
@@ -107,6 +165,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if args.command == "generate":
             return _generate(args)
+        if args.command == "up":
+            return _up(args)
     except (KvmeshError, ValueError) as exc:
         raise SystemExit(f"kvmesh {args.command}: error: {exc}") from None
     return 2

@@ -13,3 +13,13 @@ class ModelLoadError(KvmeshError, ValueError):
 
 class EngineError(KvmeshError, RuntimeError):
     """The engine cannot serve requests."""
+
+
+class MeshError(KvmeshError):
+    """A request failed in the mesh. ``code`` is one of ``kvmesh.protocol.ErrorInfo``'s codes
+    (bad_request, overloaded, unavailable, internal, cancelled)."""
+
+    def __init__(self, code: str, message: str) -> None:
+        super().__init__(message)
+        self.code = code
+        self.message = message

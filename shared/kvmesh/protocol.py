@@ -151,6 +151,7 @@ class WorkerRecord(Message):
     worker_id: str
     role: Role
     model: str
+    max_model_len: int
     subject: str
     transfer_endpoint: str | None = None
     kv_base_address: int | None = None
@@ -237,6 +238,12 @@ class LoadReport(Message):
     total_blocks: int
     draining: bool = False
     timestamp: float
+
+
+class MeshErrorCode:
+    """HTTP status for each ``ErrorInfo.code`` at the router's edge."""
+
+    STATUS = {"bad_request": 400, "overloaded": 503, "unavailable": 503, "internal": 500, "cancelled": 499}
 
 
 class WorkerStats(Message):

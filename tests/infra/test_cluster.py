@@ -19,7 +19,7 @@ KEYS = Keys("test")
 
 def record(worker_id: str, role: str = "prefill") -> WorkerRecord:
     return WorkerRecord(
-        worker_id=worker_id, role=role, model="m", subject=f"s.{worker_id}", host="127.0.0.1", pid=os.getpid(), started_at=time.time()
+        worker_id=worker_id, role=role, model="m", max_model_len=2048, subject=f"s.{worker_id}", host="127.0.0.1", pid=os.getpid(), started_at=time.time()
     )
 
 

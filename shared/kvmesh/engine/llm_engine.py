@@ -18,7 +18,7 @@ from kvmesh.engine.detokenizer import OutputText
 from kvmesh.engine.device import resolve_device
 from kvmesh.engine.kv_cache import DTYPES, KVCachePool, KVLayout, num_blocks_for_budget
 from kvmesh.engine.kv_cache_manager import KVCacheManager, PoolStats
-from kvmesh.engine.loader.default_model import DEFAULT_MODEL, resolve_model
+from kvmesh.engine.loader.default_model import resolve_model, served_model_name
 from kvmesh.engine.model.config import ModelConfig
 from kvmesh.engine.model.llama import LlamaModel
 from kvmesh.engine.model.weights import load_weights
@@ -80,8 +80,7 @@ class LLMEngine:
             torch.set_num_threads(config.num_threads)
         started = time.monotonic()
         self.model_dir: Path = resolve_model(config.model)
-        default_name = DEFAULT_MODEL if config.model in (None, DEFAULT_MODEL) else self.model_dir.name
-        self.model_name = config.served_model_name or default_name
+        self.model_name = config.served_model_name or served_model_name(config.model, self.model_dir)
         self.model_config = ModelConfig.from_dir(self.model_dir)
         self.tokenizer = Tokenizer.from_dir(self.model_dir)
         self.eos_token_ids = tuple(dict.fromkeys((*self.tokenizer.eos_token_ids, *self.model_config.eos_token_ids)))

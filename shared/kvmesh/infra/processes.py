@@ -17,11 +17,13 @@ from collections import deque
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
+from kvmesh.errors import KvmeshError
+
 logger = logging.getLogger(__name__)
 
 
-class ProcessStartError(RuntimeError):
-    pass
+class ProcessStartError(KvmeshError):
+    """A server or service process did not start or did not become ready."""
 
 
 def free_port(host: str = "127.0.0.1") -> int:

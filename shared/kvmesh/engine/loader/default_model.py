@@ -123,3 +123,11 @@ def _file_key(path: Path) -> str:
             fh.seek(max(_HASH_CHUNK, size - _HASH_CHUNK))
             digest.update(fh.read(_HASH_CHUNK))
     return digest.hexdigest()[:16]
+
+
+def served_model_name(name_or_path: str | os.PathLike[str] | None, model_dir: Path) -> str:
+    """The name a model is served (and its KV blocks hashed) under: the default model's own
+    name, else the model directory's name."""
+    if name_or_path is None or str(name_or_path) == DEFAULT_MODEL:
+        return DEFAULT_MODEL
+    return model_dir.name

@@ -1,0 +1,145 @@
+"""The decode worker: pulls a prefill's KV blocks through the Mooncake transfer engine,
+releases the pin, decodes with continuous batching across requests and streams numbered
+token events to the router. Without a KV handle it prefills the prompt itself."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import sys
+
+from nats.aio.msg import Msg
+from pydantic import ValidationError
+
+from kvmesh.errors import KvmeshError, MeshError
+from kvmesh.protocol import QUEUE_GROUP, DecodeAck, DecodeRequest, ErrorInfo, ReleaseRequest, TokenEvent
+from kvmesh.telemetry import extract_context, inject_headers
+from kvmesh.transfer.mooncake_agent import TransferError
+from kvmesh.transfer.runs import coalesce
+from kvmesh.worker.runtime import WorkerRuntime
+from kvmesh.worker.settings import worker_settings
+
+logger = logging.getLogger(__name__)
+
+
+class DecodeWorker:
+    def __init__(self, runtime: WorkerRuntime) -> None:
+        self.runtime = runtime
+
+    async def start(self) -> None:
+        rt = self.runtime
+        await rt.start()
+        await rt.subscribe_work(rt.subjects.decode(rt.worker_id), self._handle_decode)
+        await rt.subscribe_work(rt.subjects.decode(), self._handle_decode, queue=QUEUE_GROUP["decode"])
+        await rt.register()
+
+    async def _handle_decode(self, msg: Msg) -> None:
+        try:
+            request = DecodeRequest.decode(msg.data)
+        except ValidationError as exc:
+            error = ErrorInfo(code="bad_request", message=str(exc))
+            await msg.respond(DecodeAck(request_id="", accepted=False, error=error).encode())
+            return
+        if self.runtime.draining:
+            error = ErrorInfo(code="unavailable", message="worker is draining")
+            await msg.respond(DecodeAck(request_id=request.request_id, accepted=False, error=error).encode())
+            return
+        await msg.respond(DecodeAck(request_id=request.request_id, accepted=True).encode())
+        self.runtime.spawn(self._decode(request, msg.headers), name=f"decode {request.request_id}")
+
+    async def _decode(self, request: DecodeRequest, headers: dict[str, str] | None) -> None:
+        rt = self.runtime
+        rid = request.request_id
+        seq = 0
+
+        async def send(event: TokenEvent) -> None:
+            await rt.nc.publish(request.reply_subject, event.encode(), headers=inject_headers())
+
+        with rt.tracer.start_as_current_span("decode", context=extract_context(headers)) as span:
+            span.set_attribute("kvmesh.worker_id", rt.worker_id)
+            span.set_attribute("kvmesh.request_id", rid)
+            try:
+                if request.kv is not None:
+                    await self._pull(request)
+                    stream = rt.engine.generate_from_import(
+                        rid, request.prompt_token_ids, request.first_token_id, rid, request.sampling.to_params()
+                    )
+                else:
+                    span.set_attribute("kvmesh.local_prefill", True)
+                    stream = rt.engine.generate(rid, request.prompt_token_ids, request.sampling.to_params())
+                async for out in stream:
+                    await send(
+                        TokenEvent(
+                            request_id=rid,
+                            seq=seq,
+                            token_ids=out.new_token_ids,
+                            text=out.text,
+                            finished=out.finished,
+                            finish_reason=out.finish_reason.value if out.finish_reason else None,
+                            num_prompt_tokens=out.num_prompt_tokens,
+                            num_cached_tokens=out.num_cached_tokens,
+                        )
+                    )
+                    seq += 1
+                span.set_attribute("kvmesh.output_events", seq)
+            except (KvmeshError, ValueError) as exc:
+                span.record_exception(exc)
+                if isinstance(exc, MeshError):
+                    code = exc.code
+                elif isinstance(exc, TransferError):
+                    code = "unavailable"  # the prefill worker or its blocks are gone: retryable
+                else:
+                    code = "bad_request"
+                logger.warning("request %s failed: %s", rid, exc)
+                await send(TokenEvent(request_id=rid, seq=seq, finished=True, error=ErrorInfo(code=code, message=str(exc))))
+
+    async def _pull(self, request: DecodeRequest) -> None:
+        """Blocks for the prompt's KV, one batched read of the prefill's blocks, pin released."""
+        rt = self.runtime
+        kv = request.kv
+        assert kv is not None and request.first_token_id is not None
+        local = rt.engine.engine.kv_layout
+        ok = False
+        bytes_pulled = 0
+        try:
+            if not kv.layout.to_layout().compatible_with(local):
+                raise TransferError(f"KV layout of {kv.prefill_worker_id} does not match this worker's")
+            if rt.settings.fault_pull_delay:
+                await asyncio.sleep(rt.settings.fault_pull_delay)
+            with rt.tracer.start_as_current_span("kv_transfer") as span:
+                block_ids = await rt.engine.allocate_import(request.request_id, kv.num_tokens)
+                if block_ids is None:
+                    raise MeshError("overloaded", f"no room for {len(kv.block_ids)} KV blocks")
+                runs = coalesce(kv.block_ids, block_ids)
+                try:
+                    stats = await rt.agent.read_blocks_async(
+                        kv.transfer_endpoint,
+                        runs,
+                        peer_base=kv.kv_base_address,
+                        local_base=rt.engine.engine.kv_pool.base_address,
+                        block_bytes=local.block_bytes,
+                    )
+                except TransferError:
+                    await rt.engine.release_import(request.request_id)
+                    raise
+                bytes_pulled = stats.bytes
+                span.set_attribute("kvmesh.peer", kv.prefill_worker_id)
+                span.set_attribute("kvmesh.bytes", stats.bytes)
+                span.set_attribute("kvmesh.blocks", len(block_ids))
+                span.set_attribute("kvmesh.ranges", stats.ranges)
+                span.set_attribute("kvmesh.seconds", stats.seconds)
+                ok = True
+        finally:
+            release = ReleaseRequest(request_id=request.request_id, bytes_pulled=bytes_pulled, ok=ok)
+            try:
+                await rt.nc.publish(rt.subjects.release(kv.prefill_worker_id), release.encode())
+            except Exception as exc:  # noqa: BLE001 - the pin's lease frees the blocks anyway
+                logger.warning("could not release the pin of %s: %s", request.request_id, exc)
+
+
+async def main(argv: list[str] | None = None) -> None:
+    settings = worker_settings("decode", argv if argv is not None else sys.argv[1:])
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    worker = DecodeWorker(WorkerRuntime(settings))
+    await worker.start()
+    await worker.runtime.serve_until_signalled()

@@ -1,0 +1,128 @@
+"""The prefill worker: runs prompts into paged KV blocks (reusing cached prefixes), answers
+with the first token and a handle to the blocks, and holds them under a pin until the
+decode side has pulled them."""
+
+from __future__ import annotations
+
+import logging
+import sys
+
+from nats.aio.msg import Msg
+from pydantic import ValidationError
+
+from kvmesh.engine.request import FinishReason
+from kvmesh.errors import KvmeshError
+from kvmesh.protocol import (
+    QUEUE_GROUP,
+    ErrorInfo,
+    KVHandle,
+    KVLayoutSpec,
+    PrefillRequest,
+    PrefillResponse,
+    ReleaseRequest,
+)
+from kvmesh.services.prefill_worker.pins import PinTable
+from kvmesh.telemetry import extract_context
+from kvmesh.worker.runtime import WorkerRuntime
+from kvmesh.worker.settings import worker_settings
+
+logger = logging.getLogger(__name__)
+
+
+class PrefillWorker:
+    def __init__(self, runtime: WorkerRuntime) -> None:
+        self.runtime = runtime
+        self.pins: PinTable
+
+    async def start(self) -> None:
+        rt = self.runtime
+        await rt.start()
+        self.pins = PinTable(rt.store, rt.keys.pins(rt.worker_id), rt.settings.pin_ttl, rt.engine.release_export)
+        await self.pins.start()
+        rt.on_close(self.pins.stop)
+        rt.pin_count = lambda: len(self.pins)
+        rt.on_cancel = self._cancel
+        await rt.nc.subscribe(rt.subjects.release(rt.worker_id), cb=self._handle_release)
+        await rt.subscribe_work(rt.subjects.prefill(rt.worker_id), self._handle_prefill)
+        await rt.subscribe_work(rt.subjects.prefill(), self._handle_prefill, queue=QUEUE_GROUP["prefill"])
+        await rt.register()
+
+    async def _handle_prefill(self, msg: Msg) -> None:
+        self.runtime.spawn(self._prefill(msg), name="prefill")
+
+    async def _prefill(self, msg: Msg) -> None:
+        rt = self.runtime
+        try:
+            request = PrefillRequest.decode(msg.data)
+        except ValidationError as exc:
+            await msg.respond(PrefillResponse(request_id="", error=ErrorInfo(code="bad_request", message=str(exc))).encode())
+            return
+        rid = request.request_id
+        with rt.tracer.start_as_current_span("prefill", context=extract_context(msg.headers)) as span:
+            span.set_attribute("kvmesh.worker_id", rt.worker_id)
+            span.set_attribute("kvmesh.request_id", rid)
+            span.set_attribute("kvmesh.prompt_tokens", len(request.prompt_token_ids))
+            try:
+                out = await rt.engine.prefill_export(rid, request.prompt_token_ids, request.sampling.to_params())
+            except (ValueError, KvmeshError) as exc:
+                span.record_exception(exc)
+                await msg.respond(PrefillResponse(request_id=rid, error=ErrorInfo(code="bad_request", message=str(exc))).encode())
+                return
+            span.set_attribute("kvmesh.cached_tokens", out.num_cached_tokens)
+            span.set_attribute("kvmesh.computed_tokens", out.num_prompt_tokens - out.num_cached_tokens)
+            if out.finish_reason is FinishReason.ABORT or out.kv_export is None:
+                await msg.respond(PrefillResponse(request_id=rid, error=ErrorInfo(code="cancelled", message="aborted")).encode())
+                return
+            export = out.kv_export
+            pool = rt.engine.engine.kv_pool
+            with rt.tracer.start_as_current_span("pin") as pin_span:
+                try:
+                    pin = await self.pins.pin(rid, rt.worker_id.encode(), len(export.block_ids) * export.layout.block_bytes)
+                except KvmeshError as exc:
+                    await rt.engine.release_export(rid)
+                    await msg.respond(PrefillResponse(request_id=rid, error=ErrorInfo(code="unavailable", message=str(exc))).encode())
+                    return
+                pin_span.set_attribute("kvmesh.blocks", len(export.block_ids))
+                pin_span.set_attribute("kvmesh.lease_id", pin.lease_id)
+            handle = KVHandle(
+                prefill_worker_id=rt.worker_id,
+                transfer_endpoint=rt.agent.endpoint,
+                kv_base_address=pool.base_address,
+                layout=KVLayoutSpec.from_layout(export.layout),
+                block_ids=export.block_ids,
+                num_tokens=export.num_tokens,
+                pin_key=rt.keys.pin(rt.worker_id, rid),
+                pin_lease_id=pin.lease_id,
+            )
+            response = PrefillResponse(
+                request_id=rid,
+                first_token_id=out.new_token_ids[0],
+                num_cached_tokens=out.num_cached_tokens,
+                kv=handle,
+            )
+            try:
+                await msg.respond(response.encode())
+            except Exception:  # the router gave up on us: nobody will pull
+                await self.pins.release(rid, reason="router gone")
+                raise
+
+    async def _handle_release(self, msg: Msg) -> None:
+        try:
+            release = ReleaseRequest.decode(msg.data)
+        except ValidationError:
+            return
+        pin = await self.pins.release(release.request_id, reason="pulled" if release.ok else "pull failed")
+        if pin is not None and release.ok:
+            self.runtime.bytes_served += release.bytes_pulled
+
+    async def _cancel(self, request_id: str) -> None:
+        await self.runtime.engine.abort(request_id)
+        await self.pins.release(request_id, reason="cancelled")
+
+
+async def main(argv: list[str] | None = None) -> None:
+    settings = worker_settings("prefill", argv if argv is not None else sys.argv[1:])
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    worker = PrefillWorker(WorkerRuntime(settings))
+    await worker.start()
+    await worker.runtime.serve_until_signalled()

@@ -1,0 +1,109 @@
+"""Pins: a finished prefill's blocks, held until the decode side pulls them.
+
+Each pin is an etcd key under a lease of its own. The decode side releases it after its
+pull (a NATS message, which also counts the bytes, and the lease revoked); if the decode
+side dies the lease expires and the watch here frees the blocks. A local deadline frees
+them too if etcd itself is unreachable. Whatever happens, the blocks are freed once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+
+from kvmesh.cluster.etcd_store import ClusterError, EtcdStore
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(slots=True)
+class Pin:
+    request_id: str
+    lease_id: int
+    num_bytes: int
+    deadline: float
+
+
+class PinTable:
+    def __init__(
+        self,
+        store: EtcdStore,
+        prefix: str,
+        ttl: int,
+        release_blocks: Callable[[str], Awaitable[bool]],
+    ) -> None:
+        self.store = store
+        self.prefix = prefix
+        self.ttl = ttl
+        self._release_blocks = release_blocks
+        self.pins: dict[str, Pin] = {}
+        self.released = 0
+        self.expired = 0
+        self._tasks: list[asyncio.Task] = []
+
+    def __len__(self) -> int:
+        return len(self.pins)
+
+    async def start(self) -> None:
+        self._tasks = [
+            asyncio.create_task(self._watch_expiry(), name="pin-watch"),
+            asyncio.create_task(self._local_deadlines(), name="pin-deadlines"),
+        ]
+
+    async def stop(self) -> None:
+        for task in self._tasks:
+            task.cancel()
+        for request_id in list(self.pins):
+            await self.release(request_id, reason="shutdown")
+
+    async def pin(self, request_id: str, value: bytes, num_bytes: int) -> Pin:
+        lease_id = await self.store.grant(self.ttl)
+        try:
+            await self.store.put(self.prefix + request_id, value, lease=lease_id)
+        except ClusterError:
+            await self.store.revoke(lease_id)
+            raise
+        pin = Pin(request_id, lease_id, num_bytes, time.monotonic() + self.ttl + 5)
+        self.pins[request_id] = pin
+        return pin
+
+    async def release(self, request_id: str, *, reason: str) -> Pin | None:
+        """Free a pin's blocks (once) and drop its lease; ``None`` if it was already gone."""
+        pin = self.pins.pop(request_id, None)
+        if pin is None:
+            return None
+        await self._release_blocks(request_id)
+        if reason == "pulled":
+            self.released += 1
+        else:
+            self.expired += 1
+            logger.info("pin of %s released: %s", request_id, reason)
+        if reason != "lease expired":
+            asyncio.create_task(self._revoke(pin.lease_id))
+        return pin
+
+    async def _revoke(self, lease_id: int) -> None:
+        try:
+            await self.store.revoke(lease_id)
+        except ClusterError as exc:
+            logger.debug("revoking pin lease %x failed: %s", lease_id, exc)
+
+    async def _watch_expiry(self) -> None:
+        while True:
+            try:
+                async for event in self.store.watch_prefix(self.prefix):
+                    if event.kind == "delete":
+                        await self.release(event.key[len(self.prefix) :], reason="lease expired")
+            except ClusterError as exc:
+                logger.warning("pin watch broke (%s); retrying", exc)
+            await asyncio.sleep(0.5)
+
+    async def _local_deadlines(self) -> None:
+        while True:
+            await asyncio.sleep(1.0)
+            now = time.monotonic()
+            for request_id in [r for r, pin in self.pins.items() if pin.deadline < now]:
+                await self.release(request_id, reason="deadline passed")

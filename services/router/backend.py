@@ -1,0 +1,34 @@
+"""What the router's HTTP layer needs from whatever generates tokens: one request in, its events out."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from typing import Protocol, runtime_checkable
+
+from kvmesh.engine.tokenizer import Tokenizer
+from kvmesh.protocol import SamplingSpec, TokenEvent
+
+__all__ = ["GenerationBackend"]
+
+
+@runtime_checkable
+class GenerationBackend(Protocol):
+    """A source of token streams for one served model.
+
+    ``generate`` yields the request's ``TokenEvent``s in order (seq 0, 1, ...); the last has
+    ``finished=True``, a ``finish_reason`` ("stop", "length" or "abort") and the prompt and cached
+    token counts. It raises ``kvmesh.errors.MeshError`` on failure, before or during the stream.
+    Leaving the iterator early (``aclose()`` or cancellation) cancels the request in the mesh.
+    """
+
+    model_name: str
+    max_model_len: int
+    tokenizer: Tokenizer
+
+    def generate(
+        self, request_id: str, prompt_token_ids: list[int], sampling: SamplingSpec
+    ) -> AsyncIterator[TokenEvent]: ...
+
+    async def health(self) -> dict[str, int]:
+        """Live workers by role, e.g. ``{"prefill": 1, "decode": 1}``."""
+        ...

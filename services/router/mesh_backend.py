@@ -1,0 +1,298 @@
+"""The router's way into the mesh: prefill on one worker, decode on another, tokens back.
+
+For each request: pick a prefill worker (if any is alive) and a decode worker, ask the
+prefill worker for the first token and a KV handle, hand the handle to the decode worker
+with a reply subject this router listens on, then yield the numbered token events in
+order. While no token has reached the client, a failure anywhere (a worker killed, a pull
+that fails, a timeout) is retried on other workers; after that it ends the stream with an
+error. Leaving the stream early cancels the request on the workers.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import uuid
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+
+import nats
+from nats.aio.msg import Msg
+from nats.errors import NoRespondersError
+from nats.errors import TimeoutError as NatsTimeoutError
+from opentelemetry import trace
+from pydantic import ValidationError
+
+from kvmesh.cluster.directory import WorkerDirectory
+from kvmesh.cluster.etcd_store import EtcdStore
+from kvmesh.engine.loader.default_model import resolve_model, served_model_name
+from kvmesh.engine.model.config import ModelConfig
+from kvmesh.engine.tokenizer import Tokenizer
+from kvmesh.errors import MeshError
+from kvmesh.protocol import (
+    CancelRequest,
+    DecodeAck,
+    DecodeRequest,
+    Keys,
+    LoadReport,
+    PrefillRequest,
+    PrefillResponse,
+    SamplingSpec,
+    Subjects,
+    TokenEvent,
+    WorkerRecord,
+)
+from kvmesh.services.router.worker_choice import LoadBoard, least_loaded
+from kvmesh.telemetry import inject_headers, tracer
+from kvmesh.worker.settings import MeshSettings
+
+logger = logging.getLogger(__name__)
+
+RETRYABLE = {"unavailable", "overloaded", "internal"}
+_WORKER_GONE = object()
+
+
+@dataclass(slots=True)
+class _Attempt:
+    attempt_id: str
+    decode_worker: str
+    prefill_worker: str | None
+    events: asyncio.Queue = field(default_factory=asyncio.Queue)
+
+
+class _Retry(Exception):
+    def __init__(self, reason: str, bad_worker: str | None) -> None:
+        super().__init__(reason)
+        self.bad_worker = bad_worker
+
+
+class MeshBackend:
+    def __init__(
+        self,
+        mesh: MeshSettings,
+        *,
+        model: str | None = None,
+        served_name: str | None = None,
+        max_attempts: int = 3,
+        router_id: str | None = None,
+    ) -> None:
+        self.mesh = mesh
+        self.subjects = Subjects(mesh.namespace)
+        self.keys = Keys(mesh.namespace)
+        self.router_id = router_id or uuid.uuid4().hex[:12]
+        self.max_attempts = max_attempts
+        model_dir = resolve_model(model)
+        self.tokenizer = Tokenizer.from_dir(model_dir)
+        self.model_name = served_name or served_model_name(model, model_dir)
+        self._model_max_len = ModelConfig.from_dir(model_dir).max_position_embeddings
+        self.board = LoadBoard()
+        self._attempts: dict[str, _Attempt] = {}
+        self._tracer = tracer("kvmesh.router")
+        self.nc: nats.NATS
+        self.store: EtcdStore
+        self.directory: WorkerDirectory
+
+    async def start(self) -> None:
+        self.nc = await nats.connect(
+            self.mesh.nats_url,
+            name=f"router-{self.router_id}",
+            connect_timeout=self.mesh.request_timeout,
+            max_reconnect_attempts=-1,
+            reconnect_time_wait=0.5,
+        )
+        self.store = EtcdStore(list(self.mesh.etcd_endpoints), timeout=min(5.0, self.mesh.request_timeout))
+        await self.store.connect()
+        self.directory = WorkerDirectory(self.store, self.keys)
+        self.directory.on_change(self._worker_changed)
+        await self.directory.start()
+        await self.nc.subscribe(self.subjects.load, cb=self._handle_load)
+        await self.nc.subscribe(self.subjects.stream(self.router_id, "*"), cb=self._handle_event)
+
+    async def close(self) -> None:
+        await self.directory.stop()
+        await self.nc.drain()
+        await self.store.close()
+
+    # -- what the HTTP layer reads ---------------------------------------------------------
+    @property
+    def max_model_len(self) -> int:
+        lengths = [w.max_model_len for w in self.directory.workers.values() if w.role == "decode"]
+        return min(lengths) if lengths else self._model_max_len
+
+    async def health(self) -> dict[str, int]:
+        return {role: len(self.directory.alive(role)) for role in ("prefill", "decode")}
+
+    # -- NATS callbacks ------------------------------------------------------------------
+    async def _handle_load(self, msg: Msg) -> None:
+        try:
+            self.board.update(LoadReport.decode(msg.data))
+        except ValidationError:
+            logger.debug("malformed load report")
+
+    async def _handle_event(self, msg: Msg) -> None:
+        attempt = self._attempts.get(msg.subject.rsplit(".", 1)[-1])
+        if attempt is None:
+            return
+        try:
+            attempt.events.put_nowait(TokenEvent.decode(msg.data))
+        except ValidationError:
+            logger.warning("malformed token event on %s", msg.subject)
+
+    def _worker_changed(self, worker_id: str, record: WorkerRecord | None) -> None:
+        if record is not None:
+            return
+        self.board.forget(worker_id)
+        for attempt in self._attempts.values():
+            if attempt.decode_worker == worker_id:
+                attempt.events.put_nowait(_WORKER_GONE)
+
+    # -- one request ---------------------------------------------------------------------
+    async def generate(
+        self, request_id: str, prompt_token_ids: list[int], sampling: SamplingSpec
+    ) -> AsyncIterator[TokenEvent]:
+        # The span is passed explicitly, never made current: this generator yields to the
+        # HTTP layer between tokens, and a context attached across a yield is not safe.
+        span = self._tracer.start_span("mesh_request")
+        span.set_attribute("kvmesh.request_id", request_id)
+        span.set_attribute("kvmesh.prompt_tokens", len(prompt_token_ids))
+        ctx = trace.set_span_in_context(span)
+        excluded: set[str] = set()
+        sent_any = False
+        last_reason = "no attempt made"
+        try:
+            for attempt_number in range(self.max_attempts):
+                attempt_id = f"{request_id}-{attempt_number}"
+                span.set_attribute("kvmesh.attempts", attempt_number + 1)
+                try:
+                    attempt = self._attempt(attempt_id, prompt_token_ids, sampling, excluded, span, ctx)
+                    async with contextlib.aclosing(attempt) as events:  # a client leaving cancels at once
+                        async for event in events:
+                            sent_any = True
+                            yield event
+                    return
+                except _Retry as retry:
+                    last_reason = str(retry)
+                    span.add_event("retry", {"reason": last_reason})
+                    if sent_any:
+                        raise MeshError("unavailable", f"the request failed mid-stream: {retry}") from None
+                    if retry.bad_worker:
+                        excluded.add(retry.bad_worker)
+                    logger.warning("request %s attempt %d failed (%s); retrying", request_id, attempt_number, retry)
+            raise MeshError("unavailable", f"the request failed after {self.max_attempts} attempts: {last_reason}")
+        except MeshError as exc:
+            span.set_status(trace.Status(trace.StatusCode.ERROR, exc.message))
+            raise
+        finally:
+            span.end()
+
+    async def _attempt(
+        self,
+        attempt_id: str,
+        prompt: list[int],
+        sampling: SamplingSpec,
+        excluded: set[str],
+        span: trace.Span,
+        ctx,
+    ) -> AsyncIterator[TokenEvent]:
+        decode = least_loaded(self.directory.alive("decode"), self.board, excluded)
+        if decode is None:
+            raise MeshError("unavailable", "no decode worker is available")
+        prefill = least_loaded(self.directory.alive("prefill"), self.board, excluded)
+        span.set_attribute("kvmesh.decode_worker", decode.worker.worker_id)
+        span.set_attribute("kvmesh.decode_choice", decode.reason)
+        span.set_attribute("kvmesh.prefill_worker", prefill.worker.worker_id if prefill else "")
+
+        request = DecodeRequest(
+            request_id=attempt_id,
+            prompt_token_ids=prompt,
+            sampling=sampling,
+            reply_subject=self.subjects.stream(self.router_id, attempt_id),
+        )
+        if prefill is not None:
+            response = await self._prefill(prefill.worker, attempt_id, prompt, sampling, ctx)
+            request = request.model_copy(update={"first_token_id": response.first_token_id, "kv": response.kv})
+
+        attempt = _Attempt(attempt_id, decode.worker.worker_id, prefill.worker.worker_id if prefill else None)
+        self._attempts[attempt_id] = attempt
+        self.board.add(decode.worker.worker_id, 1)
+        finished = False
+        try:
+            await self._start_decode(decode.worker, request, ctx)
+            async for event in self._events_in_order(attempt):
+                finished = event.finished
+                yield event
+        finally:
+            self.board.add(decode.worker.worker_id, -1)
+            self._attempts.pop(attempt_id, None)
+            if not finished:
+                await self._cancel(attempt_id)
+
+    async def _prefill(
+        self, worker: WorkerRecord, attempt_id: str, prompt: list[int], sampling: SamplingSpec, ctx
+    ) -> PrefillResponse:
+        self.board.add(worker.worker_id, 1)
+        try:
+            with self._tracer.start_as_current_span("prefill_call", context=ctx) as span:
+                span.set_attribute("kvmesh.worker_id", worker.worker_id)
+                payload = PrefillRequest(request_id=attempt_id, prompt_token_ids=prompt, sampling=sampling)
+                try:
+                    msg = await self.nc.request(
+                        worker.subject, payload.encode(), timeout=self.mesh.request_timeout, headers=inject_headers()
+                    )
+                except (NatsTimeoutError, NoRespondersError, asyncio.TimeoutError) as exc:
+                    await self._cancel(attempt_id)
+                    raise _Retry(f"prefill on {worker.worker_id}: {type(exc).__name__}", worker.worker_id) from None
+        finally:
+            self.board.add(worker.worker_id, -1)
+        response = PrefillResponse.decode(msg.data)
+        if response.error is not None:
+            if response.error.code in RETRYABLE:
+                raise _Retry(f"prefill on {worker.worker_id}: {response.error.message}", worker.worker_id)
+            raise MeshError(response.error.code, response.error.message)
+        return response
+
+    async def _start_decode(self, worker: WorkerRecord, request: DecodeRequest, ctx) -> None:
+        try:
+            msg = await self.nc.request(
+                worker.subject, request.encode(), timeout=min(5.0, self.mesh.request_timeout), headers=inject_headers(ctx)
+            )
+        except (NatsTimeoutError, NoRespondersError, asyncio.TimeoutError) as exc:
+            raise _Retry(f"decode on {worker.worker_id}: {type(exc).__name__}", worker.worker_id) from None
+        ack = DecodeAck.decode(msg.data)
+        if not ack.accepted:
+            error = ack.error
+            if error is None or error.code in RETRYABLE:
+                raise _Retry(f"decode on {worker.worker_id} refused: {error.message if error else '?'}", worker.worker_id)
+            raise MeshError(error.code, error.message)
+
+    async def _events_in_order(self, attempt: _Attempt) -> AsyncIterator[TokenEvent]:
+        """The attempt's events by sequence number, until the last one."""
+        expected = 0
+        early: dict[int, TokenEvent] = {}
+        while True:
+            try:
+                item = await asyncio.wait_for(attempt.events.get(), self.mesh.request_timeout)
+            except asyncio.TimeoutError:
+                raise _Retry(f"no token from {attempt.decode_worker} for {self.mesh.request_timeout:g}s", attempt.decode_worker) from None
+            if item is _WORKER_GONE:
+                raise _Retry(f"decode worker {attempt.decode_worker} is gone", attempt.decode_worker)
+            early[item.seq] = item
+            while expected in early:
+                event = early.pop(expected)
+                expected += 1
+                if event.error is not None:
+                    if event.error.code == "unavailable":  # the pull failed: the prefill side is gone
+                        raise _Retry(event.error.message, attempt.prefill_worker)
+                    if event.error.code in RETRYABLE:
+                        raise _Retry(event.error.message, attempt.decode_worker)
+                    raise MeshError(event.error.code, event.error.message)
+                yield event
+                if event.finished:
+                    return
+
+    async def _cancel(self, attempt_id: str) -> None:
+        try:
+            await self.nc.publish(self.subjects.cancel, CancelRequest(request_id=attempt_id).encode())
+        except Exception as exc:  # noqa: BLE001 - best effort; leases and timeouts clean up
+            logger.debug("cancel of %s not sent: %s", attempt_id, exc)

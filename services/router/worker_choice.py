@@ -1,0 +1,61 @@
+"""Choosing a worker: the least loaded live one, by its latest load report and the requests
+this router has sent it since. (KV-aware scoring plugins come with the cluster KV cache.)"""
+
+from __future__ import annotations
+
+import random
+import time
+from dataclasses import dataclass
+
+from kvmesh.protocol import LoadReport, WorkerRecord
+
+
+@dataclass(slots=True)
+class Choice:
+    worker: WorkerRecord
+    reason: str
+
+
+class LoadBoard:
+    """Latest load report per worker, plus requests in flight from this router."""
+
+    def __init__(self, *, stale_after: float = 3.0) -> None:
+        self.reports: dict[str, LoadReport] = {}
+        self.received_at: dict[str, float] = {}
+        self.in_flight: dict[str, int] = {}
+        self.stale_after = stale_after
+
+    def update(self, report: LoadReport) -> None:
+        self.reports[report.worker_id] = report
+        self.received_at[report.worker_id] = time.monotonic()
+
+    def forget(self, worker_id: str) -> None:
+        self.reports.pop(worker_id, None)
+        self.received_at.pop(worker_id, None)
+        self.in_flight.pop(worker_id, None)
+
+    def add(self, worker_id: str, delta: int) -> None:
+        self.in_flight[worker_id] = max(0, self.in_flight.get(worker_id, 0) + delta)
+
+    def usable(self, worker_id: str) -> bool:
+        """Not draining, and not silent for longer than ``stale_after`` (a hung or dead
+        worker whose lease has not run out yet). A worker not yet heard from is usable."""
+        report = self.reports.get(worker_id)
+        if report is None:
+            return True
+        return not report.draining and time.monotonic() - self.received_at[worker_id] < self.stale_after
+
+    def load(self, worker_id: str) -> float:
+        report = self.reports.get(worker_id)
+        queued = report.running + report.waiting if report else 0
+        return queued + self.in_flight.get(worker_id, 0)
+
+
+def least_loaded(candidates: list[WorkerRecord], board: LoadBoard, exclude: set[str]) -> Choice | None:
+    usable = [w for w in candidates if w.worker_id not in exclude and board.usable(w.worker_id)]
+    if not usable:
+        return None
+    lowest = min(board.load(w.worker_id) for w in usable)
+    best = [w for w in usable if board.load(w.worker_id) == lowest]
+    worker = random.choice(best)
+    return Choice(worker, f"least loaded ({lowest:g} queued) of {len(usable)}")

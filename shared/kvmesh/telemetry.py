@@ -1,0 +1,55 @@
+"""OpenTelemetry for every service: one tracer provider per process, W3C trace context in
+NATS headers, OTLP/HTTP export when ``OTEL_EXPORTER_OTLP_ENDPOINT`` is set."""
+
+from __future__ import annotations
+
+import logging
+import os
+
+from opentelemetry import context, propagate, trace
+from opentelemetry.sdk.resources import Resource
+from opentelemetry.sdk.trace import TracerProvider
+from opentelemetry.sdk.trace.export import BatchSpanProcessor
+
+logger = logging.getLogger(__name__)
+
+_provider: TracerProvider | None = None
+
+
+def setup_tracing(service_name: str, worker_id: str | None = None) -> TracerProvider:
+    """Install the process's tracer provider (once); spans go to OTLP if an endpoint is set."""
+    global _provider
+    if _provider is not None:
+        return _provider
+    attributes = {"service.name": service_name}
+    if worker_id:
+        attributes["service.instance.id"] = worker_id
+    provider = TracerProvider(resource=Resource.create(attributes))
+    if os.environ.get("OTEL_EXPORTER_OTLP_ENDPOINT") or os.environ.get("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT"):
+        from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
+
+        provider.add_span_processor(BatchSpanProcessor(OTLPSpanExporter()))
+        logger.info("tracing: OTLP export for %s", service_name)
+    trace.set_tracer_provider(provider)
+    _provider = provider
+    return provider
+
+
+def shutdown_tracing() -> None:
+    if _provider is not None:
+        _provider.shutdown()
+
+
+def tracer(name: str) -> trace.Tracer:
+    return trace.get_tracer(name)
+
+
+def inject_headers(ctx: context.Context | None = None) -> dict[str, str]:
+    """NATS headers carrying a trace context (``traceparent``): ``ctx``'s, else the current."""
+    carrier: dict[str, str] = {}
+    propagate.inject(carrier, context=ctx)
+    return carrier
+
+
+def extract_context(headers: dict[str, str] | None) -> context.Context:
+    return propagate.extract(headers or {})

@@ -1,0 +1,1 @@
+"""What every worker service shares: settings, the engine host, registration, load, drain."""

@@ -1,0 +1,227 @@
+"""The host of one worker's engine: NATS, etcd registration, the transfer engine, load
+reports, pool stats, cancellation, and drain on SIGTERM. Role-specific work lives in the
+services; this is what they share."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import signal
+import time
+from collections.abc import Awaitable, Callable, Coroutine
+from typing import Any
+
+import nats
+from nats.aio.msg import Msg
+
+from kvmesh.cluster.etcd_store import EtcdStore
+from kvmesh.cluster.registration import LeasedKey
+from kvmesh.engine.async_engine import AsyncEngine
+from kvmesh.engine.llm_engine import EngineConfig
+from kvmesh.protocol import CancelRequest, Keys, KVLayoutSpec, LoadReport, Subjects, WorkerRecord, WorkerStats
+from kvmesh.telemetry import setup_tracing, shutdown_tracing, tracer
+from kvmesh.transfer.mooncake_agent import MooncakeAgent
+from kvmesh.worker.settings import WorkerSettings
+
+logger = logging.getLogger(__name__)
+
+
+class WorkerRuntime:
+    def __init__(self, settings: WorkerSettings) -> None:
+        self.settings = settings
+        self.worker_id = settings.worker_id
+        self.subjects = Subjects(settings.mesh.namespace)
+        self.keys = Keys(settings.mesh.namespace)
+        self.timeout = settings.mesh.request_timeout
+        self.tracer = tracer(f"kvmesh.{settings.role}")
+        self.engine: AsyncEngine
+        self.agent: MooncakeAgent
+        self.nc: nats.NATS
+        self.store: EtcdStore
+        self.registration: LeasedKey | None = None
+        self.draining = False
+        self.bytes_served = 0  # prefill: bytes of pinned blocks peers pulled
+        self.pin_count: Callable[[], int] = lambda: 0
+        self.on_cancel: Callable[[str], Awaitable[None]] = self._abort
+        self._tasks: set[asyncio.Task] = set()
+        self._work_subscriptions: list[Any] = []
+        self._background: list[asyncio.Task] = []
+        self._closers: list[Callable[[], Awaitable[None]]] = []
+        self._stopped = asyncio.Event()
+
+    # -- start ---------------------------------------------------------------------------
+    async def start(self) -> None:
+        s = self.settings
+        s.log()
+        setup_tracing(f"kvmesh-{s.role}-worker", self.worker_id)
+        logger.info("loading the model")
+        self.engine = await AsyncEngine.create(
+            EngineConfig(
+                model=s.model,
+                served_model_name=s.served_model_name,
+                device=s.device,
+                dtype=s.dtype,
+                block_size=s.block_size,
+                kv_cache_bytes=s.kv_cache_bytes,
+                max_num_seqs=s.max_num_seqs,
+                max_num_batched_tokens=s.max_num_batched_tokens,
+                enable_prefix_caching=s.enable_prefix_caching,
+                num_threads=s.num_threads,
+            )
+        )
+        pool = self.engine.engine.kv_pool
+        self.agent = MooncakeAgent(s.advertise_host)
+        self.agent.register(pool.base_address, pool.nbytes)
+        self.nc = await nats.connect(
+            s.mesh.nats_url,
+            name=f"{s.role}-{self.worker_id}",
+            connect_timeout=self.timeout,
+            max_reconnect_attempts=-1,
+            reconnect_time_wait=0.5,
+        )
+        self.store = EtcdStore(list(s.mesh.etcd_endpoints), timeout=min(self.timeout, 5.0))
+        await self.store.connect()
+        await self.nc.subscribe(self.subjects.cancel, cb=self._handle_cancel)
+        await self.nc.subscribe(self.subjects.stats(self.worker_id), cb=self._handle_stats)
+        self._background.append(asyncio.create_task(self._report_load(), name="load-reports"))
+
+    def record(self) -> WorkerRecord:
+        engine = self.engine.engine
+        role_subject = self.subjects.prefill if self.settings.role == "prefill" else self.subjects.decode
+        return WorkerRecord(
+            worker_id=self.worker_id,
+            role=self.settings.role,
+            model=engine.model_name,
+            max_model_len=engine.max_model_len,
+            subject=role_subject(self.worker_id),
+            transfer_endpoint=self.agent.endpoint,
+            kv_base_address=engine.kv_pool.base_address,
+            kv_layout=KVLayoutSpec.from_layout(engine.kv_layout),
+            host=self.settings.advertise_host,
+            pid=os.getpid(),
+            started_at=time.time(),
+        )
+
+    async def register(self) -> None:
+        """Announce the worker in etcd; call once its work subjects are subscribed."""
+        self.registration = LeasedKey(
+            self.store,
+            self.keys.worker(self.settings.role, self.worker_id),
+            self.record().encode(),
+            ttl=self.settings.lease_ttl,
+        )
+        await self.registration.start()
+        logger.info("%s worker %s ready", self.settings.role, self.worker_id)
+
+    async def subscribe_work(self, subject: str, handler: Callable[[Msg], Awaitable[None]], queue: str = "") -> None:
+        self._work_subscriptions.append(await self.nc.subscribe(subject, queue=queue, cb=handler))
+
+    def spawn(self, coroutine: Coroutine[Any, Any, Any], name: str) -> asyncio.Task:
+        """Run a request's work in the background, tracked so drain can wait for it."""
+        task = asyncio.create_task(coroutine, name=name)
+        self._tasks.add(task)
+        task.add_done_callback(self._task_done)
+        return task
+
+    def _task_done(self, task: asyncio.Task) -> None:
+        self._tasks.discard(task)
+        if not task.cancelled() and task.exception() is not None:
+            logger.error("task %s failed", task.get_name(), exc_info=task.exception())
+
+    # -- control messages ----------------------------------------------------------------
+    async def _handle_cancel(self, msg: Msg) -> None:
+        try:
+            request_id = CancelRequest.decode(msg.data).request_id
+        except ValueError:
+            return
+        await self.on_cancel(request_id)
+
+    async def _abort(self, request_id: str) -> None:
+        await self.engine.abort(request_id)
+
+    async def stats(self) -> WorkerStats:
+        pool = await self.engine.pool_stats()
+        return WorkerStats(
+            worker_id=self.worker_id,
+            num_blocks=pool.num_blocks,
+            num_free=pool.num_free,
+            num_cached=pool.num_cached,
+            num_in_use=pool.num_in_use,
+            num_held=pool.num_held,
+            pins=self.pin_count(),
+            bytes_pulled=self.agent.bytes_read,
+            bytes_served=self.bytes_served,
+            transfers=self.agent.transfers,
+        )
+
+    async def _handle_stats(self, msg: Msg) -> None:
+        await msg.respond((await self.stats()).encode())
+
+    async def _report_load(self) -> None:
+        while True:
+            try:
+                load = await self.engine.load()
+                report = LoadReport(
+                    worker_id=self.worker_id,
+                    role=self.settings.role,
+                    running=load["running"],
+                    waiting=load["waiting"],
+                    free_blocks=load["free_blocks"],
+                    total_blocks=self.engine.engine.kv_layout.num_blocks,
+                    draining=self.draining,
+                    timestamp=time.time(),
+                )
+                await self.nc.publish(self.subjects.load, report.encode())
+            except Exception as exc:  # noqa: BLE001 - a missed report is not fatal
+                logger.debug("load report failed: %s", exc)
+            await asyncio.sleep(self.settings.load_interval)
+
+    # -- stop ----------------------------------------------------------------------------
+    async def drain(self) -> None:
+        """Stop taking work, finish what is in flight, leave etcd."""
+        if self.draining:
+            return
+        self.draining = True
+        logger.info("draining: %d requests in flight", len(self._tasks))
+        for subscription in self._work_subscriptions:
+            await subscription.unsubscribe()
+        if self._tasks:
+            done, pending = await asyncio.wait(set(self._tasks), timeout=self.settings.drain_timeout)
+            for task in pending:
+                task.cancel()
+        if self.registration is not None:
+            await self.registration.stop(revoke=True)
+
+    def on_close(self, closer: Callable[[], Awaitable[None]]) -> None:
+        """Run ``closer`` at close, before the engine and the connections go."""
+        self._closers.append(closer)
+
+    async def close(self) -> None:
+        for closer in self._closers:
+            try:
+                await closer()
+            except Exception:  # noqa: BLE001 - keep closing the rest
+                logger.exception("closing step failed")
+        for task in self._background:
+            task.cancel()
+        if self.registration is not None:
+            await self.registration.stop(revoke=False)
+        try:
+            await asyncio.wait_for(self.nc.drain(), 5)
+        except Exception:  # noqa: BLE001 - closing anyway
+            await self.nc.close()
+        await self.store.close()
+        await self.engine.shutdown()
+        shutdown_tracing()
+
+    async def serve_until_signalled(self) -> None:
+        """Block until SIGTERM or SIGINT, then drain and close."""
+        loop = asyncio.get_running_loop()
+        for signum in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(signum, self._stopped.set)
+        await self._stopped.wait()
+        logger.info("signal received")
+        await self.drain()
+        await self.close()
+        logger.info("stopped")

@@ -1,0 +1,126 @@
+"""Worker settings from flags and ``KVMESH_*`` environment variables; logged once at start."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import socket
+import uuid
+from dataclasses import asdict, dataclass, field
+
+logger = logging.getLogger(__name__)
+
+
+def _env(name: str, default: str | None = None) -> str | None:
+    return os.environ.get(f"KVMESH_{name}", default)
+
+
+@dataclass(slots=True, frozen=True)
+class MeshSettings:
+    """Where the mesh is: NATS, etcd, the namespace. No defaults: a missing one fails at start."""
+
+    nats_url: str
+    etcd_endpoints: tuple[str, ...]
+    namespace: str = "default"
+    request_timeout: float = 30.0  # seconds for any single network wait
+
+
+@dataclass(slots=True, frozen=True)
+class WorkerSettings:
+    role: str
+    mesh: MeshSettings
+    worker_id: str = field(default_factory=lambda: f"{socket.gethostname()}-{uuid.uuid4().hex[:8]}")
+    model: str | None = None
+    served_model_name: str | None = None
+    device: str = "cpu"
+    dtype: str = "float32"
+    kv_cache_bytes: int = 512 * 2**20
+    block_size: int = 16
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 1024
+    enable_prefix_caching: bool = True
+    num_threads: int | None = None  # torch threads; None: torch's default
+    advertise_host: str = "127.0.0.1"  # the address peers reach this worker's transfer engine at
+    lease_ttl: int = 5  # seconds: a dead worker leaves etcd within this
+    pin_ttl: int = 30  # seconds a prefill's blocks wait for the decode side's pull
+    load_interval: float = 0.5  # seconds between load reports
+    drain_timeout: float = 60.0
+    # Fault injection for tests: seconds a decode worker waits before pulling KV, so a test
+    # can kill the prefill worker in between. Read from KVMESH_FAULT_PULL_DELAY only.
+    fault_pull_delay: float = float(os.environ.get("KVMESH_FAULT_PULL_DELAY", "0"))
+
+    def log(self) -> None:
+        values = asdict(self)
+        logger.info("settings: %s", ", ".join(f"{k}={v}" for k, v in values.items()))
+
+
+def add_mesh_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--nats-url", default=_env("NATS_URL"), help="NATS server URL (KVMESH_NATS_URL)")
+    parser.add_argument(
+        "--etcd", default=_env("ETCD_ENDPOINTS"), help="etcd endpoints host:port[,host:port] (KVMESH_ETCD_ENDPOINTS)"
+    )
+    parser.add_argument("--namespace", default=_env("NAMESPACE", "default"), help="mesh namespace (KVMESH_NAMESPACE)")
+    parser.add_argument("--request-timeout", type=float, default=float(_env("REQUEST_TIMEOUT", "30")))
+
+
+def mesh_settings(args: argparse.Namespace, parser: argparse.ArgumentParser) -> MeshSettings:
+    if not args.nats_url:
+        parser.error("--nats-url (or KVMESH_NATS_URL) is required")
+    if not args.etcd:
+        parser.error("--etcd (or KVMESH_ETCD_ENDPOINTS) is required")
+    return MeshSettings(
+        nats_url=args.nats_url,
+        etcd_endpoints=tuple(e.strip() for e in args.etcd.split(",") if e.strip()),
+        namespace=args.namespace,
+        request_timeout=args.request_timeout,
+    )
+
+
+def worker_parser(role: str) -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog=f"kvmesh-{role}-worker", description=f"kvmesh {role} worker")
+    add_mesh_args(parser)
+    parser.add_argument("--worker-id", default=_env("WORKER_ID"))
+    parser.add_argument("--model", default=_env("MODEL"), help="model dir or .gguf (default: SmolLM2-135M-Instruct)")
+    parser.add_argument("--served-model-name", default=_env("SERVED_MODEL_NAME"))
+    parser.add_argument("--device", default=_env("DEVICE", "cpu"))
+    parser.add_argument("--dtype", default=_env("DTYPE", "float32"), choices=["float32", "bfloat16", "float16"])
+    parser.add_argument("--kv-cache-mib", type=int, default=int(_env("KV_CACHE_MIB", "512")))
+    parser.add_argument("--block-size", type=int, default=int(_env("BLOCK_SIZE", "16")))
+    parser.add_argument("--max-num-seqs", type=int, default=int(_env("MAX_NUM_SEQS", "64")))
+    parser.add_argument("--max-num-batched-tokens", type=int, default=int(_env("MAX_NUM_BATCHED_TOKENS", "1024")))
+    parser.add_argument("--no-prefix-caching", action="store_true", default=_env("PREFIX_CACHING", "1") == "0")
+    parser.add_argument("--num-threads", type=int, default=int(_env("NUM_THREADS", "0")) or None)
+    parser.add_argument("--advertise-host", default=_env("ADVERTISE_HOST", "127.0.0.1"))
+    parser.add_argument("--lease-ttl", type=int, default=int(_env("LEASE_TTL", "5")))
+    parser.add_argument("--pin-ttl", type=int, default=int(_env("PIN_TTL", "30")))
+    parser.add_argument("--load-interval", type=float, default=float(_env("LOAD_INTERVAL", "0.5")))
+    parser.add_argument("--drain-timeout", type=float, default=float(_env("DRAIN_TIMEOUT", "60")))
+    parser.add_argument("-v", "--verbose", action="store_true")
+    return parser
+
+
+def worker_settings(role: str, argv: list[str] | None = None) -> WorkerSettings:
+    parser = worker_parser(role)
+    args = parser.parse_args(argv)
+    extra = {"worker_id": args.worker_id} if args.worker_id else {}
+    return WorkerSettings(
+        role=role,
+        mesh=mesh_settings(args, parser),
+        model=args.model,
+        served_model_name=args.served_model_name,
+        device=args.device,
+        dtype=args.dtype,
+        kv_cache_bytes=args.kv_cache_mib * 2**20,
+        block_size=args.block_size,
+        max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        enable_prefix_caching=not args.no_prefix_caching,
+        num_threads=args.num_threads,
+        advertise_host=args.advertise_host,
+        lease_ttl=args.lease_ttl,
+        pin_ttl=args.pin_ttl,
+        load_interval=args.load_interval,
+        drain_timeout=args.drain_timeout,
+        **extra,
+    )

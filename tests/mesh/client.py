@@ -1,0 +1,48 @@
+"""Small HTTP and NATS helpers for the end-to-end tests."""
+
+from __future__ import annotations
+
+import json
+
+import httpx
+import nats
+
+from kvmesh.protocol import Subjects, WorkerStats
+
+
+async def post(base_url: str, path: str, body: dict, timeout: float = 120.0) -> httpx.Response:
+    async with httpx.AsyncClient(base_url=base_url, timeout=timeout) as client:
+        return await client.post(path, json=body)
+
+
+async def stream(base_url: str, path: str, body: dict, timeout: float = 120.0) -> list[dict]:
+    """The JSON objects of an SSE response, in order, up to ``[DONE]`` (which must come)."""
+    events: list[dict] = []
+    async with httpx.AsyncClient(base_url=base_url, timeout=timeout) as client:
+        async with client.stream("POST", path, json={**body, "stream": True}) as response:
+            assert response.status_code == 200, await response.aread()
+            async for line in response.aiter_lines():
+                if not line.startswith("data: "):
+                    continue
+                data = line[len("data: ") :]
+                if data == "[DONE]":
+                    return events
+                events.append(json.loads(data))
+    raise AssertionError(f"the stream ended without [DONE] after {len(events)} events")
+
+
+def streamed_text(events: list[dict]) -> str:
+    parts = []
+    for event in events:
+        for choice in event.get("choices", []):
+            parts.append(choice.get("text") or (choice.get("delta") or {}).get("content") or "")
+    return "".join(parts)
+
+
+async def worker_stats(nats_url: str, namespace: str, worker_id: str) -> WorkerStats:
+    nc = await nats.connect(nats_url, connect_timeout=5)
+    try:
+        reply = await nc.request(Subjects(namespace).stats(worker_id), b"", timeout=5)
+        return WorkerStats.decode(reply.data)
+    finally:
+        await nc.close()

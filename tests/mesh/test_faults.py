@@ -1,0 +1,125 @@
+"""Faults through real processes: a prefill worker killed between its prefill and the pull,
+a decode worker killed mid-stream. The client never hangs; survivors leak no blocks; the
+dead worker's etcd record leaves with its lease."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import httpx
+import pytest
+
+from kvmesh.cluster.etcd_store import EtcdStore
+from kvmesh.infra.local_mesh import LocalMesh, MeshOptions
+from kvmesh.protocol import Keys
+from tests.mesh.client import post, stream, streamed_text, worker_stats
+
+pytestmark = pytest.mark.slow
+
+MODEL = "SmolLM2-135M-Instruct"
+LEASE_TTL = 2
+
+
+def make_mesh(tmp_path, default_model_dir, *, prefill: int, decode: int, env: dict | None = None) -> LocalMesh:
+    options = MeshOptions(
+        prefill=prefill,
+        decode=decode,
+        kv_cache_mib=32,
+        lease_ttl=LEASE_TTL,
+        pin_ttl=10,
+        request_timeout=20,
+        num_threads=1,
+        env={"KVMESH_CACHE_DIR": str(default_model_dir.parent.parent), **(env or {})},
+    )
+    mesh = LocalMesh(options, tmp_path)
+    mesh.start()
+    return mesh
+
+
+async def wait_gone(mesh: LocalMesh, role: str, worker_id: str, timeout: float) -> float:
+    started = time.monotonic()
+    async with EtcdStore([mesh.etcd.endpoint]) as store:
+        while time.monotonic() - started < timeout:
+            if await store.get(Keys("default").worker(role, worker_id)) is None:
+                return time.monotonic() - started
+            await asyncio.sleep(0.1)
+    raise AssertionError(f"{worker_id} still registered after {timeout}s")
+
+
+async def assert_no_leak(mesh: LocalMesh, worker_ids: list[str]) -> None:
+    for worker_id in worker_ids:
+        for _ in range(50):
+            stats = await worker_stats(mesh.nats.url, "default", worker_id)
+            if stats.num_in_use == 0 and stats.pins == 0:
+                break
+            await asyncio.sleep(0.1)
+        assert (stats.num_in_use, stats.num_held, stats.pins) == (0, 0, 0), stats
+
+
+async def test_prefill_killed_before_the_pull_is_retried(tmp_path, default_model_dir):
+    mesh = make_mesh(tmp_path, default_model_dir, prefill=2, decode=1, env={"KVMESH_FAULT_PULL_DELAY": "1.5"})
+    try:
+        body = {"model": MODEL, "prompt": "The capital of France is", "max_tokens": 8, "temperature": 0}
+        want = (await post(mesh.base_url, "/v1/completions", body)).json()["choices"][0]["text"]
+
+        async with EtcdStore([mesh.etcd.endpoint]) as store:
+            request = asyncio.create_task(post(mesh.base_url, "/v1/completions", body))
+            victim = None
+            deadline = time.monotonic() + 30
+            while victim is None and time.monotonic() < deadline:  # the pin appears: prefill done, pull pending
+                for worker_id in ("prefill-1", "prefill-2"):
+                    pins, _ = await store.get_prefix(Keys("default").pins(worker_id))
+                    if pins:
+                        victim = worker_id
+                await asyncio.sleep(0.02)
+            assert victim is not None
+            mesh.workers[victim].kill()
+            response = await asyncio.wait_for(request, 60)
+        assert response.status_code == 200, response.text
+        assert response.json()["choices"][0]["text"] == want  # completed on the healthy workers
+        assert "retrying" in mesh.router.tail(200)  # the first attempt really failed
+        survivor = "prefill-2" if victim == "prefill-1" else "prefill-1"
+        await assert_no_leak(mesh, [survivor, "decode-3"])
+        assert await wait_gone(mesh, "prefill", victim, timeout=LEASE_TTL + 5) <= LEASE_TTL + 5
+    finally:
+        mesh.stop()
+
+
+async def test_decode_killed_mid_stream_ends_with_an_error_event(tmp_path, default_model_dir):
+    mesh = make_mesh(tmp_path, default_model_dir, prefill=1, decode=2)
+    try:
+        body = {"model": MODEL, "prompt": "Tell me a long story:", "max_tokens": 400, "temperature": 0, "ignore_eos": True, "stream": True}
+        events: list[dict] = []
+        victim = None
+        async with httpx.AsyncClient(base_url=mesh.base_url, timeout=60) as client:
+            async with client.stream("POST", "/v1/completions", json=body) as response:
+                assert response.status_code == 200
+                done = False
+                async for line in response.aiter_lines():
+                    if not line.startswith("data: "):
+                        continue
+                    data = line[6:]
+                    if data == "[DONE]":
+                        done = True
+                        break
+                    import json
+
+                    events.append(json.loads(data))
+                    if len(events) == 5 and victim is None:
+                        for worker_id in ("decode-2", "decode-3"):
+                            if (await worker_stats(mesh.nats.url, "default", worker_id)).num_in_use > 0:
+                                victim = worker_id
+                        assert victim is not None
+                        mesh.workers[victim].kill()
+                assert done, "the stream must end cleanly"
+        assert "error" in events[-1], events[-1]
+        assert len(events) < 400
+        survivor = "decode-3" if victim == "decode-2" else "decode-2"
+        await assert_no_leak(mesh, ["prefill-1", survivor])
+        await wait_gone(mesh, "decode", victim, timeout=LEASE_TTL + 5)
+        # The mesh still serves, on the survivor.
+        ok = await post(mesh.base_url, "/v1/completions", {"model": MODEL, "prompt": "Hello", "max_tokens": 4, "temperature": 0})
+        assert ok.status_code == 200
+    finally:
+        mesh.stop()

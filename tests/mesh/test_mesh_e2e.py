@@ -1,0 +1,142 @@
+"""The mesh through real processes: nats-server, etcd, router, a prefill and a decode worker
+on SmolLM2, KV moved between them by the Mooncake transfer engine."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import pytest
+
+from kvmesh.engine.llm_engine import EngineConfig, LLMEngine
+from kvmesh.engine.request import SamplingParams
+from kvmesh.infra.local_mesh import LocalMesh, MeshOptions
+from kvmesh.testing.otlp_sink import OTLPSink
+from tests.mesh.client import post, stream, streamed_text, worker_stats
+
+pytestmark = pytest.mark.slow
+
+MODEL = "SmolLM2-135M-Instruct"
+PROMPTS = [
+    "The capital of France is",
+    "Here is a list of three fruits:",
+    "def square(x):\n",
+    "The ocean is deep and",
+    "Once upon a time, a small robot",
+    "Water freezes at",
+    "The best way to learn a language is",
+    "In 1969, astronauts",
+]
+NEW_TOKENS = 20
+
+
+@pytest.fixture(scope="module")
+def sink():
+    receiver = OTLPSink()
+    yield receiver
+    receiver.close()
+
+
+@pytest.fixture(scope="module")
+def mesh(tmp_path_factory, default_model_dir, sink):
+    env = {
+        "KVMESH_CACHE_DIR": str(default_model_dir.parent.parent),
+        "OTEL_EXPORTER_OTLP_ENDPOINT": sink.endpoint,
+        "OTEL_BSP_SCHEDULE_DELAY": "200",
+    }
+    local = LocalMesh(MeshOptions(kv_cache_mib=64, lease_ttl=2, env=env), tmp_path_factory.mktemp("mesh"))
+    local.start()
+    yield local
+    local.stop()
+
+
+@pytest.fixture(scope="module")
+def single_process(default_model_dir):
+    """What one process gives for each prompt, greedy: the reference for the mesh."""
+    engine = LLMEngine(EngineConfig(model=str(default_model_dir), served_model_name=MODEL, kv_cache_bytes=64 * 2**20))
+    prompts = [engine.tokenizer.encode(p) for p in PROMPTS]
+    outs = engine.generate(prompts, SamplingParams(max_tokens=NEW_TOKENS, ignore_eos=True))
+    chat = engine.tokenizer.encode(
+        engine.tokenizer.apply_chat_template([{"role": "user", "content": "What is the capital of France?"}])
+    )
+    [chat_out] = engine.generate([chat], SamplingParams(max_tokens=32))
+    return {"texts": [o.text for o in outs], "chat": chat_out.text}
+
+
+def completion_body(prompt: str) -> dict:
+    return {"model": MODEL, "prompt": prompt, "max_tokens": NEW_TOKENS, "temperature": 0, "ignore_eos": True}
+
+
+async def test_models_and_health(mesh):
+    import httpx
+
+    async with httpx.AsyncClient(base_url=mesh.base_url, timeout=10) as client:
+        models = (await client.get("/v1/models")).json()
+        assert [m["id"] for m in models["data"]] == [MODEL]
+        assert (await client.get("/health")).status_code == 200
+
+
+async def test_completion_equals_single_process(mesh, single_process):
+    for prompt, want in zip(PROMPTS[:3], single_process["texts"]):
+        response = await post(mesh.base_url, "/v1/completions", completion_body(prompt))
+        assert response.status_code == 200, response.text
+        body = response.json()
+        assert body["choices"][0]["text"] == want
+        assert body["usage"]["completion_tokens"] == NEW_TOKENS
+        assert body["choices"][0]["finish_reason"] == "length"
+
+
+async def test_chat_streamed_and_not(mesh, single_process):
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "What is the capital of France?"}], "max_tokens": 32, "temperature": 0}
+    response = await post(mesh.base_url, "/v1/chat/completions", body)
+    assert response.status_code == 200, response.text
+    content = response.json()["choices"][0]["message"]["content"]
+    assert content == single_process["chat"] and "Paris" in content
+    events = await stream(mesh.base_url, "/v1/chat/completions", body)
+    assert streamed_text(events) == content
+    assert events[-1]["choices"][0]["finish_reason"] == "stop"
+
+
+async def test_eight_concurrent_streams(mesh, single_process):
+    results = await asyncio.gather(
+        *(stream(mesh.base_url, "/v1/completions", completion_body(p)) for p in PROMPTS)
+    )
+    assert [streamed_text(events) for events in results] == single_process["texts"]
+
+
+async def test_kv_crossed_through_mooncake_and_nothing_leaks(mesh):
+    await post(mesh.base_url, "/v1/completions", completion_body(PROMPTS[0]))
+    nats_url = mesh.nats.url
+    prefill = await worker_stats(nats_url, "default", "prefill-1")
+    decode = await worker_stats(nats_url, "default", "decode-2")
+    assert decode.bytes_pulled > 0 and decode.transfers > 0
+    assert prefill.bytes_served == decode.bytes_pulled  # counted on both sides
+    for stats in (prefill, decode):
+        assert stats.num_in_use == 0 and stats.num_held == 0 and stats.pins == 0
+
+
+async def test_one_trace_spans_all_three_services(mesh, sink):
+    before = {s.trace_id for s in sink.snapshot()}
+    response = await post(mesh.base_url, "/v1/completions", completion_body(PROMPTS[1]))
+    assert response.status_code == 200
+    wanted_services = {"kvmesh-router", "kvmesh-prefill-worker", "kvmesh-decode-worker"}
+    wanted_names = {"mesh_request", "prefill_call", "prefill", "pin", "decode", "kv_transfer"}
+    deadline = time.monotonic() + 15
+    complete: list[str] = []
+    while not complete and time.monotonic() < deadline:  # spans arrive as each service exports them
+        by_trace: dict[str, list] = {}
+        for span in sink.snapshot():
+            if span.trace_id not in before:
+                by_trace.setdefault(span.trace_id, []).append(span)
+        complete = [
+            trace_id
+            for trace_id, spans in by_trace.items()
+            if wanted_services <= {s.service for s in spans} and wanted_names <= {s.name for s in spans}
+        ]
+        await asyncio.sleep(0.2)
+    assert len(complete) == 1, {t: sorted((s.service, s.name) for s in spans) for t, spans in by_trace.items()}
+    spans = by_trace[complete[0]]
+    roots = [s for s in spans if not s.parent_span_id]
+    assert [(s.service, s.name) for s in roots] == [("kvmesh-router", "POST /v1/completions")]
+    transfer = [s for s in sink.snapshot() if s.trace_id == complete[0] and s.name == "kv_transfer"][0]
+    assert transfer.attributes["kvmesh.bytes"] > 0
