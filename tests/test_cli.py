@@ -58,3 +58,39 @@ def test_bad_input_gets_a_clear_message(args, message):
     assert done.returncode != 0
     assert message in done.stderr
     assert "Traceback" not in done.stderr
+
+
+@pytest.mark.slow
+def test_kvmesh_up_serves_and_stops_on_ctrl_c(default_model_dir, tmp_path):
+    import re
+    import signal
+    import urllib.request
+
+    env = {**os.environ, "KVMESH_CACHE_DIR": str(default_model_dir.parent.parent)}
+    up = subprocess.Popen(
+        [sys.executable, "-m", "kvmesh.cli", "up", "--port", "0", "--kv-cache-mib", "32", "--workdir", str(tmp_path)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=env,
+    )
+    try:
+        line = up.stdout.readline()  # printed once everything is ready
+        match = re.search(r"serving at (http://\S+)/v1", line)
+        assert match, (line, up.stderr.read() if up.poll() is not None else "")
+        base = match.group(1)
+        body = json.dumps({"model": "SmolLM2-135M-Instruct", "prompt": "The capital of France is", "max_tokens": 3, "temperature": 0})
+        request = urllib.request.Request(f"{base}/v1/completions", data=body.encode(), headers={"Content-Type": "application/json"})
+        with urllib.request.urlopen(request, timeout=60) as response:
+            assert json.loads(response.read())["choices"][0]["text"].startswith(" Paris")
+        up.send_signal(signal.SIGINT)
+        assert up.wait(60) == 0
+        stderr = up.stderr.read()
+        assert "kvmesh up: stopped" in stderr
+        with pytest.raises(OSError):
+            urllib.request.urlopen(f"{base}/health", timeout=2)
+        logs = {p.name for p in (tmp_path / "logs").iterdir()}
+        assert {"router.log", "prefill-1.log", "decode-2.log", "nats-server.log"} <= logs
+    finally:
+        if up.poll() is None:
+            up.kill()

@@ -59,7 +59,9 @@ class DecodeWorker:
             span.set_attribute("kvmesh.worker_id", rt.worker_id)
             span.set_attribute("kvmesh.request_id", rid)
             try:
+                cached = None
                 if request.kv is not None:
+                    cached = request.prefill_cached_tokens  # what the prefill reused, not the import
                     await self._pull(request)
                     stream = rt.engine.generate_from_import(
                         rid, request.prompt_token_ids, request.first_token_id, rid, request.sampling.to_params()
@@ -77,7 +79,7 @@ class DecodeWorker:
                             finished=out.finished,
                             finish_reason=out.finish_reason.value if out.finish_reason else None,
                             num_prompt_tokens=out.num_prompt_tokens,
-                            num_cached_tokens=out.num_cached_tokens,
+                            num_cached_tokens=cached if cached is not None else out.num_cached_tokens,
                         )
                     )
                     seq += 1

@@ -211,7 +211,13 @@ class MeshBackend:
         )
         if prefill is not None:
             response = await self._prefill(prefill.worker, attempt_id, prompt, sampling, ctx)
-            request = request.model_copy(update={"first_token_id": response.first_token_id, "kv": response.kv})
+            request = request.model_copy(
+                update={
+                    "first_token_id": response.first_token_id,
+                    "kv": response.kv,
+                    "prefill_cached_tokens": response.num_cached_tokens,
+                }
+            )
 
         attempt = _Attempt(attempt_id, decode.worker.worker_id, prefill.worker.worker_id if prefill else None)
         self._attempts[attempt_id] = attempt

@@ -102,8 +102,12 @@ def _up(args: argparse.Namespace) -> int:
     except KeyboardInterrupt:
         return 0
     finally:
+        # A second Ctrl-C must not cut the shutdown short and orphan the services.
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
         progress("stopping")
         mesh.stop()
+        progress("stopped")
 
 
 def _generate(args: argparse.Namespace) -> int:

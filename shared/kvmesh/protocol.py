@@ -197,6 +197,7 @@ class DecodeRequest(Message):
     reply_subject: str
     first_token_id: int | None = None  # with kv: the token the prefill sampled
     kv: KVHandle | None = None  # None: the decode worker prefills itself
+    prefill_cached_tokens: int = 0  # with kv: prompt tokens the prefill found in its cache
 
 
 class DecodeAck(Message):

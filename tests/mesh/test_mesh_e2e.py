@@ -140,3 +140,13 @@ async def test_one_trace_spans_all_three_services(mesh, sink):
     assert [(s.service, s.name) for s in roots] == [("kvmesh-router", "POST /v1/completions")]
     transfer = [s for s in sink.snapshot() if s.trace_id == complete[0] and s.name == "kv_transfer"][0]
     assert transfer.attributes["kvmesh.bytes"] > 0
+
+
+async def test_prefix_reuse_is_reported(mesh):
+    prompt = "A long shared context about rivers, mountains and the sea. " * 8
+    first = (await post(mesh.base_url, "/v1/completions", completion_body(prompt))).json()
+    again = (await post(mesh.base_url, "/v1/completions", completion_body(prompt))).json()
+    prompt_tokens = first["usage"]["prompt_tokens"]
+    assert first["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+    assert again["usage"]["prompt_tokens_details"]["cached_tokens"] == (prompt_tokens - 1) // 16 * 16
+    assert again["choices"][0]["text"] == first["choices"][0]["text"]
