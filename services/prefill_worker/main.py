@@ -76,14 +76,8 @@ class PrefillWorker:
             export = out.kv_export
             pool = rt.engine.engine.kv_pool
             with rt.tracer.start_as_current_span("pin") as pin_span:
-                try:
-                    pin = await self.pins.pin(rid, rt.worker_id.encode(), len(export.block_ids) * export.layout.block_bytes)
-                except KvmeshError as exc:
-                    await rt.engine.release_export(rid)
-                    await msg.respond(PrefillResponse(request_id=rid, error=ErrorInfo(code="unavailable", message=str(exc))).encode())
-                    return
+                self.pins.pin(rid, rt.worker_id.encode(), len(export.block_ids) * export.layout.block_bytes)
                 pin_span.set_attribute("kvmesh.blocks", len(export.block_ids))
-                pin_span.set_attribute("kvmesh.lease_id", pin.lease_id)
             handle = KVHandle(
                 prefill_worker_id=rt.worker_id,
                 transfer_endpoint=rt.agent.endpoint,
@@ -92,7 +86,6 @@ class PrefillWorker:
                 block_ids=export.block_ids,
                 num_tokens=export.num_tokens,
                 pin_key=rt.keys.pin(rt.worker_id, rid),
-                pin_lease_id=pin.lease_id,
             )
             response = PrefillResponse(
                 request_id=rid,

@@ -4,6 +4,10 @@ Each pin is an etcd key under a lease of its own. The decode side releases it af
 pull (a NATS message, which also counts the bytes, and the lease revoked); if the decode
 side dies the lease expires and the watch here frees the blocks. A local deadline frees
 them too if etcd itself is unreachable. Whatever happens, the blocks are freed once.
+
+The etcd write happens beside the reply to the router, not before it: two etcd round trips
+would otherwise sit in every request's time to first token. Until it lands, the local
+deadline alone guards the blocks.
 """
 
 from __future__ import annotations
@@ -22,9 +26,9 @@ logger = logging.getLogger(__name__)
 @dataclass(slots=True)
 class Pin:
     request_id: str
-    lease_id: int
     num_bytes: int
     deadline: float
+    lease_id: int | None = None  # set once the etcd key is written
 
 
 class PinTable:
@@ -43,6 +47,7 @@ class PinTable:
         self.released = 0
         self.expired = 0
         self._tasks: list[asyncio.Task] = []
+        self._writes: set[asyncio.Task] = set()
 
     def __len__(self) -> int:
         return len(self.pins)
@@ -59,16 +64,25 @@ class PinTable:
         for request_id in list(self.pins):
             await self.release(request_id, reason="shutdown")
 
-    async def pin(self, request_id: str, value: bytes, num_bytes: int) -> Pin:
-        lease_id = await self.store.grant(self.ttl)
-        try:
-            await self.store.put(self.prefix + request_id, value, lease=lease_id)
-        except ClusterError:
-            await self.store.revoke(lease_id)
-            raise
-        pin = Pin(request_id, lease_id, num_bytes, time.monotonic() + self.ttl + 5)
+    def pin(self, request_id: str, value: bytes, num_bytes: int) -> Pin:
+        """Hold a request's blocks from now; the etcd key follows in the background."""
+        pin = Pin(request_id, num_bytes, time.monotonic() + self.ttl + 5)
         self.pins[request_id] = pin
+        task = asyncio.create_task(self._write(pin, value), name=f"pin {request_id}")
+        self._writes.add(task)
+        task.add_done_callback(self._writes.discard)
         return pin
+
+    async def _write(self, pin: Pin, value: bytes) -> None:
+        try:
+            lease_id = await self.store.grant(self.ttl)
+            await self.store.put(self.prefix + pin.request_id, value, lease=lease_id)
+        except ClusterError as exc:
+            logger.warning("pin of %s not written to etcd (%s); the local deadline guards it", pin.request_id, exc)
+            return
+        pin.lease_id = lease_id
+        if self.pins.get(pin.request_id) is not pin:  # released while the write was in flight
+            await self._revoke(lease_id)
 
     async def release(self, request_id: str, *, reason: str) -> Pin | None:
         """Free a pin's blocks (once) and drop its lease; ``None`` if it was already gone."""
@@ -81,8 +95,10 @@ class PinTable:
         else:
             self.expired += 1
             logger.info("pin of %s released: %s", request_id, reason)
-        if reason != "lease expired":
-            asyncio.create_task(self._revoke(pin.lease_id))
+        if reason != "lease expired" and pin.lease_id is not None:
+            task = asyncio.create_task(self._revoke(pin.lease_id))
+            self._writes.add(task)
+            task.add_done_callback(self._writes.discard)
         return pin
 
     async def _revoke(self, lease_id: int) -> None:

@@ -171,7 +171,6 @@ class KVHandle(Message):
     block_ids: tuple[int, ...]
     num_tokens: int
     pin_key: str
-    pin_lease_id: int
 
 
 class PrefillRequest(Message):
