@@ -91,13 +91,24 @@ def worker_parser(role: str) -> argparse.ArgumentParser:
     parser.add_argument("--max-num-batched-tokens", type=int, default=int(_env("MAX_NUM_BATCHED_TOKENS", "1024")))
     parser.add_argument("--no-prefix-caching", action="store_true", default=_env("PREFIX_CACHING", "1") == "0")
     parser.add_argument("--num-threads", type=int, default=int(_env("NUM_THREADS", "0")) or None)
-    parser.add_argument("--advertise-host", default=_env("ADVERTISE_HOST", "127.0.0.1"))
+    parser.add_argument(
+        "--advertise-host",
+        default=_env("ADVERTISE_HOST", "127.0.0.1"),
+        help="address peers reach this worker's transfer engine at; 'auto' resolves this host's name",
+    )
     parser.add_argument("--lease-ttl", type=int, default=int(_env("LEASE_TTL", "5")))
     parser.add_argument("--pin-ttl", type=int, default=int(_env("PIN_TTL", "30")))
     parser.add_argument("--load-interval", type=float, default=float(_env("LOAD_INTERVAL", "0.5")))
     parser.add_argument("--drain-timeout", type=float, default=float(_env("DRAIN_TIMEOUT", "60")))
     parser.add_argument("-v", "--verbose", action="store_true")
     return parser
+
+
+def resolve_advertise_host(value: str) -> str:
+    """``auto``: this host's own address (a container's, in compose or Kubernetes)."""
+    if value == "auto":
+        return socket.gethostbyname(socket.gethostname())
+    return value
 
 
 def worker_settings(role: str, argv: list[str] | None = None) -> WorkerSettings:
@@ -117,7 +128,7 @@ def worker_settings(role: str, argv: list[str] | None = None) -> WorkerSettings:
         max_num_batched_tokens=args.max_num_batched_tokens,
         enable_prefix_caching=not args.no_prefix_caching,
         num_threads=args.num_threads,
-        advertise_host=args.advertise_host,
+        advertise_host=resolve_advertise_host(args.advertise_host),
         lease_ttl=args.lease_ttl,
         pin_ttl=args.pin_ttl,
         load_interval=args.load_interval,

@@ -1,0 +1,263 @@
+"""Mesh benchmarks, each side by side in one run.
+
+1. KV transfer: the Mooncake transfer engine (tcp, loopback) against a raw loopback socket
+   copy of the same bytes, GB/s, for a range of sizes; and coalesced block runs against
+   one range per block.
+2. Latency at low load: time to first token and inter-token latency through the mesh
+   (router -> prefill worker -> KV pulled -> decode worker -> SSE) against the same engine
+   in-process, sequential requests, interleaved rounds.
+
+    .venv/bin/python benchmarks/mesh_bench.py --markdown docs/benchmarks-mesh.md
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import logging
+import os
+import platform
+import socket
+import statistics
+import sys
+import tempfile
+import threading
+import time
+from datetime import datetime, timezone
+from pathlib import Path
+
+import httpx
+import torch
+
+from kvmesh.engine.async_engine import AsyncEngine
+from kvmesh.engine.llm_engine import EngineConfig
+from kvmesh.engine.request import SamplingParams
+from kvmesh.infra.local_mesh import LocalMesh, MeshOptions
+from kvmesh.transfer.mooncake_agent import MooncakeAgent
+from kvmesh.transfer.runs import BlockRun
+
+logger = logging.getLogger("mesh_bench")
+
+MODEL = "SmolLM2-135M-Instruct"
+
+
+# ----------------------------------------------------------------------------- transfer
+def socket_copy(nbytes: int, src: torch.Tensor, dst: torch.Tensor) -> float:
+    """Seconds to send ``nbytes`` from src to dst over a loopback TCP connection."""
+    server = socket.socket()
+    server.bind(("127.0.0.1", 0))
+    server.listen(1)
+    port = server.getsockname()[1]
+    src_view = memoryview(src.numpy()).cast("B")[:nbytes]
+    dst_view = memoryview(dst.numpy()).cast("B")[:nbytes]
+
+    def send() -> None:
+        conn, _ = server.accept()
+        conn.sendall(src_view)
+        conn.close()
+
+    sender = threading.Thread(target=send)
+    sender.start()
+    client = socket.create_connection(("127.0.0.1", port))
+    started = time.perf_counter()
+    received = 0
+    while received < nbytes:
+        count = client.recv_into(dst_view[received:], nbytes - received)
+        if count == 0:
+            raise RuntimeError("socket closed early")
+        received += count
+    seconds = time.perf_counter() - started
+    client.close()
+    sender.join()
+    server.close()
+    return seconds
+
+
+def transfer_bench(sizes_mib: list[int], rounds: int, block_bytes: int) -> list[dict]:
+    largest = max(sizes_mib) * 2**20
+    src = torch.randint(0, 255, (largest,), dtype=torch.uint8)
+    dst = torch.zeros(largest, dtype=torch.uint8)
+    peer, local = MooncakeAgent(), MooncakeAgent()
+    peer.register(src.data_ptr(), largest)
+    local.register(dst.data_ptr(), largest)
+    rows = []
+    for mib in sizes_mib:
+        nbytes = mib * 2**20
+        blocks = nbytes // block_bytes
+        one_run = [BlockRun(0, 0, blocks)]
+        per_block = [BlockRun(i, i, 1) for i in range(blocks)]
+        layout = dict(peer_base=src.data_ptr(), local_base=dst.data_ptr(), block_bytes=block_bytes)
+        local.read_blocks(peer.endpoint, one_run, **layout)  # warm-up (connection set-up)
+        socket_copy(nbytes, src, dst)
+        mooncake, mooncake_blocks, sock = [], [], []
+        for _ in range(rounds):
+            dst.zero_()
+            mooncake.append(local.read_blocks(peer.endpoint, one_run, **layout).seconds)
+            assert torch.equal(dst[: blocks * block_bytes], src[: blocks * block_bytes])
+            mooncake_blocks.append(local.read_blocks(peer.endpoint, per_block, **layout).seconds)
+            sock.append(socket_copy(blocks * block_bytes, src, dst))
+        moved = blocks * block_bytes
+        rows.append(
+            {
+                "mib": mib,
+                "blocks": blocks,
+                "mooncake_gbps": moved / statistics.median(mooncake) / 1e9,
+                "mooncake_per_block_gbps": moved / statistics.median(mooncake_blocks) / 1e9,
+                "socket_gbps": moved / statistics.median(sock) / 1e9,
+            }
+        )
+        logger.info("transfer %s", rows[-1])
+    return rows
+
+
+# ----------------------------------------------------------------------------- latency
+def prompts_for(tokenizer, count: int, length: int) -> list[list[int]]:
+    text = "The river valley has farms, old stone bridges, markets and quiet roads through the hills. " * 40
+    base = tokenizer.encode(text)
+    return [[(t + 7 * i) % 49000 + 100 for t in base[:length]] for i in range(count)]
+
+
+async def in_process(engine: AsyncEngine, prompt: list[int], new_tokens: int, rid: str) -> tuple[float, list[float]]:
+    started = time.perf_counter()
+    times = []
+    async for out in engine.generate(rid, prompt, SamplingParams(max_tokens=new_tokens, ignore_eos=True)):
+        if out.new_token_ids:
+            times.append(time.perf_counter())
+    return times[0] - started, [b - a for a, b in zip(times, times[1:])]
+
+
+async def through_mesh(client: httpx.AsyncClient, prompt: list[int], new_tokens: int) -> tuple[float, list[float]]:
+    body = {"model": MODEL, "prompt": prompt, "max_tokens": new_tokens, "temperature": 0, "ignore_eos": True, "stream": True}
+    started = time.perf_counter()
+    times = []
+    async with client.stream("POST", "/v1/completions", json=body) as response:
+        async for line in response.aiter_lines():
+            if line.startswith("data: ") and line != "data: [DONE]":
+                event = json.loads(line[6:])
+                if event["choices"] and event["choices"][0]["text"]:
+                    times.append(time.perf_counter())
+    return times[0] - started, [b - a for a, b in zip(times, times[1:])]
+
+
+async def latency_bench(args: argparse.Namespace) -> dict:
+    workdir = Path(tempfile.mkdtemp(prefix="kvmesh-bench-"))
+    options = MeshOptions(kv_cache_mib=256, num_threads=args.threads, dtype=args.dtype)
+    mesh = LocalMesh(options, workdir)
+    await asyncio.to_thread(mesh.start, lambda m: logger.info("mesh: %s", m))
+    engine = await AsyncEngine.create(EngineConfig(dtype=args.dtype, kv_cache_bytes=256 * 2**20, num_threads=args.threads))
+    prompts = prompts_for(engine.engine.tokenizer, args.requests * args.rounds + 2, args.prompt_tokens)
+    results = {"in_process": {"ttft": [], "itl": []}, "mesh": {"ttft": [], "itl": []}}
+    try:
+        async with httpx.AsyncClient(base_url=mesh.base_url, timeout=120) as client:
+            await through_mesh(client, prompts[-1], 4)  # warm-up both
+            await in_process(engine, prompts[-2], 4, "warm")
+            index = 0
+            for round_number in range(args.rounds):
+                for _ in range(args.requests):
+                    prompt = prompts[index]  # a fresh prompt each time: no prefix-cache help
+                    index += 1
+                    ttft, itl = await in_process(engine, prompt, args.new_tokens, f"r{index}")
+                    results["in_process"]["ttft"].append(ttft)
+                    results["in_process"]["itl"].extend(itl)
+                    ttft, itl = await through_mesh(client, prompt, args.new_tokens)
+                    results["mesh"]["ttft"].append(ttft)
+                    results["mesh"]["itl"].extend(itl)
+                logger.info("latency round %d done", round_number)
+    finally:
+        await engine.shutdown()
+        await asyncio.to_thread(mesh.stop)
+
+    def pct(values: list[float], q: float) -> float:
+        ordered = sorted(values)
+        return ordered[min(len(ordered) - 1, int(q * len(ordered)))] * 1e3
+
+    summary = {}
+    for side, values in results.items():
+        summary[side] = {
+            "ttft_p50_ms": pct(values["ttft"], 0.5),
+            "ttft_p90_ms": pct(values["ttft"], 0.9),
+            "itl_p50_ms": pct(values["itl"], 0.5),
+            "itl_mean_ms": statistics.mean(values["itl"]) * 1e3,
+            "requests": len(values["ttft"]),
+        }
+    return summary
+
+
+# ----------------------------------------------------------------------------- report
+def machine() -> dict:
+    cpu = "unknown"
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    return {"cpu": cpu, "cores": os.cpu_count(), "python": platform.python_version(), "torch": torch.__version__}
+
+
+def markdown(args: argparse.Namespace, transfer: list[dict], latency: dict | None) -> str:
+    meta = machine()
+    lines = [
+        f"## Mesh benchmarks ({datetime.now(timezone.utc):%Y-%m-%d %H:%M} UTC)",
+        "",
+        f"Command: `{' '.join(sys.argv)}`  ",
+        f"Machine: {meta['cpu']}, {meta['cores']} cores, Python {meta['python']}, torch {meta['torch']}",
+        "",
+        "### KV transfer, loopback (median of rounds)",
+        "",
+        "| size | blocks | Mooncake, coalesced (GB/s) | Mooncake, a range per block (GB/s) | raw socket (GB/s) | Mooncake / socket |",
+        "|---:|---:|---:|---:|---:|---:|",
+    ]
+    for row in transfer:
+        lines.append(
+            f"| {row['mib']} MiB | {row['blocks']} | {row['mooncake_gbps']:.2f} | {row['mooncake_per_block_gbps']:.2f} "
+            f"| {row['socket_gbps']:.2f} | {row['mooncake_gbps'] / row['socket_gbps']:.2f}x |"
+        )
+    if latency:
+        mesh, local = latency["mesh"], latency["in_process"]
+        lines += [
+            "",
+            f"### Latency at low load ({args.dtype}, {args.prompt_tokens}-token prompts, {args.new_tokens} new tokens, "
+            f"{mesh['requests']} sequential requests per side, interleaved)",
+            "",
+            "| metric | in-process engine | through the mesh | added |",
+            "|---|---:|---:|---:|",
+            f"| TTFT p50 (ms) | {local['ttft_p50_ms']:.1f} | {mesh['ttft_p50_ms']:.1f} | {mesh['ttft_p50_ms'] - local['ttft_p50_ms']:+.1f} ms |",
+            f"| TTFT p90 (ms) | {local['ttft_p90_ms']:.1f} | {mesh['ttft_p90_ms']:.1f} | {mesh['ttft_p90_ms'] - local['ttft_p90_ms']:+.1f} ms |",
+            f"| inter-token p50 (ms) | {local['itl_p50_ms']:.2f} | {mesh['itl_p50_ms']:.2f} | {100 * (mesh['itl_p50_ms'] / local['itl_p50_ms'] - 1):+.1f} % |",
+            f"| inter-token mean (ms) | {local['itl_mean_ms']:.2f} | {mesh['itl_mean_ms']:.2f} | {100 * (mesh['itl_mean_ms'] / local['itl_mean_ms'] - 1):+.1f} % |",
+        ]
+    return "\n".join(lines) + "\n"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--sizes-mib", default="1,4,16,64")
+    parser.add_argument("--block-kib", type=int, default=720, help="bytes per block (SmolLM2 float32, 16 tokens: 720 KiB)")
+    parser.add_argument("--transfer-rounds", type=int, default=5)
+    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    parser.add_argument("--threads", type=int, default=2, help="torch threads per engine (in-process and each worker)")
+    parser.add_argument("--prompt-tokens", type=int, default=128)
+    parser.add_argument("--new-tokens", type=int, default=32)
+    parser.add_argument("--requests", type=int, default=10, help="per round and side")
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--skip-latency", action="store_true")
+    parser.add_argument("--out", type=Path, help="raw numbers as JSON")
+    parser.add_argument("--markdown", type=Path, help="append the tables to this file")
+    args = parser.parse_args()
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    transfer = transfer_bench([int(s) for s in args.sizes_mib.split(",")], args.transfer_rounds, args.block_kib * 1024)
+    latency = None if args.skip_latency else asyncio.run(latency_bench(args))
+    report = markdown(args, transfer, latency)
+    print(report)
+    if args.out:
+        args.out.write_text(json.dumps({"machine": machine(), "args": vars(args) | {"out": str(args.out), "markdown": str(args.markdown)}, "transfer": transfer, "latency": latency}, indent=2, default=str))
+    if args.markdown:
+        with args.markdown.open("a") as handle:
+            handle.write("\n" + report)
+
+
+if __name__ == "__main__":
+    main()
