@@ -6,6 +6,8 @@ at the edge by the ``from_*`` / ``to_*`` helpers here, and nowhere else.
 
 from __future__ import annotations
 
+import dataclasses
+
 from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
@@ -110,16 +112,7 @@ class SamplingSpec(Message):
 
     @classmethod
     def from_params(cls, params: SamplingParams) -> SamplingSpec:
-        return cls(
-            temperature=params.temperature,
-            top_p=params.top_p,
-            top_k=params.top_k,
-            seed=params.seed,
-            max_tokens=params.max_tokens,
-            stop=params.stop,
-            stop_token_ids=params.stop_token_ids,
-            ignore_eos=params.ignore_eos,
-        )
+        return cls(**dataclasses.asdict(params))
 
 
 class KVLayoutSpec(Message):
@@ -135,14 +128,7 @@ class KVLayoutSpec(Message):
 
     @classmethod
     def from_layout(cls, layout: KVLayout) -> KVLayoutSpec:
-        return cls(
-            num_blocks=layout.num_blocks,
-            block_size=layout.block_size,
-            num_layers=layout.num_layers,
-            num_kv_heads=layout.num_kv_heads,
-            head_dim=layout.head_dim,
-            dtype=layout.dtype,
-        )
+        return cls(**dataclasses.asdict(layout))
 
 
 class WorkerRecord(Message):

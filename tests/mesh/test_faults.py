@@ -123,3 +123,59 @@ async def test_decode_killed_mid_stream_ends_with_an_error_event(tmp_path, defau
         assert ok.status_code == 200
     finally:
         mesh.stop()
+
+
+async def test_client_leaving_cancels_both_sides_then_drain_and_nats_restart(tmp_path, default_model_dir):
+    """One mesh, three stories: a client that goes away mid-stream frees the workers at once;
+    NATS restarted under the mesh is survived; a decode worker drained with SIGTERM finishes
+    its stream, deregisters and exits cleanly."""
+    import signal
+
+    from kvmesh.infra.servers import start_nats
+
+    mesh = make_mesh(tmp_path, default_model_dir, prefill=1, decode=1)
+    try:
+        body = {"model": MODEL, "prompt": "Count slowly:", "max_tokens": 1000, "temperature": 0, "ignore_eos": True, "stream": True}
+        async with httpx.AsyncClient(base_url=mesh.base_url, timeout=60) as client:
+            async with client.stream("POST", "/v1/completions", json=body) as response:
+                seen = 0
+                async for line in response.aiter_lines():
+                    seen += line.startswith("data: ")
+                    if seen == 3:
+                        break  # the client goes away
+        await assert_no_leak(mesh, ["prefill-1", "decode-2"])
+        decode = await worker_stats(mesh.nats.url, "default", "decode-2")
+        assert decode.num_in_use == 0  # aborted, not decoding 1000 tokens for nobody
+
+        # NATS restarted on the same port: every process reconnects and resubscribes.
+        port = mesh.nats.port
+        mesh.nats.stop()
+        mesh.nats = start_nats(tmp_path / "nats-again", port=port)
+        short = {"model": MODEL, "prompt": "The capital of France is", "max_tokens": 4, "temperature": 0}
+        for _ in range(100):
+            response = await post(mesh.base_url, "/v1/completions", short, timeout=30)
+            if response.status_code == 200:
+                break
+            await asyncio.sleep(0.2)
+        assert response.status_code == 200, response.text
+        assert response.json()["choices"][0]["text"].startswith(" Paris")
+
+        # Drain: SIGTERM while a stream runs; the stream still completes.
+        import json
+
+        long = {**body, "max_tokens": 40}
+        events = []
+        async with httpx.AsyncClient(base_url=mesh.base_url, timeout=60) as client:
+            async with client.stream("POST", "/v1/completions", json=long) as response:
+                async for line in response.aiter_lines():
+                    if not line.startswith("data: ") or line == "data: [DONE]":
+                        continue
+                    events.append(json.loads(line[6:]))
+                    if len(events) == 1:
+                        mesh.workers["decode-2"].signal(signal.SIGTERM)
+        assert events[-1]["choices"][0]["finish_reason"] == "length" and "error" not in events[-1]
+        assert len(streamed_text(events)) > 0
+        assert mesh.workers["decode-2"].popen.wait(30) == 0
+        await wait_gone(mesh, "decode", "decode-2", timeout=1)  # revoked at drain, not left to expire
+    finally:
+        mesh.stop()

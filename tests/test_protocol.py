@@ -1,0 +1,50 @@
+"""What crosses a process: subjects, keys, and payloads that survive a round trip."""
+
+from __future__ import annotations
+
+import pytest
+from pydantic import ValidationError
+
+from kvmesh.engine.kv_cache import KVLayout
+from kvmesh.engine.request import SamplingParams
+from kvmesh.protocol import DecodeRequest, Keys, KVHandle, KVLayoutSpec, SamplingSpec, Subjects, TokenEvent
+
+
+def test_subjects_of_a_namespace():
+    s = Subjects("prod")
+    assert s.prefill() == "kvmesh.prod.prefill"
+    assert s.prefill("w1") == "kvmesh.prod.prefill.w1"
+    assert s.decode("w2") == "kvmesh.prod.decode.w2"
+    assert s.release("w1") == "kvmesh.prod.release.w1"
+    assert (s.cancel, s.load) == ("kvmesh.prod.cancel", "kvmesh.prod.load")
+    assert s.stream("r1", "abc-0") == "kvmesh.prod.stream.r1.abc-0"
+    for bad in ("", "a.b", "a b", "*", ">"):
+        with pytest.raises(ValueError):
+            Subjects(bad)
+
+
+def test_etcd_keys():
+    k = Keys("prod")
+    assert k.worker("decode", "w2") == "/kvmesh/prod/workers/decode/w2"
+    assert k.workers() == "/kvmesh/prod/workers/"
+    assert k.pin("w1", "r9") == "/kvmesh/prod/pins/w1/r9"
+
+
+def test_sampling_and_layout_round_trip():
+    params = SamplingParams(temperature=0.7, top_p=0.9, top_k=5, seed=3, max_tokens=9, stop=("x",), stop_token_ids=(7,), ignore_eos=True)
+    assert SamplingSpec.decode(SamplingSpec.from_params(params).encode()).to_params() == params
+    layout = KVLayout(100, 16, 30, 3, 64, "bfloat16")
+    assert KVLayoutSpec.decode(KVLayoutSpec.from_layout(layout).encode()).to_layout() == layout
+
+
+def test_decode_request_round_trip_and_strictness():
+    handle = KVHandle(
+        prefill_worker_id="p", transfer_endpoint="127.0.0.1:1", kv_base_address=2**40,
+        layout=KVLayoutSpec.from_layout(KVLayout(8, 16, 2, 2, 8, "float32")), block_ids=(3, 4), num_tokens=20, pin_key="/k",
+    )  # fmt: skip
+    request = DecodeRequest(
+        request_id="r", prompt_token_ids=[1, 2], sampling=SamplingSpec(), reply_subject="s", first_token_id=5, kv=handle
+    )
+    assert DecodeRequest.decode(request.encode()) == request
+    with pytest.raises(ValidationError):
+        TokenEvent.decode(b'{"request_id": "r", "seq": 0, "surprise": 1}')  # unknown fields are refused
