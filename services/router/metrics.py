@@ -12,8 +12,7 @@ from kvmesh.services.router.openai_api import Usage
 
 __all__ = ["RequestTracker", "RouterMetrics"]
 
-# The per-request log line keeps the logger it has always had (log configuration and tests name it).
-logger = logging.getLogger("kvmesh.services.router.app")
+logger = logging.getLogger(__name__)
 
 
 class RouterMetrics:

@@ -33,8 +33,7 @@ __all__ = [
     "unless_disconnected",
 ]
 
-# Failures are logged under the router app's logger, as they always were.
-logger = logging.getLogger("kvmesh.services.router.app")
+logger = logging.getLogger(__name__)
 
 CLIENT_CLOSED = 499  # nginx's "client closed request"; also MeshErrorCode.STATUS["cancelled"]
 

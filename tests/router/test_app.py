@@ -450,11 +450,11 @@ async def test_one_log_line_per_request(
     client: httpx.AsyncClient, fake: FakeBackend, caplog: pytest.LogCaptureFixture
 ) -> None:
     fake.script = [Emit((10, 11), "ab"), Finish("length", num_cached_tokens=1)]
-    with caplog.at_level("INFO", logger="kvmesh.services.router.app"):
+    with caplog.at_level("INFO", logger="kvmesh.services.router.metrics"):
         assert (
             await client.post("/v1/completions", json={"model": MODEL, "prompt": "The river"})
         ).status_code == 200
-    lines = [r.getMessage() for r in caplog.records if r.name == "kvmesh.services.router.app"]
+    lines = [r.getMessage() for r in caplog.records if r.name == "kvmesh.services.router.metrics"]
     assert len(lines) == 1
     assert re.fullmatch(
         rf"request {fake.calls[0].request_id} /v1/completions status=200 prompt_tokens=3 cached_tokens=1 "
