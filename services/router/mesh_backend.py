@@ -43,6 +43,7 @@ from kvmesh.protocol import (
     TokenEvent,
     WorkerRecord,
 )
+from kvmesh.services.router.progress import RequestProgress
 from kvmesh.services.router.worker_choice import LoadBoard, least_loaded
 from kvmesh.telemetry import inject_headers, tracer
 from kvmesh.worker.settings import MeshSettings
@@ -85,7 +86,10 @@ class MeshBackend:
         model_dir = resolve_model(model)
         self.tokenizer = Tokenizer.from_dir(model_dir)
         self.model_name = served_name or served_model_name(model, model_dir)
-        self._model_max_len = ModelConfig.from_dir(model_dir).max_position_embeddings
+        model_config = ModelConfig.from_dir(model_dir)
+        self._model_max_len = model_config.max_position_embeddings
+        # The same stop tokens the engine uses: the tokenizer's and the model config's.
+        self.eos_token_ids = tuple(dict.fromkeys((*self.tokenizer.eos_token_ids, *model_config.eos_token_ids)))
         self.board = LoadBoard()
         self._attempts: dict[str, _Attempt] = {}
         self._tracer = tracer("kvmesh.router")
@@ -151,34 +155,50 @@ class MeshBackend:
     async def generate(
         self, request_id: str, prompt_token_ids: list[int], sampling: SamplingSpec
     ) -> AsyncIterator[TokenEvent]:
+        """The request's events for the client. The first token is sent as soon as the
+        prefill worker returns it; a failure anywhere is retried on other workers, resuming
+        from the tokens already sent (prompt + those tokens prefilled again, mostly from the
+        prefix cache), so a client sees one uninterrupted stream."""
         # The span is passed explicitly, never made current: this generator yields to the
         # HTTP layer between tokens, and a context attached across a yield is not safe.
         span = self._tracer.start_span("mesh_request")
         span.set_attribute("kvmesh.request_id", request_id)
         span.set_attribute("kvmesh.prompt_tokens", len(prompt_token_ids))
         ctx = trace.set_span_in_context(span)
+        progress = RequestProgress(request_id, self.tokenizer, sampling, self.eos_token_ids, len(prompt_token_ids))
         excluded: set[str] = set()
-        sent_any = False
         last_reason = "no attempt made"
         try:
             for attempt_number in range(self.max_attempts):
                 attempt_id = f"{request_id}-{attempt_number}"
                 span.set_attribute("kvmesh.attempts", attempt_number + 1)
+                attempt_sampling = sampling.model_copy(update={"max_tokens": progress.remaining_tokens})
+                attempt = self._attempt(
+                    attempt_id, prompt_token_ids + progress.emitted, attempt_sampling, excluded, span, ctx
+                )
                 try:
-                    attempt = self._attempt(attempt_id, prompt_token_ids, sampling, excluded, span, ctx)
-                    async with contextlib.aclosing(attempt) as events:  # a client leaving cancels at once
-                        async for event in events:
-                            sent_any = True
-                            yield event
-                    return
+                    async with contextlib.aclosing(attempt) as events:  # closing cancels the attempt at once
+                        async for tokens in events:
+                            if attempt_number == 0 and tokens.num_cached_tokens:
+                                progress.num_cached_tokens = tokens.num_cached_tokens
+                            event = progress.add(tokens.token_ids, tokens.finish_reason if tokens.finished else None)
+                            if event is not None:
+                                yield event
+                            if progress.finished:
+                                return
+                    raise _Retry("the stream ended without a last event", None)
                 except _Retry as retry:
                     last_reason = str(retry)
-                    span.add_event("retry", {"reason": last_reason})
-                    if sent_any:
-                        raise MeshError("unavailable", f"the request failed mid-stream: {retry}") from None
+                    span.add_event("retry", {"reason": last_reason, "tokens_sent": len(progress.emitted)})
                     if retry.bad_worker:
                         excluded.add(retry.bad_worker)
-                    logger.warning("request %s attempt %d failed (%s); retrying", request_id, attempt_number, retry)
+                    logger.warning(
+                        "request %s attempt %d failed after %d tokens (%s); retrying",
+                        request_id,
+                        attempt_number,
+                        len(progress.emitted),
+                        retry,
+                    )
             raise MeshError("unavailable", f"the request failed after {self.max_attempts} attempts: {last_reason}")
         except MeshError as exc:
             span.set_status(trace.Status(trace.StatusCode.ERROR, exc.message))
@@ -195,6 +215,9 @@ class MeshBackend:
         span: trace.Span,
         ctx,
     ) -> AsyncIterator[TokenEvent]:
+        """One try: the first token from a prefill worker, the rest from a decode worker.
+        Yields events whose token ids are new (their text is ignored: the router
+        detokenizes)."""
         decode = least_loaded(self.directory.alive("decode"), self.board, excluded)
         if decode is None:
             raise MeshError("unavailable", "no decode worker is available")
@@ -202,31 +225,40 @@ class MeshBackend:
         span.set_attribute("kvmesh.decode_worker", decode.worker.worker_id)
         span.set_attribute("kvmesh.decode_choice", decode.reason)
         span.set_attribute("kvmesh.prefill_worker", prefill.worker.worker_id if prefill else "")
-
         request = DecodeRequest(
             request_id=attempt_id,
             prompt_token_ids=prompt,
             sampling=sampling,
             reply_subject=self.subjects.stream(self.router_id, attempt_id),
         )
-        if prefill is not None:
-            response = await self._prefill(prefill.worker, attempt_id, prompt, sampling, ctx)
-            request = request.model_copy(
-                update={
-                    "first_token_id": response.first_token_id,
-                    "kv": response.kv,
-                    "prefill_cached_tokens": response.num_cached_tokens,
-                }
-            )
-
         attempt = _Attempt(attempt_id, decode.worker.worker_id, prefill.worker.worker_id if prefill else None)
         self._attempts[attempt_id] = attempt
         self.board.add(decode.worker.worker_id, 1)
         finished = False
         try:
+            first_sent = False
+            if prefill is not None:
+                response = await self._prefill(prefill.worker, attempt_id, prompt, sampling, ctx)
+                request = request.model_copy(
+                    update={
+                        "first_token_id": response.first_token_id,
+                        "kv": response.kv,
+                        "prefill_cached_tokens": response.num_cached_tokens,
+                    }
+                )
+                first_sent = True
+                yield TokenEvent(
+                    request_id=attempt_id,
+                    seq=-1,
+                    token_ids=[response.first_token_id],
+                    num_cached_tokens=response.num_cached_tokens,
+                )
             await self._start_decode(decode.worker, request, ctx)
             async for event in self._events_in_order(attempt):
                 finished = event.finished
+                if first_sent and event.token_ids:  # the decode side starts with the prefill's token
+                    event = event.model_copy(update={"token_ids": event.token_ids[1:]})
+                    first_sent = False
                 yield event
         finally:
             self.board.add(decode.worker.worker_id, -1)

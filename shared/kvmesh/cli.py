@@ -25,6 +25,13 @@ def _non_negative_float(text: str) -> float:
     return value
 
 
+def _positive_float(text: str) -> float:
+    value = float(text)
+    if not value > 0 or value == float("inf"):
+        raise argparse.ArgumentTypeError(f"must be a positive number, got {text}")
+    return value
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="kvmesh", description="LLM serving with a cluster-wide KV cache")
     parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
@@ -56,6 +63,21 @@ def build_parser() -> argparse.ArgumentParser:
     up.add_argument("--kv-cache-mib", type=_positive_int, default=256, help="KV pool per worker")
     up.add_argument("--api-key", help="require this Bearer token on /v1")
     up.add_argument("--workdir", help="logs and server data (default: a new temporary folder)")
+
+    replay = commands.add_parser("replay", help="replay a Mooncake-format trace (--simulate: simulated prefill workers, no model)")
+    replay.add_argument("--trace", required=True, help="JSONL trace: timestamp (ms), input_length, output_length, hash_ids")
+    replay.add_argument("--simulate", action="store_true", help="simulate prefill workers under each routing policy")
+    replay.add_argument("--workers", type=_positive_int, default=16, help="simulated prefill workers")
+    replay.add_argument("--cache-blocks", type=_positive_int, default=6000, help="LRU cache per worker, in blocks")
+    replay.add_argument("--prefill-rate", type=_positive_float, default=2500.0, help="prompt tokens/s per worker")
+    replay.add_argument("--pull-ms", type=_non_negative_float, default=6.7, help="ms to pull one block from a peer")
+    replay.add_argument("--policies", default="random,round-robin,least-load,prefix-only,kv-aware",
+                        help="comma-separated: random, round-robin, least-load, prefix-only, kv-aware, kv-aware-local, weighted")
+    replay.add_argument("--scorer-config", help="JSON/YAML plugin weights for the weighted policy (default: the built-in config)")
+    replay.add_argument("--time-scale", type=_positive_float, default=1.0, help="multiplies the timestamps (2: half the load)")
+    replay.add_argument("--block-size", type=_positive_int, default=512, help="tokens per hash_id")
+    replay.add_argument("--seed", type=int, default=0, help="seed of the random policy")
+    replay.add_argument("--json", action="store_true", help="print the figures as JSON")
     return parser
 
 
@@ -157,6 +179,77 @@ def _generate(args: argparse.Namespace) -> int:
     return 0
 
 
+def _replay(args: argparse.Namespace) -> int:
+    import time
+
+    from kvmesh.replay import SimConfig, load_trace, oracle_hits, simulate_policies
+    from kvmesh.routing import load_scorer_config, read_scorer_config
+
+    if not args.simulate:
+        sys.stderr.write("kvmesh replay: replaying against the real mesh is not implemented yet; use --simulate for now\n")
+        return 2
+    policies = [p.strip() for p in args.policies.split(",") if p.strip()]
+    if not policies:
+        raise SystemExit("kvmesh replay: error: --policies names no policy")
+    scorer_config = None
+    if args.scorer_config:
+        scorer_config = read_scorer_config(args.scorer_config)
+        load_scorer_config(scorer_config)  # fail now, not after the other policies ran
+    config = SimConfig(
+        workers=args.workers,
+        cache_blocks=args.cache_blocks,
+        prefill_rate=args.prefill_rate,
+        pull_seconds=args.pull_ms / 1000.0,
+        block_size=args.block_size,
+        seed=args.seed,
+        scorer_config=scorer_config,
+    )
+    trace = load_trace(args.trace, time_scale=args.time_scale, block_size=args.block_size)
+    began = time.perf_counter()
+    results = simulate_policies(trace, config, policies)
+    elapsed = time.perf_counter() - began
+    blocks = sum(len(r.hash_ids) for r in trace)
+    summary = {
+        "trace": {
+            "path": str(args.trace),
+            "requests": len(trace),
+            "blocks": blocks,
+            "input_tokens": sum(r.input_length for r in trace),
+            "duration_s": trace[-1].arrival - trace[0].arrival,
+            "oracle_hit_rate": oracle_hits(trace) / blocks,
+        },
+        "config": {
+            "workers": args.workers,
+            "cache_blocks": args.cache_blocks,
+            "prefill_rate": args.prefill_rate,
+            "pull_ms": args.pull_ms,
+            "time_scale": args.time_scale,
+            "block_size": args.block_size,
+            "seed": args.seed,
+        },
+        "policies": {r.policy: r.to_dict() for r in results},
+        "simulation_s": elapsed,
+    }
+    if args.json:
+        print(json.dumps(summary, indent=2))
+        return 0
+    t = summary["trace"]
+    print(
+        f"{t['requests']} requests, {t['blocks']} blocks over {t['duration_s']:.0f} s; oracle hit rate {t['oracle_hit_rate']:.1%}\n"
+        f"{args.workers} workers x {args.cache_blocks} blocks, {args.prefill_rate:g} tokens/s, {args.pull_ms:g} ms/pulled block, "
+        f"time scale {args.time_scale:g}  (simulated in {elapsed:.1f} s)\n"
+    )
+    header = f"{'policy':<15} {'hit rate':>8} {'% oracle':>8} {'pulled':>7} {'TTFT mean':>10} {'p50':>8} {'p90':>8} {'p99':>8} {'max util':>8} {'imbal.':>6}"
+    print(header)
+    print("-" * len(header))
+    for r in results:
+        print(
+            f"{r.policy:<15} {r.hit_rate:>8.1%} {r.hit_pct_of_oracle:>7.1f}% {r.pulled_blocks:>7} {r.ttft_mean:>9.2f}s "
+            f"{r.ttft_p50:>7.2f}s {r.ttft_p90:>7.2f}s {r.ttft_p99:>7.2f}s {r.max_utilization:>8.1%} {r.imbalance:>6.2f}"
+        )
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     logging.basicConfig(
@@ -171,6 +264,8 @@ def main(argv: list[str] | None = None) -> int:
             return _generate(args)
         if args.command == "up":
             return _up(args)
+        if args.command == "replay":
+            return _replay(args)
     except (KvmeshError, ValueError) as exc:
         raise SystemExit(f"kvmesh {args.command}: error: {exc}") from None
     return 2

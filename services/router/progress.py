@@ -1,0 +1,71 @@
+"""One request as its client sees it, across attempts: the tokens sent so far, their text,
+and whether a token has ended it.
+
+The router detokenizes itself, so the text stays one stream whether the first token came
+from the prefill worker, the rest from a decode worker, and a retry resumed on others.
+"""
+
+from __future__ import annotations
+
+from kvmesh.engine.detokenizer import OutputText
+from kvmesh.engine.tokenizer import Tokenizer
+from kvmesh.protocol import SamplingSpec, TokenEvent
+
+
+class RequestProgress:
+    def __init__(
+        self,
+        request_id: str,
+        tokenizer: Tokenizer,
+        sampling: SamplingSpec,
+        eos_token_ids: tuple[int, ...],
+        num_prompt_tokens: int,
+    ) -> None:
+        self.request_id = request_id
+        self.sampling = sampling
+        self.eos_token_ids = () if sampling.ignore_eos else eos_token_ids
+        self.num_prompt_tokens = num_prompt_tokens
+        self.num_cached_tokens = 0
+        self.emitted: list[int] = []
+        self.finish_reason: str | None = None
+        self._text = OutputText(tokenizer, tuple(sampling.stop))
+        self._seq = 0
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+    @property
+    def remaining_tokens(self) -> int:
+        return self.sampling.max_tokens - len(self.emitted)
+
+    def add(self, token_ids: list[int], worker_finish_reason: str | None = None) -> TokenEvent | None:
+        """Take new tokens; returns the event for the client (None if nothing to say)."""
+        if self.finished:
+            return None
+        accepted: list[int] = []
+        for token in token_ids:
+            accepted.append(token)
+            self.emitted.append(token)
+            if self._text.add_token(token) or token in self.eos_token_ids or token in self.sampling.stop_token_ids:
+                self.finish_reason = "stop"
+            elif self.remaining_tokens <= 0:
+                self.finish_reason = "length"
+            if self.finished:
+                break
+        if not self.finished and worker_finish_reason is not None:
+            self.finish_reason = worker_finish_reason  # e.g. the context is full
+        if not accepted and not self.finished:
+            return None
+        event = TokenEvent(
+            request_id=self.request_id,
+            seq=self._seq,
+            token_ids=accepted,
+            text=self._text.take_delta(self.finished),
+            finished=self.finished,
+            finish_reason=self.finish_reason,
+            num_prompt_tokens=self.num_prompt_tokens,
+            num_cached_tokens=self.num_cached_tokens,
+        )
+        self._seq += 1
+        return event
