@@ -13,7 +13,7 @@ from pydantic import ValidationError
 
 from kvmesh.errors import KvmeshError, MeshError
 from kvmesh.protocol import QUEUE_GROUP, DecodeAck, DecodeRequest, ErrorInfo, ReleaseRequest, TokenEvent
-from kvmesh.telemetry import extract_context, inject_headers
+from kvmesh.telemetry import extract_context, inject_headers, record_queue_wait
 from kvmesh.transfer.mooncake_agent import TransferError
 from kvmesh.transfer.runs import coalesce
 from kvmesh.worker.runtime import WorkerRuntime
@@ -70,6 +70,8 @@ class DecodeWorker:
                     span.set_attribute("kvmesh.local_prefill", True)
                     stream = rt.engine.generate(rid, request.prompt_token_ids, request.sampling.to_params())
                 async for out in stream:
+                    if out.queue_seconds is not None and request.kv is None:
+                        record_queue_wait(rt.tracer, span, out.queue_seconds)
                     await send(
                         TokenEvent(
                             request_id=rid,

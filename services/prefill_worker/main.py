@@ -22,7 +22,7 @@ from kvmesh.protocol import (
     ReleaseRequest,
 )
 from kvmesh.services.prefill_worker.pins import PinTable
-from kvmesh.telemetry import extract_context
+from kvmesh.telemetry import extract_context, record_queue_wait
 from kvmesh.worker.runtime import WorkerRuntime
 from kvmesh.worker.settings import worker_settings
 
@@ -68,6 +68,8 @@ class PrefillWorker:
                 span.record_exception(exc)
                 await msg.respond(PrefillResponse(request_id=rid, error=ErrorInfo(code="bad_request", message=str(exc))).encode())
                 return
+            if out.queue_seconds is not None:
+                record_queue_wait(rt.tracer, span, out.queue_seconds)
             span.set_attribute("kvmesh.cached_tokens", out.num_cached_tokens)
             span.set_attribute("kvmesh.computed_tokens", out.num_prompt_tokens - out.num_cached_tokens)
             if out.finish_reason is FinishReason.ABORT or out.kv_export is None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import logging
 import os
+import time
 
 from opentelemetry import context, propagate, trace
 from opentelemetry.sdk.resources import Resource
@@ -53,3 +54,12 @@ def inject_headers(ctx: context.Context | None = None) -> dict[str, str]:
 
 def extract_context(headers: dict[str, str] | None) -> context.Context:
     return propagate.extract(headers or {})
+
+
+def record_queue_wait(tracer_: trace.Tracer, parent: trace.Span, seconds: float) -> None:
+    """A ``queue_wait`` child span: the engine's wait before it first scheduled the request,
+    taken to start when ``parent`` did."""
+    start_ns = getattr(parent, "start_time", None) or time.time_ns()
+    span = tracer_.start_span("queue_wait", context=trace.set_span_in_context(parent), start_time=start_ns)
+    span.set_attribute("kvmesh.queue_seconds", seconds)
+    span.end(end_time=start_ns + int(seconds * 1e9))

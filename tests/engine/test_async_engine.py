@@ -135,3 +135,9 @@ async def test_shutdown_fails_new_calls(tiny_model_dir, prompts):
     await eng.shutdown()
     with pytest.raises(EngineDeadError):
         await collect(eng.generate("late", prompts[0], GREEDY))
+
+
+async def test_queue_wait_is_reported_on_the_first_output_only(engine, prompts):
+    outs = await collect(engine.generate("q", prompts[0], GREEDY))
+    assert outs[0].queue_seconds is not None and 0 <= outs[0].queue_seconds < 5
+    assert all(o.queue_seconds is None for o in outs[1:])

@@ -120,7 +120,7 @@ async def test_one_trace_spans_all_three_services(mesh, sink):
     response = await post(mesh.base_url, "/v1/completions", completion_body(PROMPTS[1]))
     assert response.status_code == 200
     wanted_services = {"kvmesh-router", "kvmesh-prefill-worker", "kvmesh-decode-worker"}
-    wanted_names = {"mesh_request", "prefill_call", "prefill", "pin", "decode", "kv_transfer"}
+    wanted_names = {"mesh_request", "prefill_call", "prefill", "queue_wait", "pin", "decode", "kv_transfer"}
     deadline = time.monotonic() + 15
     complete: list[str] = []
     while not complete and time.monotonic() < deadline:  # spans arrive as each service exports them
@@ -150,3 +150,17 @@ async def test_prefix_reuse_is_reported(mesh):
     assert first["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
     assert again["usage"]["prompt_tokens_details"]["cached_tokens"] == (prompt_tokens - 1) // 16 * 16
     assert again["choices"][0]["text"] == first["choices"][0]["text"]
+
+
+async def test_decode_workers_prefill_themselves_without_prefill_workers(tmp_path, default_model_dir, single_process):
+    env = {"KVMESH_CACHE_DIR": str(default_model_dir.parent.parent)}
+    local = LocalMesh(MeshOptions(prefill=0, decode=1, kv_cache_mib=32, env=env), tmp_path)
+    await asyncio.to_thread(local.start)
+    try:
+        response = await post(local.base_url, "/v1/completions", completion_body(PROMPTS[0]))
+        assert response.status_code == 200, response.text
+        assert response.json()["choices"][0]["text"] == single_process["texts"][0]
+        stats = await worker_stats(local.nats.url, "default", "decode-1")
+        assert stats.transfers == 0 and stats.num_in_use == 0  # no KV moved: prefilled in place
+    finally:
+        await asyncio.to_thread(local.stop)

@@ -124,16 +124,16 @@ def test_other_policies_on_the_shared_trace():
     assert weighted.choices[3:] == [0, 1, 0]
 
 
-# w0 (8 blocks of cache) computes [1, 2] (done at t=2), then a 6-block prompt (busy until 8); [1, 2, 3]
-# arrives at t=3 and w1 is idle.
-PULL = trace((0, [1, 2]), (2, [7, 8, 9, 10, 11, 12]), (3, [1, 2, 3]))
+# w0 (8 blocks of cache) computes [1, 2] (done at t=2), then [1, 2] + 6 blocks (busy until 8);
+# [1, 2, 3] arrives at t=3 and w1 is idle.
+PULL = trace((0, [1, 2]), (2, [1, 2, 7, 8, 9, 10, 11, 12]), (3, [1, 2, 3]))
 
 
 def test_kv_aware_pulls_from_a_peer_when_cheaper():
     result = simulate(PULL, config(workers=2, cache_blocks=8, pull_seconds=0.25), "kv-aware")
     assert result.choices == [0, 0, 1]
     assert result.ttfts == [2.0, 6.0, 0.5 + 1.0]
-    assert (result.pulled_blocks, result.local_hit_blocks, result.hit_rate) == (2, 0, 2 / 11)
+    assert (result.pulled_blocks, result.local_hit_blocks, result.hit_rate) == (2, 2, 4 / 13)
 
 
 @pytest.mark.parametrize("pull_seconds", [1.0, 1.5])
@@ -157,6 +157,14 @@ def test_a_peer_block_still_being_computed_cannot_be_pulled():
     assert result.choices == [0, 1, 0]
     assert result.ttfts == [2.0, 6.0, 2.0]
     assert result.pulled_blocks == 0
+
+
+def test_kv_aware_spreads_equal_estimates_over_idle_workers():
+    # Three cold one-block prompts, each arriving to idle workers: equal estimates go to the
+    # worker free the longest, not always to w0.
+    result = simulate(trace((0, [1]), (10, [2]), (20, [3])), config(), "kv-aware")
+    assert result.choices == [0, 1, 2]
+    assert result.imbalance == 1.0
 
 
 def test_random_is_deterministic_with_a_seed():

@@ -71,6 +71,7 @@ class RequestOutput:
     num_prompt_tokens: int
     num_cached_tokens: int
     kv_export: KVExport | None = None
+    queue_seconds: float | None = None  # arrival to first schedule; on the first output only
 
 
 class LLMEngine:
@@ -211,7 +212,13 @@ class LLMEngine:
             num_prompt_tokens=req.num_prompt_tokens,
             num_cached_tokens=req.num_cached_tokens,
             kv_export=export,
+            queue_seconds=self._queue_seconds(req),
         )
+
+    def _queue_seconds(self, req: Request) -> float | None:
+        if req.first_scheduled_time is None or req.num_output_tokens > 1:
+            return None
+        return req.first_scheduled_time - req.arrival_time
 
     def generate(
         self, prompts: list[list[int]], params: SamplingParams | list[SamplingParams] | None = None

@@ -203,7 +203,9 @@ class _Run:
         assert self.scorer is not None
         route = RouteRequest(str(request.index), len(request.hash_ids), request.input_length)
         candidates = []
-        for w in workers:
+        # Ties go to the first candidate: list the earliest free first (idle longest), as
+        # prefix-only breaks its ties, so that equal estimates spread over idle workers.
+        for w in sorted(workers, key=lambda w: (w.free_at, w.index)):
             w.retire(now)
             running = 1 if w.inflight and w.inflight[0][0] <= now else 0
             start = max(now, w.free_at)
