@@ -166,9 +166,12 @@ class _GenerationRequest(BaseModel):
         None
     )
 
+    max_tokens: int | None = Field(default=None, ge=1)
+
     @property
     def requested_max_tokens(self) -> int | None:
-        raise NotImplementedError
+        """What the client asked for; the subclasses refine it."""
+        return self.max_tokens
 
     @property
     def include_usage(self) -> bool:
@@ -194,10 +197,6 @@ class CompletionRequest(_GenerationRequest):
     best_of: Annotated[Any, _only_off(_is_one, "best_of > 1 is not supported")] = None
     echo: Annotated[Any, _only_off(_is_off, "echo is not supported")] = None
     suffix: Annotated[Any, _only_off(lambda v: v is None or v == "", "suffix is not supported")] = None
-
-    @property
-    def requested_max_tokens(self) -> int | None:
-        return self.max_tokens
 
 
 class ChatMessage(BaseModel):

@@ -236,3 +236,17 @@ def test_cli_refuses_an_unknown_policy(shared_trace_file):
     done = kvmesh_replay("--trace", str(shared_trace_file), "--simulate", "--policies", "fastest")
     assert done.returncode != 0
     assert "unknown policies fastest" in done.stderr and "Traceback" not in done.stderr
+
+
+def test_cli_weighted_policy_reads_a_scorer_config(shared_trace_file, tmp_path):
+    good = tmp_path / "scorer.json"
+    good.write_text(json.dumps({"plugins": [{"name": "prefix", "weight": 1}]}))
+    done = kvmesh_replay("--trace", str(shared_trace_file), "--simulate", "--workers", "3", "--policies", "weighted",
+                         "--scorer-config", str(good), "--json")
+    assert done.returncode == 0, done.stderr
+    assert json.loads(done.stdout)["policies"]["weighted"]["requests"] == 6
+    bad = tmp_path / "bad.json"
+    bad.write_text(json.dumps({"plugins": [{"name": "prefix", "weight": -1}]}))
+    done = kvmesh_replay("--trace", str(shared_trace_file), "--simulate", "--policies", "weighted", "--scorer-config", str(bad))
+    assert done.returncode != 0
+    assert "weight must be a positive finite number, got -1" in done.stderr and "Traceback" not in done.stderr
