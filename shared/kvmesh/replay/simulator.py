@@ -20,7 +20,8 @@ Policies: ``random``, ``round-robin``, ``least-load`` (earliest free), ``prefix-
 minimum estimated TTFT, with cross-worker pulls, scored by ``EstimatedTtftPlugin``),
 ``kv-aware-local`` (the same without pulls) and ``weighted`` (a ``WeightedScorer`` from a
 scorer config, Kthena-style; the default config without one). Only the kv-aware policy
-pulls from peers.
+pulls from peers. Scored policies list their candidates earliest-free first, so equal
+scores go to the worker idle the longest.
 """
 
 from __future__ import annotations
