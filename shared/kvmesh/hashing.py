@@ -64,3 +64,14 @@ def hash_token_blocks(
         parent = hash_block_tokens(parent, token_ids[start : start + block_size], extra_keys)
         hashes.append(parent)
     return hashes
+
+
+def hash_to_hex(block_hash: BlockHash) -> str:
+    """The wire form of a block hash: 32 lowercase hex digits (JSON numbers lose bits)."""
+    return f"{block_hash:032x}"
+
+
+def hash_from_hex(text: str) -> BlockHash:
+    if len(text) != 2 * HASH_BYTES:
+        raise ValueError(f"a block hash is {2 * HASH_BYTES} hex digits, got {text!r}")
+    return int(text, 16)

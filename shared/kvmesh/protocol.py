@@ -52,6 +52,15 @@ class Subjects:
         """Request/reply: a worker's pool and transfer counters."""
         return f"{self.root}.stats.{worker_id}"
 
+    @property
+    def kv_events(self) -> str:
+        """Workers -> kv-metadata: batches of KV cache events."""
+        return f"{self.root}.kv.events"
+
+    def kv_snapshot(self, worker_id: str) -> str:
+        """Request/reply: every block a worker holds now, to resync after a gap."""
+        return f"{self.root}.kv.snapshot.{worker_id}"
+
     def stream(self, router_id: str, request_id: str) -> str:
         """Decode -> router: one request's token events."""
         return f"{self.root}.stream.{router_id}.{request_id}"
@@ -224,6 +233,36 @@ class LoadReport(Message):
     total_blocks: int
     draining: bool = False
     timestamp: float
+
+
+class KVEventSpec(Message):
+    """One KV cache event; hashes are 32 hex digits, parent first to child."""
+
+    kind: Literal["stored", "removed", "cleared"]
+    block_hashes: list[str] = Field(default_factory=list)
+    parent_block_hash: str | None = None
+
+
+class KVEventBatch(Message):
+    """A worker's KV events since its previous batch. ``seq`` counts batches from 0 within
+    an ``epoch`` (a new epoch when the worker restarts); a gap means: ask for a snapshot."""
+
+    worker_id: str
+    epoch: str
+    seq: int
+    tier: str = "device"
+    block_size: int
+    events: list[KVEventSpec]
+
+
+class KVSnapshot(Message):
+    """Every block a worker holds, as of batch ``seq`` of ``epoch`` (later batches apply on top)."""
+
+    worker_id: str
+    epoch: str
+    seq: int
+    tier: str = "device"
+    block_hashes: list[str]
 
 
 class MeshErrorCode:

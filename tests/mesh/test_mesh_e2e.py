@@ -164,3 +164,46 @@ async def test_decode_workers_prefill_themselves_without_prefill_workers(tmp_pat
         assert stats.transfers == 0 and stats.num_in_use == 0  # no KV moved: prefilled in place
     finally:
         await asyncio.to_thread(local.stop)
+
+
+async def test_kv_events_and_snapshots_name_the_prompts_blocks(mesh, default_model_dir):
+    """Both workers publish numbered batches of stored blocks with the shared hash function's
+    values; a snapshot lists the same blocks."""
+    import nats
+
+    from kvmesh.engine.tokenizer import Tokenizer
+    from kvmesh.hashing import hash_to_hex, hash_token_blocks
+    from kvmesh.protocol import KVEventBatch, KVSnapshot, Subjects
+
+    subjects = Subjects("default")
+    nc = await nats.connect(mesh.nats.url, connect_timeout=5)
+    batches: list[KVEventBatch] = []
+
+    async def collect(msg):
+        batches.append(KVEventBatch.decode(msg.data))
+
+    await nc.subscribe(subjects.kv_events, cb=collect)
+    try:
+        prompt = "Blocks for the index: " + "granite, basalt, marble, slate. " * 12
+        response = await post(mesh.base_url, "/v1/completions", completion_body(prompt))
+        assert response.status_code == 200
+        ids = Tokenizer.from_dir(default_model_dir).encode(prompt)
+        want = [hash_to_hex(h) for h in hash_token_blocks(ids, 16, (MODEL,))]
+        assert len(want) >= 4
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline:
+            stored = {w: [h for b in batches if b.worker_id == w for e in b.events if e.kind == "stored" for h in e.block_hashes] for w in ("prefill-1", "decode-2")}
+            if all(set(want) <= set(hashes) for hashes in stored.values()):
+                break
+            await asyncio.sleep(0.1)
+        for worker_id, hashes in stored.items():
+            assert set(want) <= set(hashes), worker_id
+            seqs = [b.seq for b in batches if b.worker_id == worker_id]
+            assert seqs == list(range(seqs[0], seqs[0] + len(seqs)))  # numbered without gaps
+        reply = await nc.request(subjects.kv_snapshot("prefill-1"), b"", timeout=5)
+        snapshot = KVSnapshot.decode(reply.data)
+        assert set(want) <= set(snapshot.block_hashes)
+        assert snapshot.seq >= max(b.seq for b in batches if b.worker_id == "prefill-1")
+    finally:
+        await nc.close()
+

@@ -207,6 +207,9 @@ class AsyncEngine:
     async def take_kv_events(self) -> list:
         return await self._call(self.engine.take_kv_events)
 
+    async def kv_snapshot(self) -> tuple[list, list[int]]:
+        return await self._call(self.engine.kv_snapshot)
+
     async def load(self) -> dict[str, int]:
         return await self._call(self.engine.load)
 

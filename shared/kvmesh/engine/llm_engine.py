@@ -256,6 +256,11 @@ class LLMEngine:
     def take_kv_events(self) -> list[KVCacheEvent]:
         return self.kv_manager.take_events()
 
+    def kv_snapshot(self) -> tuple[list[KVCacheEvent], list[int]]:
+        """Pending events and every cached block hash, taken together: the hashes are the
+        state after those events."""
+        return self.kv_manager.take_events(), list(self.kv_manager.pool.cached)
+
     def pool_stats(self) -> PoolStats:
         return self.kv_manager.stats()
 

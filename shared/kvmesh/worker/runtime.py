@@ -22,6 +22,7 @@ from kvmesh.engine.llm_engine import EngineConfig
 from kvmesh.protocol import CancelRequest, Keys, KVLayoutSpec, LoadReport, Subjects, WorkerRecord, WorkerStats
 from kvmesh.telemetry import setup_tracing, shutdown_tracing, tracer
 from kvmesh.transfer.mooncake_agent import MooncakeAgent
+from kvmesh.worker.kv_events import KVEventPublisher
 from kvmesh.worker.settings import WorkerSettings
 
 logger = logging.getLogger(__name__)
@@ -85,6 +86,9 @@ class WorkerRuntime:
         await self.nc.subscribe(self.subjects.cancel, cb=self._handle_cancel)
         await self.nc.subscribe(self.subjects.stats(self.worker_id), cb=self._handle_stats)
         self._background.append(asyncio.create_task(self._report_load(), name="load-reports"))
+        self.kv_events = KVEventPublisher(self.engine, self.nc, self.subjects, self.worker_id)
+        await self.kv_events.start()
+        self.on_close(self.kv_events.stop)
 
     def record(self) -> WorkerRecord:
         engine = self.engine.engine
@@ -198,7 +202,7 @@ class WorkerRuntime:
         self._closers.append(closer)
 
     async def close(self) -> None:
-        for closer in self._closers:
+        for closer in reversed(self._closers):  # last registered, first closed
             try:
                 await closer()
             except Exception:  # noqa: BLE001 - keep closing the rest

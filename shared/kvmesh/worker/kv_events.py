@@ -1,0 +1,88 @@
+"""A worker's KV cache events on NATS: drained from the engine, published in numbered
+batches, and a snapshot on request so a receiver that saw a gap can resync."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import uuid
+
+import nats
+from nats.aio.msg import Msg
+
+from kvmesh.engine.async_engine import AsyncEngine
+from kvmesh.engine.block_pool import AllBlocksCleared, BlockRemoved, BlockStored, KVCacheEvent
+from kvmesh.hashing import hash_to_hex
+from kvmesh.protocol import KVEventBatch, KVEventSpec, KVSnapshot, Subjects
+
+logger = logging.getLogger(__name__)
+
+
+def event_spec(event: KVCacheEvent) -> KVEventSpec:
+    if isinstance(event, BlockStored):
+        parent = hash_to_hex(event.parent_block_hash) if event.parent_block_hash is not None else None
+        return KVEventSpec(kind="stored", block_hashes=[hash_to_hex(h) for h in event.block_hashes], parent_block_hash=parent)
+    if isinstance(event, BlockRemoved):
+        return KVEventSpec(kind="removed", block_hashes=[hash_to_hex(h) for h in event.block_hashes])
+    assert isinstance(event, AllBlocksCleared)
+    return KVEventSpec(kind="cleared")
+
+
+class KVEventPublisher:
+    def __init__(
+        self, engine: AsyncEngine, nc: nats.NATS, subjects: Subjects, worker_id: str, *, interval: float = 0.1
+    ) -> None:
+        self.engine = engine
+        self.nc = nc
+        self.subjects = subjects
+        self.worker_id = worker_id
+        self.interval = interval
+        self.epoch = uuid.uuid4().hex[:12]
+        self.seq = -1  # the last batch published
+        self.block_size = engine.engine.kv_layout.block_size
+        self._lock = asyncio.Lock()  # a snapshot and a batch never interleave
+        self._task: asyncio.Task | None = None
+
+    async def start(self) -> None:
+        await self.nc.subscribe(self.subjects.kv_snapshot(self.worker_id), cb=self._handle_snapshot)
+        self._task = asyncio.create_task(self._run(), name="kv-events")
+
+    async def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+        await self.flush()
+
+    async def flush(self) -> None:
+        async with self._lock:
+            events = await self.engine.take_kv_events()
+            if events:
+                await self._publish(events)
+
+    async def _run(self) -> None:
+        while True:
+            await asyncio.sleep(self.interval)
+            try:
+                await self.flush()
+            except Exception as exc:  # noqa: BLE001 - a receiver that misses a batch resyncs
+                logger.warning("publishing KV events failed: %s", exc)
+
+    async def _publish(self, events: list[KVCacheEvent]) -> None:
+        self.seq += 1
+        batch = KVEventBatch(
+            worker_id=self.worker_id,
+            epoch=self.epoch,
+            seq=self.seq,
+            block_size=self.block_size,
+            events=[event_spec(e) for e in events],
+        )
+        await self.nc.publish(self.subjects.kv_events, batch.encode())
+
+    async def _handle_snapshot(self, msg: Msg) -> None:
+        async with self._lock:
+            events, hashes = await self.engine.kv_snapshot()
+            if events:
+                await self._publish(events)
+            snapshot = KVSnapshot(
+                worker_id=self.worker_id, epoch=self.epoch, seq=self.seq, block_hashes=[hash_to_hex(h) for h in hashes]
+            )
+        await msg.respond(snapshot.encode())
