@@ -61,6 +61,15 @@ class Subjects:
         """Request/reply: every block a worker holds now, to resync after a gap."""
         return f"{self.root}.kv.snapshot.{worker_id}"
 
+    @property
+    def kv_query(self) -> str:
+        """Request/reply to kv-metadata: how many leading blocks of a chain each worker holds."""
+        return f"{self.root}.kv.query"
+
+    @property
+    def kv_stats(self) -> str:
+        return f"{self.root}.kv.stats"
+
     def stream(self, router_id: str, request_id: str) -> str:
         """Decode -> router: one request's token events."""
         return f"{self.root}.stream.{router_id}.{request_id}"
@@ -81,6 +90,10 @@ class Keys:
 
     def worker(self, role: str, worker_id: str) -> str:
         return self.workers(role) + worker_id
+
+    def blocks(self, worker_id: str | None = None) -> str:
+        """Block ownership mirrored by kv-metadata, under each owner's lease."""
+        return self.root + "blocks/" + (f"{worker_id}/" if worker_id else "")
 
     def pins(self, prefill_worker_id: str) -> str:
         return f"{self.root}pins/{prefill_worker_id}/"
@@ -263,6 +276,26 @@ class KVSnapshot(Message):
     seq: int
     tier: str = "device"
     block_hashes: list[str]
+
+
+class KVQuery(Message):
+    block_hashes: list[str]  # a chain, parent first
+
+
+class KVQueryReply(Message):
+    matches: dict[str, int]  # worker id -> leading blocks of the chain it holds (absent: none)
+
+
+class KVIndexStats(Message):
+    num_blocks: int
+    num_entries: int
+    workers: dict[str, int]  # worker id -> blocks held
+    events_per_second: float
+    blocks_ingested: int
+    queries: int
+    query_p50_ms: float
+    query_p99_ms: float
+    resyncs: int
 
 
 class MeshErrorCode:

@@ -23,6 +23,7 @@ class WorkerDirectory:
         self.store = store
         self.prefix = keys.workers()
         self.workers: dict[str, WorkerRecord] = {}  # by worker id
+        self.leases: dict[str, int] = {}  # the lease each worker's record lives under
         self._changed = asyncio.Event()
         self._listeners: list[Callable[[str, WorkerRecord | None], None]] = []
         self._task: asyncio.Task | None = None
@@ -59,6 +60,7 @@ class WorkerDirectory:
             record = self._parse(item.key, item.value)
             if record is not None:
                 seen[record.worker_id] = record
+                self.leases[record.worker_id] = item.lease
         for worker_id in set(self.workers) - set(seen):
             self._set(worker_id, None)
         for worker_id, record in seen.items():
@@ -75,6 +77,7 @@ class WorkerDirectory:
                     else:
                         record = self._parse(event.key, event.value)
                         if record is not None:
+                            self.leases[worker_id] = event.lease
                             self._set(worker_id, record)
                 raise ClusterError("watch ended")
             except (ClusterError, OSError) as exc:
@@ -96,6 +99,7 @@ class WorkerDirectory:
 
     def _set(self, worker_id: str, record: WorkerRecord | None) -> None:
         if record is None:
+            self.leases.pop(worker_id, None)
             if self.workers.pop(worker_id, None) is None:
                 return
             logger.info("worker %s left", worker_id)

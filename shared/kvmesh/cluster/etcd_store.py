@@ -35,7 +35,10 @@ class WatchEvent:
     kind: str  # "put" or "delete"
     key: str
     value: bytes
+    lease: int = 0
 
+
+MAX_TXN_OPS = 128
 
 _TRANSPORT_ERRORS = (EtcdError, grpc.aio.AioRpcError, asyncio.TimeoutError, OSError)
 
@@ -88,6 +91,22 @@ class EtcdStore:
         response = await self._call(f"delete {key}", self._client.kv.delete(key, timeout=self.timeout))
         return response.deleted > 0
 
+    async def delete_prefix(self, prefix: str) -> int:
+        response = await self._call(
+            f"delete {prefix}*", self._client.kv.delete(prefix, prefix_range_end(prefix), timeout=self.timeout)
+        )
+        return response.deleted
+
+    async def write_batch(self, puts: list[tuple[str, bytes, int]], deletes: list[str]) -> None:
+        """Puts (key, value, lease) and deletes in transactions of at most ``MAX_TXN_OPS``
+        (etcd's default limit): one round trip per transaction."""
+        kv = self._client.kv
+        ops = [kv.txn_op_put(key, value, lease=lease) for key, value, lease in puts]
+        ops += [kv.txn_op_delete(key) for key in deletes]
+        for start in range(0, len(ops), MAX_TXN_OPS):
+            chunk = ops[start : start + MAX_TXN_OPS]
+            await self._call(f"txn of {len(chunk)} ops", kv.txn(compare=[], success=chunk, failure=[], timeout=self.timeout))
+
     # -- leases --------------------------------------------------------------------------
     async def grant(self, ttl: int) -> int:
         response = await self._call("lease grant", self._client.lease.grant(ttl, timeout=self.timeout))
@@ -122,7 +141,7 @@ class EtcdStore:
             async for response in stream:
                 for event in response.events:
                     kind = "delete" if event.type == 1 else "put"
-                    yield WatchEvent(kind, event.kv.key.decode(), event.kv.value)
+                    yield WatchEvent(kind, event.kv.key.decode(), event.kv.value, event.kv.lease)
         except _TRANSPORT_ERRORS as exc:
             raise ClusterError(f"etcd watch {prefix} failed: {exc!r}") from exc
         finally:

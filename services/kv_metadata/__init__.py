@@ -1,0 +1,1 @@
+"""kv-metadata: the cluster index of which worker holds which KV block."""

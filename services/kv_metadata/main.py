@@ -1,0 +1,238 @@
+"""kv-metadata: which worker holds which KV block, for the whole cluster.
+
+Fed by the workers' KV event batches (applied in order per worker; a gap or a first sight
+mid-stream triggers a snapshot resync), mirrored in etcd under each owner's lease (batched),
+rebuilt from etcd when it restarts, and asked over NATS: "for this chain of block hashes,
+how many leading blocks does each worker hold?".
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import os
+import socket
+import sys
+import time
+import uuid
+from collections import deque
+
+import nats
+from nats.aio.msg import Msg
+from pydantic import ValidationError
+
+from kvmesh.cluster.directory import WorkerDirectory
+from kvmesh.cluster.etcd_store import EtcdStore
+from kvmesh.cluster.registration import LeasedKey
+from kvmesh.hashing import hash_from_hex
+from kvmesh.kvindex.events import EventSequencer, Gap, Verdict
+from kvmesh.kvindex.index import KVIndex
+from kvmesh.protocol import (
+    KVEventBatch,
+    KVIndexStats,
+    KVQuery,
+    KVQueryReply,
+    KVSnapshot,
+    Keys,
+    Subjects,
+    WorkerRecord,
+)
+from kvmesh.services.kv_metadata.mirror import EtcdMirror
+from kvmesh.worker.settings import MeshSettings, add_mesh_args, mesh_settings
+
+logger = logging.getLogger(__name__)
+
+
+class KVMetadataService:
+    def __init__(self, mesh: MeshSettings, *, service_id: str | None = None, mirror_interval: float = 0.2) -> None:
+        self.mesh = mesh
+        self.service_id = service_id or f"kv-metadata-{uuid.uuid4().hex[:8]}"
+        self.subjects = Subjects(mesh.namespace)
+        self.keys = Keys(mesh.namespace)
+        self.mirror_interval = mirror_interval
+        self.index = KVIndex()
+        self.sequencer = EventSequencer()
+        self.nc: nats.NATS
+        self.store: EtcdStore
+        self.directory: WorkerDirectory
+        self.mirror: EtcdMirror
+        self.registration: LeasedKey | None = None
+        self._resyncing: dict[str, list[KVEventBatch]] = {}  # worker -> batches held meanwhile
+        self._tasks: list[asyncio.Task] = []
+        self._query_ms: deque[float] = deque(maxlen=10_000)
+        self.queries = 0
+        self.blocks_ingested = 0
+        self.resyncs = 0
+        self._started = time.monotonic()
+
+    async def start(self) -> None:
+        self.nc = await nats.connect(
+            self.mesh.nats_url,
+            name=self.service_id,
+            connect_timeout=self.mesh.request_timeout,
+            max_reconnect_attempts=-1,
+            reconnect_time_wait=0.5,
+        )
+        self.store = EtcdStore(list(self.mesh.etcd_endpoints), timeout=min(5.0, self.mesh.request_timeout))
+        await self.store.connect()
+        self.directory = WorkerDirectory(self.store, self.keys)
+        self.directory.on_change(self._worker_changed)
+        await self.directory.start()
+        self.mirror = EtcdMirror(self.store, self.keys, self.directory.leases.get)
+        await self._rebuild_from_etcd()
+        await self.nc.subscribe(self.subjects.kv_events, cb=self._handle_batch)
+        await self.nc.subscribe(self.subjects.kv_query, cb=self._handle_query)
+        await self.nc.subscribe(self.subjects.kv_stats, cb=self._handle_stats)
+        self._tasks.append(asyncio.create_task(self.mirror.run(self.mirror_interval), name="kv-mirror"))
+        record = WorkerRecord(
+            worker_id=self.service_id,
+            role="kv-metadata",
+            model="",
+            max_model_len=0,
+            subject=self.subjects.kv_query,
+            host=socket.gethostname(),
+            pid=os.getpid(),
+            started_at=time.time(),
+        )
+        self.registration = LeasedKey(self.store, self.keys.worker("kv-metadata", self.service_id), record.encode(), ttl=5)
+        await self.registration.start()
+        logger.info("kv-metadata %s ready: %d blocks of %d workers", self.service_id, self.index.num_blocks, len(self.index.workers()))
+
+    async def close(self) -> None:
+        for task in self._tasks:
+            task.cancel()
+        await self.mirror.flush()
+        if self.registration is not None:
+            await self.registration.stop()
+        await self.directory.stop()
+        await self.nc.drain()
+        await self.store.close()
+
+    # -- state ---------------------------------------------------------------------------
+    async def _rebuild_from_etcd(self) -> None:
+        owned = await self.mirror.load()
+        for worker_id, blocks in owned.items():
+            for tier in set(blocks.values()):
+                self.index.stored(worker_id, [h for h, t in blocks.items() if t == tier], tier)
+        if owned:
+            logger.info("rebuilt %d blocks of %d workers from etcd", self.index.num_blocks, len(owned))
+
+    def _worker_changed(self, worker_id: str, record: WorkerRecord | None) -> None:
+        if record is None:
+            dropped = self.index.remove_worker(worker_id)
+            self.sequencer.forget(worker_id)
+            self.mirror.forget(worker_id)
+            self._resyncing.pop(worker_id, None)
+            if dropped:
+                logger.info("worker %s left: %d blocks out of the index", worker_id, dropped)
+
+    def _apply(self, batch: KVEventBatch) -> None:
+        worker = batch.worker_id
+        for event in batch.events:
+            if event.kind == "stored":
+                hashes = [hash_from_hex(h) for h in event.block_hashes]
+                self.blocks_ingested += self.index.stored(worker, hashes, batch.tier)
+                self.mirror.stored(worker, event.block_hashes, batch.tier)
+            elif event.kind == "removed":
+                self.index.removed(worker, [hash_from_hex(h) for h in event.block_hashes])
+                self.mirror.removed(worker, event.block_hashes)
+            else:
+                self.index.remove_worker(worker)
+                self.mirror.replace(worker, [], batch.tier)
+
+    # -- events --------------------------------------------------------------------------
+    async def _handle_batch(self, msg: Msg) -> None:
+        try:
+            batch = KVEventBatch.decode(msg.data)
+        except ValidationError:
+            logger.warning("malformed KV event batch")
+            return
+        held = self._resyncing.get(batch.worker_id)
+        if held is not None:
+            held.append(batch)
+            return
+        self._offer(batch)
+
+    def _offer(self, batch: KVEventBatch) -> None:
+        verdict = self.sequencer.offer(batch.worker_id, batch.epoch, batch.seq)
+        if verdict is Verdict.DROP:
+            return
+        if isinstance(verdict, Gap):
+            logger.info("gap in %s's events (expected %d, got %d): resyncing", batch.worker_id, verdict.expected, verdict.got)
+            self._resyncing[batch.worker_id] = [batch]
+            self._tasks.append(asyncio.create_task(self._resync(batch.worker_id), name=f"resync {batch.worker_id}"))
+            return
+        if verdict is Verdict.RESET:
+            self.index.remove_worker(batch.worker_id)
+            self.mirror.replace(batch.worker_id, [], batch.tier)
+        self._apply(batch)
+
+    async def _resync(self, worker_id: str) -> None:
+        try:
+            reply = await self.nc.request(self.subjects.kv_snapshot(worker_id), b"", timeout=self.mesh.request_timeout)
+            snapshot = KVSnapshot.decode(reply.data)
+        except Exception as exc:  # noqa: BLE001 - the next batch will try again
+            logger.warning("snapshot of %s failed: %s", worker_id, exc)
+            self._resyncing.pop(worker_id, None)
+            return
+        self.resyncs += 1
+        self.index.remove_worker(worker_id)
+        self.index.stored(worker_id, [hash_from_hex(h) for h in snapshot.block_hashes], snapshot.tier)
+        self.mirror.replace(worker_id, snapshot.block_hashes, snapshot.tier)
+        self.sequencer.resynced(worker_id, snapshot.epoch, snapshot.seq + 1)
+        for batch in sorted(self._resyncing.pop(worker_id, []), key=lambda b: b.seq):
+            self._offer(batch)  # those the snapshot already covers are dropped
+
+    # -- queries -------------------------------------------------------------------------
+    async def _handle_query(self, msg: Msg) -> None:
+        started = time.perf_counter()
+        try:
+            chain = [hash_from_hex(h) for h in KVQuery.decode(msg.data).block_hashes]
+        except (ValidationError, ValueError):
+            await msg.respond(KVQueryReply(matches={}).encode())
+            return
+        reply = KVQueryReply(matches=self.index.prefix_match(chain))
+        self._query_ms.append((time.perf_counter() - started) * 1e3)
+        self.queries += 1
+        await msg.respond(reply.encode())
+
+    def stats(self) -> KVIndexStats:
+        latencies = sorted(self._query_ms)
+
+        def pct(q: float) -> float:
+            return latencies[min(len(latencies) - 1, int(q * len(latencies)))] if latencies else 0.0
+
+        return KVIndexStats(
+            num_blocks=self.index.num_blocks,
+            num_entries=self.index.num_entries,
+            workers={w: self.index.blocks_of(w) for w in self.index.workers()},
+            events_per_second=self.blocks_ingested / max(1e-9, time.monotonic() - self._started),
+            blocks_ingested=self.blocks_ingested,
+            queries=self.queries,
+            query_p50_ms=pct(0.5),
+            query_p99_ms=pct(0.99),
+            resyncs=self.resyncs,
+        )
+
+    async def _handle_stats(self, msg: Msg) -> None:
+        await msg.respond(self.stats().encode())
+
+
+async def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="kvmesh-kv-metadata", description="kvmesh kv-metadata service")
+    add_mesh_args(parser)
+    parser.add_argument("--service-id", default=os.environ.get("KVMESH_SERVICE_ID"))
+    parser.add_argument("--mirror-interval", type=float, default=float(os.environ.get("KVMESH_MIRROR_INTERVAL", "0.2")))
+    args = parser.parse_args(argv if argv is not None else sys.argv[1:])
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    service = KVMetadataService(mesh_settings(args, parser), service_id=args.service_id, mirror_interval=args.mirror_interval)
+    await service.start()
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    import signal
+
+    for signum in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(signum, stop.set)
+    await stop.wait()
+    await service.close()
