@@ -56,6 +56,7 @@ logger = logging.getLogger(__name__)
 
 COMPLETIONS = "/v1/completions"
 CHAT_COMPLETIONS = "/v1/chat/completions"
+SESSION_HEADER = "x-session-id"
 GENERATION_PATHS = frozenset({COMPLETIONS, CHAT_COMPLETIONS})
 
 
@@ -117,7 +118,12 @@ class _Generation:
         fmt_cls = CompletionFormat if endpoint == COMPLETIONS else ChatFormat
         fmt = fmt_cls(request_id, self.backend.model_name, include_usage=body.include_usage)
         try:
-            events = self.backend.generate(request_id, prompt_ids, body.sampling_spec(max_tokens))
+            events = self.backend.generate(
+                request_id,
+                prompt_ids,
+                body.sampling_spec(max_tokens),
+                session_id=request.headers.get(SESSION_HEADER),
+            )
         except Exception as exc:
             raise as_api_error(exc, request_id) from exc
         tracker = RequestTracker(self.metrics, endpoint, request_id, len(prompt_ids))

@@ -26,7 +26,12 @@ class GenerationBackend(Protocol):
     tokenizer: Tokenizer
 
     def generate(
-        self, request_id: str, prompt_token_ids: list[int], sampling: SamplingSpec
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        sampling: SamplingSpec,
+        *,
+        session_id: str | None = None,  # the client's x-session-id header, for session affinity
     ) -> AsyncIterator[TokenEvent]: ...
 
     async def health(self) -> dict[str, int]:

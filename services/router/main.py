@@ -27,7 +27,12 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--model", default=os.environ.get("KVMESH_MODEL"), help="for the tokenizer and chat template")
     parser.add_argument("--served-model-name", default=os.environ.get("KVMESH_SERVED_MODEL_NAME"))
     parser.add_argument("--api-key", default=os.environ.get("KVMESH_API_KEY"), help="require this Bearer token on /v1")
-    parser.add_argument("--max-attempts", type=int, default=3, help="tries per request while no token was sent")
+    parser.add_argument("--max-attempts", type=int, default=3, help="tries per request")
+    parser.add_argument(
+        "--routing-config",
+        default=os.environ.get("KVMESH_ROUTING_CONFIG"),
+        help="JSON or YAML file of scoring plugins and weights (default: prefix x2, load x1, session x1)",
+    )
     return parser
 
 
@@ -38,7 +43,13 @@ async def main(argv: list[str] | None = None) -> None:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     logger.info("settings: %s", {k: v for k, v in vars(args).items() if k != "api_key"})
     setup_tracing("kvmesh-router")
-    backend = MeshBackend(mesh, model=args.model, served_name=args.served_model_name, max_attempts=args.max_attempts)
+    backend = MeshBackend(
+        mesh,
+        model=args.model,
+        served_name=args.served_model_name,
+        max_attempts=args.max_attempts,
+        routing_config=args.routing_config,
+    )
     await backend.start()
     app = create_app(backend, api_key=args.api_key)
     try:

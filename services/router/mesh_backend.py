@@ -35,6 +35,8 @@ from kvmesh.protocol import (
     DecodeAck,
     DecodeRequest,
     Keys,
+    KVQuery,
+    KVQueryReply,
     LoadReport,
     PrefillRequest,
     PrefillResponse,
@@ -43,8 +45,11 @@ from kvmesh.protocol import (
     TokenEvent,
     WorkerRecord,
 )
+from kvmesh.hashing import hash_to_hex, hash_token_blocks
+from kvmesh.routing.plugins import Candidate, RouteRequest
+from kvmesh.routing.scorer import load_scorer_config
 from kvmesh.services.router.progress import RequestProgress
-from kvmesh.services.router.worker_choice import LoadBoard, least_loaded
+from kvmesh.services.router.worker_choice import Choice, LoadBoard, least_loaded
 from kvmesh.telemetry import inject_headers, tracer
 from kvmesh.worker.settings import MeshSettings
 
@@ -77,6 +82,8 @@ class MeshBackend:
         served_name: str | None = None,
         max_attempts: int = 3,
         router_id: str | None = None,
+        routing_config: str | dict | None = None,
+        kv_query_timeout: float = 0.05,
     ) -> None:
         self.mesh = mesh
         self.subjects = Subjects(mesh.namespace)
@@ -91,6 +98,8 @@ class MeshBackend:
         # The same stop tokens the engine uses: the tokenizer's and the model config's.
         self.eos_token_ids = tuple(dict.fromkeys((*self.tokenizer.eos_token_ids, *model_config.eos_token_ids)))
         self.board = LoadBoard()
+        self.scorer = load_scorer_config(routing_config)  # how prefill workers are chosen
+        self.kv_query_timeout = kv_query_timeout
         self._attempts: dict[str, _Attempt] = {}
         self._tracer = tracer("kvmesh.router")
         self.nc: nats.NATS
@@ -153,7 +162,12 @@ class MeshBackend:
 
     # -- one request ---------------------------------------------------------------------
     async def generate(
-        self, request_id: str, prompt_token_ids: list[int], sampling: SamplingSpec
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        sampling: SamplingSpec,
+        *,
+        session_id: str | None = None,
     ) -> AsyncIterator[TokenEvent]:
         """The request's events for the client. The first token is sent as soon as the
         prefill worker returns it; a failure anywhere is retried on other workers, resuming
@@ -174,7 +188,7 @@ class MeshBackend:
                 span.set_attribute("kvmesh.attempts", attempt_number + 1)
                 attempt_sampling = sampling.model_copy(update={"max_tokens": progress.remaining_tokens})
                 attempt = self._attempt(
-                    attempt_id, prompt_token_ids + progress.emitted, attempt_sampling, excluded, span, ctx
+                    attempt_id, prompt_token_ids + progress.emitted, attempt_sampling, excluded, span, ctx, session_id
                 )
                 try:
                     async with contextlib.aclosing(attempt) as events:  # closing cancels the attempt at once
@@ -214,6 +228,7 @@ class MeshBackend:
         excluded: set[str],
         span: trace.Span,
         ctx,
+        session_id: str | None = None,
     ) -> AsyncIterator[TokenEvent]:
         """One try: the first token from a prefill worker, the rest from a decode worker.
         Yields events whose token ids are new (their text is ignored: the router
@@ -221,7 +236,7 @@ class MeshBackend:
         decode = least_loaded(self.directory.alive("decode"), self.board, excluded)
         if decode is None:
             raise MeshError("unavailable", "no decode worker is available")
-        prefill = least_loaded(self.directory.alive("prefill"), self.board, excluded)
+        prefill = await self._choose_prefill(attempt_id, prompt, excluded, session_id, span)
         span.set_attribute("kvmesh.decode_worker", decode.worker.worker_id)
         span.set_attribute("kvmesh.decode_choice", decode.reason)
         span.set_attribute("kvmesh.prefill_worker", prefill.worker.worker_id if prefill else "")
@@ -265,6 +280,59 @@ class MeshBackend:
             self._attempts.pop(attempt_id, None)
             if not finished:
                 await self._cancel(attempt_id)
+
+    async def _choose_prefill(
+        self, attempt_id: str, prompt: list[int], excluded: set[str], session_id: str | None, span: trace.Span
+    ) -> Choice | None:
+        """The prefill worker with the best weighted score (prefix cached there, load,
+        session affinity, ...), as the routing config says. The decision and every score
+        go on the request's span."""
+        records = {
+            w.worker_id: w
+            for w in self.directory.alive("prefill")
+            if w.worker_id not in excluded and self.board.usable(w.worker_id)
+        }
+        if not records:
+            return None
+        layout = next(iter(records.values())).kv_layout
+        block_size = layout.block_size if layout else 16
+        matches = await self._prefix_matches(prompt, block_size)
+        candidates = [self._candidate(record, matches.get(worker_id, 0)) for worker_id, record in records.items()]
+        route = RouteRequest(attempt_id, num_blocks=len(prompt) // block_size, num_tokens=len(prompt), session_id=session_id)
+        decision = self.scorer.choose(route, candidates)
+        self.scorer.observe(route, decision.worker_id)
+        for key, value in decision.span_attributes().items():
+            span.set_attribute(key, value)
+        cached = matches.get(decision.worker_id, 0)
+        span.set_attribute("kvmesh.route.cached_prefix_blocks", cached)
+        return Choice(records[decision.worker_id], f"score {decision.total:.1f}, {cached} prefix blocks cached")
+
+    def _candidate(self, record: WorkerRecord, cached_prefix_blocks: int) -> Candidate:
+        report = self.board.reports.get(record.worker_id)
+        total = record.kv_layout.num_blocks if record.kv_layout else 0
+        return Candidate(
+            worker_id=record.worker_id,
+            running=(report.running if report else 0) + self.board.in_flight.get(record.worker_id, 0),
+            waiting=report.waiting if report else 0,
+            free_blocks=report.free_blocks if report else total,
+            total_blocks=report.total_blocks if report else total,
+            cached_prefix_blocks=cached_prefix_blocks,
+        )
+
+    async def _prefix_matches(self, prompt: list[int], block_size: int) -> dict[str, int]:
+        """kv-metadata's answer for the prompt's block chain; empty when it is not running
+        or does not answer in time (routing then goes on load alone)."""
+        if not self.directory.alive("kv-metadata"):
+            return {}
+        chain = [hash_to_hex(h) for h in hash_token_blocks(prompt, block_size, (self.model_name,))]
+        if not chain:
+            return {}
+        try:
+            reply = await self.nc.request(self.subjects.kv_query, KVQuery(block_hashes=chain).encode(), timeout=self.kv_query_timeout)
+            return KVQueryReply.decode(reply.data).matches
+        except (NatsTimeoutError, NoRespondersError, asyncio.TimeoutError, ValidationError) as exc:
+            logger.debug("kv-metadata did not answer: %r", exc)
+            return {}
 
     async def _prefill(
         self, worker: WorkerRecord, attempt_id: str, prompt: list[int], sampling: SamplingSpec, ctx

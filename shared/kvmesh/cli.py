@@ -116,7 +116,8 @@ def _up(args: argparse.Namespace) -> int:
         mesh.start(progress)
         print(f"kvmesh is serving at {mesh.base_url}/v1   (logs: {workdir / 'logs'}; Ctrl-C stops)", flush=True)
         while True:
-            dead = [p.name for p in [mesh.router, *mesh.workers.values()] if p is not None and not p.is_running()]
+            processes = [mesh.router, mesh.kv_metadata, *mesh.workers.values()]
+            dead = [p.name for p in processes if p is not None and not p.is_running()]
             if dead:
                 progress(f"{', '.join(dead)} exited; see {workdir / 'logs'}")
                 return 1

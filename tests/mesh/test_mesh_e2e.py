@@ -207,3 +207,35 @@ async def test_kv_events_and_snapshots_name_the_prompts_blocks(mesh, default_mod
     finally:
         await nc.close()
 
+
+
+@pytest.mark.parametrize("routing", ["kv-aware", "load-only"])
+async def test_kv_aware_routing_sends_a_prefix_to_the_worker_holding_it(tmp_path, default_model_dir, routing):
+    """Two prefill workers and kv-metadata: a request that extends an earlier prompt goes to
+    the prefill worker that holds that prompt's blocks, and reuses them. With load-only
+    routing (the control) the follow-ups land on either worker and miss the cache."""
+    import json
+
+    env = {"KVMESH_CACHE_DIR": str(default_model_dir.parent.parent)}
+    config = None
+    if routing == "load-only":
+        config = tmp_path / "routing.json"
+        config.write_text(json.dumps({"plugins": [{"name": "load", "weight": 1}, {"name": "random", "weight": 0.1, "args": {"seed": 3}}]}))
+    options = MeshOptions(prefill=2, decode=1, kv_cache_mib=32, num_threads=1, env=env, routing_config=str(config) if config else None)
+    local = LocalMesh(options, tmp_path)
+    await asyncio.to_thread(local.start)
+    try:
+        topics = ["volcanoes", "glaciers", "deserts", "coral reefs", "rivers", "forests"]
+        hits = []
+        for topic in topics:
+            context = f"Notes on {topic}. " + f"The study of {topic} covers their formation, history and change. " * 6
+            first = (await post(local.base_url, "/v1/completions", {**completion_body(context), "max_tokens": 2})).json()
+            await asyncio.sleep(0.5)  # the KV events reach kv-metadata (batches every 0.1 s)
+            follow = (await post(local.base_url, "/v1/completions", {**completion_body(context + " Summary:"), "max_tokens": 2})).json()
+            hits.append(follow["usage"]["prompt_tokens_details"]["cached_tokens"] >= (first["usage"]["prompt_tokens"] // 16 - 1) * 16)
+        if routing == "kv-aware":
+            assert all(hits), hits
+        else:
+            assert not all(hits), hits  # the control: without the prefix plugin, some miss
+    finally:
+        await asyncio.to_thread(local.stop)

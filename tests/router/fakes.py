@@ -50,6 +50,7 @@ class Call:
     request_id: str
     prompt_token_ids: list[int]
     sampling: SamplingSpec
+    session_id: str | None = None
 
 
 @dataclass
@@ -73,9 +74,9 @@ class FakeBackend:
     started: asyncio.Event = field(default_factory=asyncio.Event)  # set at the first event of any request
 
     def generate(
-        self, request_id: str, prompt_token_ids: list[int], sampling: SamplingSpec
+        self, request_id: str, prompt_token_ids: list[int], sampling: SamplingSpec, *, session_id: str | None = None
     ) -> AsyncIterator[TokenEvent]:
-        self.calls.append(Call(request_id, list(prompt_token_ids), sampling))
+        self.calls.append(Call(request_id, list(prompt_token_ids), sampling, session_id))
         return self._play(request_id, len(prompt_token_ids))
 
     async def _play(self, request_id: str, num_prompt_tokens: int) -> AsyncIterator[TokenEvent]:

@@ -461,3 +461,13 @@ async def test_one_log_line_per_request(
         r"output_tokens=2 finish_reason=length seconds=\d+\.\d{3}",
         lines[0],
     )
+
+
+async def test_session_header_reaches_the_backend(client: httpx.AsyncClient, fake: FakeBackend) -> None:
+    response = await client.post(
+        "/v1/completions", json={"model": MODEL, "prompt": "The river"}, headers={"x-session-id": "chat-42"}
+    )
+    assert response.status_code == 200
+    assert fake.calls[-1].session_id == "chat-42"
+    await client.post("/v1/completions", json={"model": MODEL, "prompt": "The river"})
+    assert fake.calls[-1].session_id is None

@@ -28,6 +28,8 @@ WORKER_READY = re.compile(r"(prefill|decode) worker (\S+) ready")
 class MeshOptions:
     prefill: int = 1
     decode: int = 1
+    kv_metadata: bool = True  # the cluster KV index (KV-aware routing uses it)
+    routing_config: str | None = None
     port: int = 0  # the router's; 0 picks a free one
     host: str = "127.0.0.1"
     model: str | None = None
@@ -51,6 +53,7 @@ class LocalMesh:
         self.nats: NatsServer | None = None
         self.etcd: EtcdServer | None = None
         self.router: ManagedProcess | None = None
+        self.kv_metadata: ManagedProcess | None = None
         self.workers: dict[str, ManagedProcess] = {}  # by worker id
         self.base_url = ""
         self._count = 0
@@ -72,6 +75,12 @@ class LocalMesh:
         progress("starting nats-server and etcd")
         self.nats = start_nats(self.workdir)
         self.etcd = start_etcd(self.workdir)
+        if opts.kv_metadata:
+            progress("starting kv-metadata")
+            self.kv_metadata = self._spawn(
+                "kv-metadata", [sys.executable, "-m", "kvmesh.services.kv_metadata", *self._mesh_args(), "--service-id", "kv-metadata"]
+            )
+            self.kv_metadata.wait_for_line(lambda text: "kv-metadata kv-metadata ready" in text, opts.ready_timeout)
         progress(f"starting {opts.prefill} prefill and {opts.decode} decode worker(s); loading the model")
         pending = [self.start_worker("prefill") for _ in range(opts.prefill)]
         pending += [self.start_worker("decode") for _ in range(opts.decode)]
@@ -112,6 +121,8 @@ class LocalMesh:
             argv += ["--model", opts.model]
         if opts.api_key:
             argv += ["--api-key", opts.api_key]
+        if opts.routing_config:
+            argv += ["--routing-config", opts.routing_config]
         return argv
 
     def start_worker(self, role: str) -> str:
@@ -162,6 +173,8 @@ class LocalMesh:
             self.router.stop()
         for process in self.workers.values():
             process.stop(grace=15)
+        if self.kv_metadata is not None:
+            self.kv_metadata.stop()
         for server in (self.etcd, self.nats):
             if server is not None:
                 server.stop()
