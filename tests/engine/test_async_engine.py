@@ -141,3 +141,32 @@ async def test_queue_wait_is_reported_on_the_first_output_only(engine, prompts):
     outs = await collect(engine.generate("q", prompts[0], GREEDY))
     assert outs[0].queue_seconds is not None and 0 <= outs[0].queue_seconds < 5
     assert all(o.queue_seconds is None for o in outs[1:])
+
+
+async def test_a_prefix_lent_by_a_peer_gives_the_same_tokens(tiny_model_dir, prompts):
+    """Engine A computed a prompt; B copies A's cached blocks for its prefix, caches them, and
+    then serves a longer prompt with those blocks as prefix hits: same greedy tokens as B
+    computing everything itself; both pools end with no reference left."""
+    async with await AsyncEngine.create(config(tiny_model_dir)) as lender, await AsyncEngine.create(
+        config(tiny_model_dir, num_blocks=64)
+    ) as borrower:
+        base = prompts[0] * 4 + prompts[1] * 3  # several full blocks of 4 tokens
+        longer = base + prompts[2]
+        want = LLMEngine(config(tiny_model_dir)).generate([longer], GREEDY)[0].new_token_ids
+        await collect(lender.generate("warm", base, GREEDY))
+        hashes = lender.engine.block_hashes(base)
+        assert await lender.cached_prefix_length(hashes) == len(hashes)
+
+        lent = await lender.lend_cached_blocks("lend-1", hashes)
+        assert len(lent) == len(hashes)
+        local = await borrower.allocate_import("borrow-1", len(lent) * 4)
+        borrower.engine.kv_pool.write_blocks(local, lender.engine.kv_pool.read_blocks(lent))
+        await borrower.cache_imported_blocks("borrow-1", hashes, None)
+        assert await lender.release_import("lend-1")
+
+        outs = await collect(borrower.generate("after", longer, GREEDY))
+        assert outs[-1].num_cached_tokens == len(hashes) * 4
+        assert [t for o in outs for t in o.new_token_ids] == want
+        for eng in (lender, borrower):
+            stats = await eng.pool_stats()
+            assert stats.num_in_use == 0 and stats.num_held == 0

@@ -201,6 +201,15 @@ class AsyncEngine:
     async def release_import(self, handle: str) -> bool:
         return await self._call(lambda: self.engine.release_import(handle))
 
+    async def cached_prefix_length(self, block_hashes: list[int]) -> int:
+        return await self._call(lambda: self.engine.cached_prefix_length(block_hashes))
+
+    async def lend_cached_blocks(self, handle: str, block_hashes: list[int]) -> list[int]:
+        return await self._call(lambda: self.engine.lend_cached_blocks(handle, block_hashes))
+
+    async def cache_imported_blocks(self, handle: str, block_hashes: list[int], parent_hash: int | None) -> None:
+        await self._call(lambda: self.engine.cache_imported_blocks(handle, block_hashes, parent_hash))
+
     async def pool_stats(self) -> PoolStats:
         return await self._call(self.engine.pool_stats)
 

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 from kvmesh.engine.block_pool import BlockPool, KVBlock, KVCacheEvent
 from kvmesh.engine.request import Request
-from kvmesh.hashing import hash_token_blocks
+from kvmesh.hashing import BlockHash, hash_token_blocks
 
 logger = logging.getLogger(__name__)
 
@@ -154,6 +154,39 @@ class KVCacheManager:
         self._num_named[req.request_id] = 0
         req.num_computed_tokens = num_computed_tokens
         self._name_full_blocks(req, num_computed_tokens)
+
+    def hold_cached(self, handle: str, block_hashes: Sequence[BlockHash]) -> list[int]:
+        """Reference the leading blocks of ``block_hashes`` found in the cache (stopping at
+        the first miss) under ``handle``, so a peer can read them; ``release_held`` frees."""
+        if handle in self.held:
+            raise ValueError(f"blocks are already held under {handle!r}")
+        blocks: list[KVBlock] = []
+        for block_hash in block_hashes:
+            block = self.pool.get_cached_block(block_hash)
+            if block is None:
+                break
+            blocks.append(block)
+        self.pool.touch(blocks)
+        self.held[handle] = blocks
+        return [block.block_id for block in blocks]
+
+    def cache_held(self, handle: str, block_hashes: Sequence[BlockHash], parent_hash: BlockHash | None) -> None:
+        """Name held blocks (written from outside) in the prefix cache, then let them go:
+        they stay cached until evicted."""
+        blocks = self.held.pop(handle)
+        if len(blocks) != len(block_hashes):
+            self.held[handle] = blocks
+            raise ValueError(f"{len(blocks)} held blocks for {len(block_hashes)} hashes")
+        self.pool.cache_full_blocks(blocks, block_hashes, parent_hash)
+        self.pool.free_blocks(reversed(blocks))
+
+    def cached_prefix_length(self, block_hashes: Sequence[BlockHash]) -> int:
+        count = 0
+        for block_hash in block_hashes:
+            if self.pool.get_cached_block(block_hash) is None:
+                break
+            count += 1
+        return count
 
     def release_held(self, handle: str) -> bool:
         blocks = self.held.pop(handle, None)

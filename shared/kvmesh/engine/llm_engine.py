@@ -26,6 +26,7 @@ from kvmesh.engine.model_runner import ModelRunner
 from kvmesh.engine.request import FinishReason, Request, SamplingParams
 from kvmesh.engine.scheduler import Scheduler, SchedulerConfig, max_model_len
 from kvmesh.engine.tokenizer import Tokenizer
+from kvmesh.hashing import hash_token_blocks
 
 logger = logging.getLogger(__name__)
 
@@ -251,6 +252,22 @@ class LLMEngine:
 
     def release_import(self, handle: str) -> bool:
         return self.kv_manager.release_held(handle)
+
+    # -- cross-worker prefix reuse -------------------------------------------------------
+    def block_hashes(self, token_ids: list[int]) -> list[int]:
+        """The chained hashes of the full blocks of ``token_ids``, as this engine names them."""
+        return hash_token_blocks(token_ids, self.kv_layout.block_size, (self.model_name,))
+
+    def cached_prefix_length(self, block_hashes: list[int]) -> int:
+        return self.kv_manager.cached_prefix_length(block_hashes)
+
+    def lend_cached_blocks(self, handle: str, block_hashes: list[int]) -> list[int]:
+        """Hold the leading cached blocks of a chain for a peer to read (``release_import``)."""
+        return self.kv_manager.hold_cached(handle, block_hashes)
+
+    def cache_imported_blocks(self, handle: str, block_hashes: list[int], parent_hash: int | None) -> None:
+        """The blocks of ``allocate_import(handle, ...)`` now hold these blocks' KV: cache them."""
+        self.kv_manager.cache_held(handle, block_hashes, parent_hash)
 
     # -- reporting -----------------------------------------------------------------------
     def take_kv_events(self) -> list[KVCacheEvent]:
