@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import logging
 import sys
+import time
 
 from nats.aio.msg import Msg
 from pydantic import ValidationError
@@ -21,6 +22,9 @@ from kvmesh.protocol import (
     PrefillResponse,
     ReleaseRequest,
 )
+from kvmesh.hashing import hash_from_hex
+from kvmesh.protocol import KVLendReply, KVLendRequest
+from kvmesh.services.prefill_worker.peer_prefix import CostModel, borrow_prefix
 from kvmesh.services.prefill_worker.pins import PinTable
 from kvmesh.telemetry import extract_context, record_queue_wait
 from kvmesh.worker.runtime import WorkerRuntime
@@ -33,6 +37,7 @@ class PrefillWorker:
     def __init__(self, runtime: WorkerRuntime) -> None:
         self.runtime = runtime
         self.pins: PinTable
+        self.cost = CostModel()
 
     async def start(self) -> None:
         rt = self.runtime
@@ -43,6 +48,7 @@ class PrefillWorker:
         rt.pin_count = lambda: len(self.pins)
         rt.on_cancel = self._cancel
         await rt.nc.subscribe(rt.subjects.release(rt.worker_id), cb=self._handle_release)
+        await rt.nc.subscribe(rt.subjects.kv_lend(rt.worker_id), cb=self._handle_lend)
         await rt.subscribe_work(rt.subjects.prefill(rt.worker_id), self._handle_prefill)
         await rt.subscribe_work(rt.subjects.prefill(), self._handle_prefill, queue=QUEUE_GROUP["prefill"])
         await rt.register()
@@ -62,6 +68,10 @@ class PrefillWorker:
             span.set_attribute("kvmesh.worker_id", rt.worker_id)
             span.set_attribute("kvmesh.request_id", rid)
             span.set_attribute("kvmesh.prompt_tokens", len(request.prompt_token_ids))
+            if request.peer is not None:
+                with rt.tracer.start_as_current_span("peer_pull") as pull_span:
+                    await borrow_prefix(rt, self.cost, rid, request.prompt_token_ids, request.peer, pull_span)
+            started = time.perf_counter()
             try:
                 out = await rt.engine.prefill_export(rid, request.prompt_token_ids, request.sampling.to_params())
             except (ValueError, KvmeshError) as exc:
@@ -71,6 +81,7 @@ class PrefillWorker:
             if out.queue_seconds is not None:
                 record_queue_wait(rt.tracer, span, out.queue_seconds)
             span.set_attribute("kvmesh.cached_tokens", out.num_cached_tokens)
+            self.cost.observe_prefill(out.num_prompt_tokens - out.num_cached_tokens, time.perf_counter() - started)
             span.set_attribute("kvmesh.computed_tokens", out.num_prompt_tokens - out.num_cached_tokens)
             if out.finish_reason is FinishReason.ABORT or out.kv_export is None:
                 await msg.respond(PrefillResponse(request_id=rid, error=ErrorInfo(code="cancelled", message="aborted")).encode())
@@ -109,6 +120,31 @@ class PrefillWorker:
         pin = await self.pins.release(release.request_id, reason="pulled" if release.ok else "pull failed")
         if pin is not None and release.ok:
             self.runtime.bytes_served += release.bytes_pulled
+
+    async def _handle_lend(self, msg: Msg) -> None:
+        """A peer pulls our cached prefix blocks: hold them (under a pin, so a peer that dies
+        mid-pull cannot leak them) and say where they are."""
+        rt = self.runtime
+        try:
+            lend = KVLendRequest.decode(msg.data)
+            hashes = [hash_from_hex(h) for h in lend.block_hashes]
+            block_ids = await rt.engine.lend_cached_blocks(lend.handle, hashes)
+        except (ValidationError, ValueError) as exc:
+            logger.info("refusing a lend request: %s", exc)
+            block_ids, lend = [], None
+        if lend is not None and block_ids:
+            layout = rt.engine.engine.kv_layout
+            self.pins.pin(lend.handle, rt.worker_id.encode(), len(block_ids) * layout.block_bytes)
+        elif lend is not None:
+            await rt.engine.release_export(lend.handle)  # an empty hold
+        pool = rt.engine.engine.kv_pool
+        reply = KVLendReply(
+            block_ids=block_ids,
+            transfer_endpoint=rt.agent.endpoint,
+            kv_base_address=pool.base_address,
+            layout=KVLayoutSpec.from_layout(rt.engine.engine.kv_layout),
+        )
+        await msg.respond(reply.encode())
 
     async def _cancel(self, request_id: str) -> None:
         await self.runtime.engine.abort(request_id)

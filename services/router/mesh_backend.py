@@ -38,6 +38,7 @@ from kvmesh.protocol import (
     KVQuery,
     KVQueryReply,
     LoadReport,
+    PeerPrefix,
     PrefillRequest,
     PrefillResponse,
     SamplingSpec,
@@ -236,7 +237,8 @@ class MeshBackend:
         decode = least_loaded(self.directory.alive("decode"), self.board, excluded)
         if decode is None:
             raise MeshError("unavailable", "no decode worker is available")
-        prefill = await self._choose_prefill(attempt_id, prompt, excluded, session_id, span)
+        routed = await self._choose_prefill(attempt_id, prompt, excluded, session_id, span)
+        prefill, peer = routed if routed is not None else (None, None)
         span.set_attribute("kvmesh.decode_worker", decode.worker.worker_id)
         span.set_attribute("kvmesh.decode_choice", decode.reason)
         span.set_attribute("kvmesh.prefill_worker", prefill.worker.worker_id if prefill else "")
@@ -253,7 +255,7 @@ class MeshBackend:
         try:
             first_sent = False
             if prefill is not None:
-                response = await self._prefill(prefill.worker, attempt_id, prompt, sampling, ctx)
+                response = await self._prefill(prefill.worker, attempt_id, prompt, sampling, ctx, peer)
                 request = request.model_copy(
                     update={
                         "first_token_id": response.first_token_id,
@@ -283,7 +285,7 @@ class MeshBackend:
 
     async def _choose_prefill(
         self, attempt_id: str, prompt: list[int], excluded: set[str], session_id: str | None, span: trace.Span
-    ) -> Choice | None:
+    ) -> tuple[Choice, PeerPrefix | None] | None:
         """The prefill worker with the best weighted score (prefix cached there, load,
         session affinity, ...), as the routing config says. The decision and every score
         go on the request's span."""
@@ -305,7 +307,15 @@ class MeshBackend:
             span.set_attribute(key, value)
         cached = matches.get(decision.worker_id, 0)
         span.set_attribute("kvmesh.route.cached_prefix_blocks", cached)
-        return Choice(records[decision.worker_id], f"score {decision.total:.1f}, {cached} prefix blocks cached")
+        # A peer holding more of the prefix than the chosen worker can lend it (the chosen
+        # worker pulls it when that is cheaper than recomputing).
+        peer = None
+        best_peer = max((w for w in records if w != decision.worker_id), key=lambda w: matches.get(w, 0), default=None)
+        if best_peer is not None and matches.get(best_peer, 0) > cached:
+            peer = PeerPrefix(worker_id=best_peer, num_blocks=matches[best_peer])
+            span.set_attribute("kvmesh.route.peer", best_peer)
+            span.set_attribute("kvmesh.route.peer_prefix_blocks", peer.num_blocks)
+        return Choice(records[decision.worker_id], f"score {decision.total:.1f}, {cached} prefix blocks cached"), peer
 
     def _candidate(self, record: WorkerRecord, cached_prefix_blocks: int) -> Candidate:
         report = self.board.reports.get(record.worker_id)
@@ -335,13 +345,19 @@ class MeshBackend:
             return {}
 
     async def _prefill(
-        self, worker: WorkerRecord, attempt_id: str, prompt: list[int], sampling: SamplingSpec, ctx
+        self,
+        worker: WorkerRecord,
+        attempt_id: str,
+        prompt: list[int],
+        sampling: SamplingSpec,
+        ctx,
+        peer: PeerPrefix | None = None,
     ) -> PrefillResponse:
         self.board.add(worker.worker_id, 1)
         try:
             with self._tracer.start_as_current_span("prefill_call", context=ctx) as span:
                 span.set_attribute("kvmesh.worker_id", worker.worker_id)
-                payload = PrefillRequest(request_id=attempt_id, prompt_token_ids=prompt, sampling=sampling)
+                payload = PrefillRequest(request_id=attempt_id, prompt_token_ids=prompt, sampling=sampling, peer=peer)
                 try:
                     msg = await self.nc.request(
                         worker.subject, payload.encode(), timeout=self.mesh.request_timeout, headers=inject_headers()

@@ -61,6 +61,10 @@ class Subjects:
         """Request/reply: every block a worker holds now, to resync after a gap."""
         return f"{self.root}.kv.snapshot.{worker_id}"
 
+    def kv_lend(self, worker_id: str) -> str:
+        """Request/reply: a peer's cached blocks, held for a pull (released on ``release``)."""
+        return f"{self.root}.kv.lend.{worker_id}"
+
     @property
     def kv_query(self) -> str:
         """Request/reply to kv-metadata: how many leading blocks of a chain each worker holds."""
@@ -181,10 +185,32 @@ class KVHandle(Message):
     pin_key: str
 
 
+class PeerPrefix(Message):
+    """A peer prefill worker that holds more of the prompt's leading blocks than the chosen one."""
+
+    worker_id: str
+    num_blocks: int
+
+
 class PrefillRequest(Message):
     request_id: str
     prompt_token_ids: list[int]
     sampling: SamplingSpec
+    peer: PeerPrefix | None = None  # pull the prefix from this peer when cheaper than recomputing
+
+
+class KVLendRequest(Message):
+    """Prefill -> peer: hold the leading cached blocks of this chain for me to read."""
+
+    handle: str
+    block_hashes: list[str]
+
+
+class KVLendReply(Message):
+    block_ids: list[int]  # the leading blocks found (may be fewer than asked)
+    transfer_endpoint: str
+    kv_base_address: int
+    layout: KVLayoutSpec
 
 
 class PrefillResponse(Message):

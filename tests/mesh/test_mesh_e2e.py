@@ -210,10 +210,12 @@ async def test_kv_events_and_snapshots_name_the_prompts_blocks(mesh, default_mod
 
 
 @pytest.mark.parametrize("routing", ["kv-aware", "load-only"])
-async def test_kv_aware_routing_sends_a_prefix_to_the_worker_holding_it(tmp_path, default_model_dir, routing):
-    """Two prefill workers and kv-metadata: a request that extends an earlier prompt goes to
-    the prefill worker that holds that prompt's blocks, and reuses them. With load-only
-    routing (the control) the follow-ups land on either worker and miss the cache."""
+async def test_prefix_reuse_across_prefill_workers(tmp_path, default_model_dir, routing):
+    """Two prefill workers and kv-metadata; each topic's context is sent, then extended.
+    kv-aware: the follow-up goes to the worker holding the context (no pull needed).
+    load-only (the control): follow-ups land on either worker; one without the context pulls
+    it from its peer through Mooncake instead of recomputing it. Either way every follow-up
+    reuses the whole context and its tokens equal one process's."""
     import json
 
     env = {"KVMESH_CACHE_DIR": str(default_model_dir.parent.parent)}
@@ -224,18 +226,23 @@ async def test_kv_aware_routing_sends_a_prefix_to_the_worker_holding_it(tmp_path
     options = MeshOptions(prefill=2, decode=1, kv_cache_mib=32, num_threads=1, env=env, routing_config=str(config) if config else None)
     local = LocalMesh(options, tmp_path)
     await asyncio.to_thread(local.start)
+    reference = LLMEngine(EngineConfig(model=str(default_model_dir), served_model_name=MODEL, kv_cache_bytes=32 * 2**20))
     try:
         topics = ["volcanoes", "glaciers", "deserts", "coral reefs", "rivers", "forests"]
-        hits = []
         for topic in topics:
             context = f"Notes on {topic}. " + f"The study of {topic} covers their formation, history and change. " * 6
             first = (await post(local.base_url, "/v1/completions", {**completion_body(context), "max_tokens": 2})).json()
             await asyncio.sleep(0.5)  # the KV events reach kv-metadata (batches every 0.1 s)
-            follow = (await post(local.base_url, "/v1/completions", {**completion_body(context + " Summary:"), "max_tokens": 2})).json()
-            hits.append(follow["usage"]["prompt_tokens_details"]["cached_tokens"] >= (first["usage"]["prompt_tokens"] // 16 - 1) * 16)
+            follow_prompt = context + " Summary:"
+            follow = (await post(local.base_url, "/v1/completions", {**completion_body(follow_prompt), "max_tokens": 8})).json()
+            cached = follow["usage"]["prompt_tokens_details"]["cached_tokens"]
+            assert cached >= (first["usage"]["prompt_tokens"] // 16 - 1) * 16, (topic, cached)
+            [want] = reference.generate([reference.tokenizer.encode(follow_prompt)], SamplingParams(max_tokens=8, ignore_eos=True))
+            assert follow["choices"][0]["text"] == want.text
+        pulled = [(await worker_stats(local.nats.url, "default", w)).bytes_pulled for w in ("prefill-1", "prefill-2")]
         if routing == "kv-aware":
-            assert all(hits), hits
+            assert pulled == [0, 0]  # every follow-up went where its context was
         else:
-            assert not all(hits), hits  # the control: without the prefix plugin, some miss
+            assert sum(pulled) > 0  # some follow-ups pulled their context from the peer
     finally:
         await asyncio.to_thread(local.stop)

@@ -1,0 +1,107 @@
+"""Cross-worker prefix reuse: pull the leading blocks of a prompt that a peer already
+computed, when the pull is estimated cheaper than recomputing them, and cache them here;
+the prefill that follows finds them as prefix hits."""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+
+from pydantic import ValidationError
+
+from kvmesh.hashing import hash_to_hex
+from kvmesh.protocol import KVLendReply, KVLendRequest, PeerPrefix, ReleaseRequest
+from kvmesh.transfer.mooncake_agent import TransferError
+from kvmesh.transfer.runs import coalesce
+from kvmesh.worker.runtime import WorkerRuntime
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(slots=True)
+class CostModel:
+    """Measured rates, smoothed: prompt tokens computed per second, KV bytes pulled per second."""
+
+    prefill_tokens_per_s: float = 1000.0
+    pull_bytes_per_s: float = 1e9
+    pull_overhead_s: float = 0.003  # a lend round trip and a transfer set-up
+    smoothing: float = 0.3
+
+    def worth_pulling(self, tokens: int, nbytes: int) -> tuple[bool, float, float]:
+        pull = nbytes / self.pull_bytes_per_s + self.pull_overhead_s
+        compute = tokens / self.prefill_tokens_per_s
+        return pull < compute, pull, compute
+
+    def observe_prefill(self, tokens: int, seconds: float) -> None:
+        if tokens >= 16 and seconds > 0:
+            self.prefill_tokens_per_s += self.smoothing * (tokens / seconds - self.prefill_tokens_per_s)
+
+    def observe_pull(self, nbytes: int, seconds: float) -> None:
+        if nbytes > 0 and seconds > 0:
+            self.pull_bytes_per_s += self.smoothing * (nbytes / seconds - self.pull_bytes_per_s)
+
+
+async def borrow_prefix(rt: WorkerRuntime, cost: CostModel, request_id: str, prompt: list[int], peer: PeerPrefix, span) -> int:
+    """Pull what the peer holds beyond our own cached prefix; returns blocks pulled."""
+    engine = rt.engine
+    block_size = engine.engine.kv_layout.block_size
+    block_bytes = engine.engine.kv_layout.block_bytes
+    hashes = engine.engine.block_hashes(prompt)
+    usable = min(peer.num_blocks, (len(prompt) - 1) // block_size, len(hashes))
+    local = await engine.cached_prefix_length(hashes[:usable])
+    missing = usable - local
+    span.set_attribute("kvmesh.peer", peer.worker_id)
+    span.set_attribute("kvmesh.peer_blocks", peer.num_blocks)
+    span.set_attribute("kvmesh.local_blocks", local)
+    if missing <= 0:
+        return 0
+    worth, pull_s, compute_s = cost.worth_pulling(missing * block_size, missing * block_bytes)
+    span.set_attribute("kvmesh.pull_estimate_s", pull_s)
+    span.set_attribute("kvmesh.compute_estimate_s", compute_s)
+    if not worth:
+        return 0
+    lend_handle = f"lend-{request_id}-{rt.worker_id}"
+    handle = f"borrow-{request_id}"
+    wanted = hashes[local:usable]
+    try:
+        reply_msg = await rt.nc.request(
+            rt.subjects.kv_lend(peer.worker_id),
+            KVLendRequest(handle=lend_handle, block_hashes=[hash_to_hex(h) for h in wanted]).encode(),
+            timeout=min(2.0, rt.timeout),
+        )
+        reply = KVLendReply.decode(reply_msg.data)
+    except (ValidationError, Exception) as exc:  # noqa: BLE001 - no peer, no pull: compute instead
+        logger.info("peer %s did not lend (%s); computing the prefix", peer.worker_id, exc)
+        return 0
+    ok, pulled_bytes = False, 0
+    try:
+        if not reply.block_ids or not reply.layout.to_layout().compatible_with(engine.engine.kv_layout):
+            return 0
+        local_ids = await engine.allocate_import(handle, len(reply.block_ids) * block_size)
+        if local_ids is None:
+            return 0
+        started = time.perf_counter()
+        try:
+            stats = await rt.agent.read_blocks_async(
+                reply.transfer_endpoint,
+                coalesce(reply.block_ids, local_ids),
+                peer_base=reply.kv_base_address,
+                local_base=engine.engine.kv_pool.base_address,
+                block_bytes=block_bytes,
+            )
+        except TransferError as exc:
+            await engine.release_import(handle)
+            logger.warning("pulling the prefix from %s failed: %s", peer.worker_id, exc)
+            return 0
+        got = len(reply.block_ids)
+        await engine.cache_imported_blocks(handle, wanted[:got], hashes[local - 1] if local else None)
+        cost.observe_pull(stats.bytes, time.perf_counter() - started)
+        ok, pulled_bytes = True, stats.bytes
+        span.set_attribute("kvmesh.pulled_blocks", got)
+        span.set_attribute("kvmesh.pulled_bytes", stats.bytes)
+        span.set_attribute("kvmesh.pull_seconds", stats.seconds)
+        return got
+    finally:
+        release = ReleaseRequest(request_id=lend_handle, bytes_pulled=pulled_bytes, ok=ok)
+        await rt.nc.publish(rt.subjects.release(peer.worker_id), release.encode())
