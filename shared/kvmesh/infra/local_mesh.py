@@ -29,6 +29,7 @@ class MeshOptions:
     prefill: int = 1
     decode: int = 1
     kv_metadata: bool = True  # the cluster KV index (KV-aware routing uses it)
+    prefix_caching: bool = True
     routing_config: str | None = None
     port: int = 0  # the router's; 0 picks a free one
     host: str = "127.0.0.1"
@@ -143,6 +144,8 @@ class LocalMesh:
         ]  # fmt: skip
         if opts.model:
             argv += ["--model", opts.model]
+        if not opts.prefix_caching:
+            argv.append("--no-prefix-caching")
         self.workers[worker_id] = self._spawn(worker_id, argv)
         return worker_id
 
