@@ -11,7 +11,7 @@ import pytest
 import yaml
 
 ROOT = Path(__file__).resolve().parents[1]
-ROLES = ("router", "prefill_worker", "decode_worker")
+ROLES = ("router", "prefill_worker", "decode_worker", "kv_metadata")
 
 
 def compose_binary() -> Path:
@@ -32,8 +32,8 @@ def test_compose_file_is_valid():
     import json
 
     services = json.loads(done.stdout)["services"]
-    assert {"nats", "etcd", "jaeger", "router", "prefill-worker", "decode-worker"} <= set(services)
-    commands = {name: " ".join(services[name]["command"]) for name in ("router", "prefill-worker", "decode-worker")}
+    assert {"nats", "etcd", "jaeger", "router", "prefill-worker", "decode-worker", "kv-metadata"} <= set(services)
+    commands = {name: " ".join(services[name]["command"]) for name in ("router", "prefill-worker", "decode-worker", "kv-metadata")}
     for role in ROLES:
         assert any(f"kvmesh.services.{role}" in command for command in commands.values())
     assert services["decode-worker"]["environment"]["KVMESH_ETCD_ENDPOINTS"] == "etcd:2379"
@@ -64,7 +64,7 @@ def test_kubernetes_manifests_are_valid(version):
 
     docs = rendered_manifests()
     kinds = {(doc["kind"], doc["metadata"]["name"]) for doc in docs}
-    assert {("Deployment", "router"), ("Deployment", "prefill-worker"), ("Deployment", "decode-worker"), ("StatefulSet", "etcd"), ("Deployment", "nats")} <= kinds
+    assert {("Deployment", "router"), ("Deployment", "prefill-worker"), ("Deployment", "decode-worker"), ("Deployment", "kv-metadata"), ("StatefulSet", "etcd"), ("Deployment", "nats")} <= kinds
     for doc in docs:
         kubernetes_validate.validate(doc, version, strict=True)
 
