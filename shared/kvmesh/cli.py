@@ -78,6 +78,13 @@ def build_parser() -> argparse.ArgumentParser:
     replay.add_argument("--block-size", type=_positive_int, default=512, help="tokens per hash_id")
     replay.add_argument("--seed", type=int, default=0, help="seed of the random policy")
     replay.add_argument("--json", action="store_true", help="print the figures as JSON")
+    mesh = replay.add_argument_group("replaying against a running mesh (without --simulate)")
+    mesh.add_argument("--url", help="the router's base URL, e.g. http://127.0.0.1:8000")
+    mesh.add_argument("--model", default="SmolLM2-135M-Instruct", help="the served model name")
+    mesh.add_argument("--tokens-per-block", type=_positive_int, default=16, help="tokens each trace block becomes (a multiple of 16)")
+    mesh.add_argument("--max-blocks", type=_positive_int, default=32, help="prompts are capped at this many trace blocks")
+    mesh.add_argument("--max-output-tokens", type=_positive_int, default=16)
+    mesh.add_argument("--max-requests", type=_positive_int, default=50)
     return parser
 
 
@@ -180,6 +187,38 @@ def _generate(args: argparse.Namespace) -> int:
     return 0
 
 
+def _replay_mesh(args: argparse.Namespace) -> int:
+    import asyncio
+
+    from kvmesh.replay import load_trace
+    from kvmesh.replay.driver import DriveConfig, drive
+
+    if not args.url:
+        raise SystemExit("kvmesh replay: error: give --url of a running mesh (see `kvmesh up`), or --simulate")
+    if args.tokens_per_block % 16:
+        raise SystemExit("kvmesh replay: error: --tokens-per-block must be a multiple of 16 (the KV block size)")
+    trace = load_trace(args.trace, time_scale=args.time_scale, block_size=args.block_size)
+    config = DriveConfig(
+        base_url=args.url.rstrip("/").removesuffix("/v1"),
+        model=args.model,
+        tokens_per_block=args.tokens_per_block,
+        max_blocks=args.max_blocks,
+        max_output_tokens=args.max_output_tokens,
+        max_requests=args.max_requests,
+    )
+    result = asyncio.run(drive(trace, config)).to_dict()
+    if args.json:
+        print(json.dumps(result, indent=2))
+    else:
+        print(
+            f"{result['requests']} requests ({result['failed']} failed) in {result['seconds']:.1f} s: "
+            f"{result['output_tokens_per_s']:.1f} output tokens/s; TTFT p50 {result['ttft_p50_ms']:.0f} ms, "
+            f"p90 {result['ttft_p90_ms']:.0f} ms; cache hits {100 * result['hit_rate']:.1f} % of prompt tokens "
+            f"(oracle {100 * result['oracle_hit_rate']:.1f} %)"
+        )
+    return 0 if result["failed"] == 0 else 1
+
+
 def _replay(args: argparse.Namespace) -> int:
     import time
 
@@ -187,8 +226,7 @@ def _replay(args: argparse.Namespace) -> int:
     from kvmesh.routing import load_scorer_config, read_scorer_config
 
     if not args.simulate:
-        sys.stderr.write("kvmesh replay: replaying against the real mesh is not implemented yet; use --simulate for now\n")
-        return 2
+        return _replay_mesh(args)
     policies = [p.strip() for p in args.policies.split(",") if p.strip()]
     if not policies:
         raise SystemExit("kvmesh replay: error: --policies names no policy")

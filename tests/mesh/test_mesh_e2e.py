@@ -246,3 +246,27 @@ async def test_prefix_reuse_across_prefill_workers(tmp_path, default_model_dir, 
             assert sum(pulled) > 0  # some follow-ups pulled their context from the peer
     finally:
         await asyncio.to_thread(local.stop)
+
+
+async def test_trace_replay_drives_the_mesh(mesh, tmp_path):
+    """A tiny Mooncake-format trace replayed through the router: equal hash_ids give equal
+    prompt prefixes, so later requests are served from the KV cache."""
+    import json as jsonlib
+
+    from kvmesh.replay import load_trace
+    from kvmesh.replay.driver import DriveConfig, drive, oracle_cached_tokens
+
+    lines = [
+        {"timestamp": 0, "input_length": 2048, "output_length": 4, "hash_ids": [901, 902, 903, 904]},
+        {"timestamp": 500, "input_length": 2048, "output_length": 4, "hash_ids": [901, 902, 903, 905]},
+        {"timestamp": 1000, "input_length": 1536, "output_length": 4, "hash_ids": [901, 902, 906]},
+    ]
+    path = tmp_path / "trace.jsonl"
+    path.write_text("\n".join(jsonlib.dumps(line) for line in lines) + "\n")
+    trace = load_trace(path)
+    config = DriveConfig(base_url=mesh.base_url, model=MODEL, tokens_per_block=32, max_output_tokens=4, time_scale=1.0)
+    result = await drive(trace, config)
+    assert result.failed == 0 and result.output_tokens == 12
+    assert result.prompt_tokens == 4 * 32 + 4 * 32 + 3 * 32
+    assert oracle_cached_tokens(trace, config) == 3 * 32 + 2 * 32  # shared hash prefixes only
+    assert result.cached_tokens == result.oracle_cached_tokens  # spaced out: every possible hit happens

@@ -226,10 +226,10 @@ def test_cli_prints_a_table(shared_trace_file):
     assert rows == ["random", "kv-aware"]
 
 
-def test_cli_without_simulate_says_so(shared_trace_file):
+def test_cli_without_simulate_needs_a_mesh_url(shared_trace_file):
     done = kvmesh_replay("--trace", str(shared_trace_file))
-    assert done.returncode == 2
-    assert "use --simulate for now" in done.stderr
+    assert done.returncode != 0
+    assert "give --url of a running mesh" in done.stderr and "Traceback" not in done.stderr
 
 
 def test_cli_refuses_an_unknown_policy(shared_trace_file):
