@@ -303,10 +303,13 @@ class MeshBackend:
         route = RouteRequest(attempt_id, num_blocks=len(prompt) // block_size, num_tokens=len(prompt), session_id=session_id)
         decision = self.scorer.choose(route, candidates)
         self.scorer.observe(route, decision.worker_id)
+        # The routing span: the decision and every plugin's score of every candidate.
+        span = self._tracer.start_span("route", context=trace.set_span_in_context(span))
         for key, value in decision.span_attributes().items():
             span.set_attribute(key, value)
         cached = matches.get(decision.worker_id, 0)
         span.set_attribute("kvmesh.route.cached_prefix_blocks", cached)
+        span.set_attribute("kvmesh.route.kv_metadata_answered", bool(matches))
         # A peer holding more of the prefix than the chosen worker can lend it (the chosen
         # worker pulls it when that is cheaper than recomputing).
         peer = None
@@ -315,6 +318,7 @@ class MeshBackend:
             peer = PeerPrefix(worker_id=best_peer, num_blocks=matches[best_peer])
             span.set_attribute("kvmesh.route.peer", best_peer)
             span.set_attribute("kvmesh.route.peer_prefix_blocks", peer.num_blocks)
+        span.end()
         return Choice(records[decision.worker_id], f"score {decision.total:.1f}, {cached} prefix blocks cached"), peer
 
     def _candidate(self, record: WorkerRecord, cached_prefix_blocks: int) -> Candidate:

@@ -120,7 +120,7 @@ async def test_one_trace_spans_all_three_services(mesh, sink):
     response = await post(mesh.base_url, "/v1/completions", completion_body(PROMPTS[1]))
     assert response.status_code == 200
     wanted_services = {"kvmesh-router", "kvmesh-prefill-worker", "kvmesh-decode-worker"}
-    wanted_names = {"mesh_request", "prefill_call", "prefill", "queue_wait", "pin", "decode", "kv_transfer"}
+    wanted_names = {"mesh_request", "route", "prefill_call", "prefill", "queue_wait", "pin", "decode", "kv_transfer"}
     deadline = time.monotonic() + 15
     complete: list[str] = []
     while not complete and time.monotonic() < deadline:  # spans arrive as each service exports them
@@ -138,6 +138,9 @@ async def test_one_trace_spans_all_three_services(mesh, sink):
     spans = by_trace[complete[0]]
     roots = [s for s in spans if not s.parent_span_id]
     assert [(s.service, s.name) for s in roots] == [("kvmesh-router", "POST /v1/completions")]
+    route = next(s for s in spans if s.name == "route")
+    assert route.attributes["kvmesh.route.worker"] == "prefill-1"
+    assert any(key.startswith("kvmesh.route.scores.prefix.") for key in route.attributes)
     transfer = [s for s in sink.snapshot() if s.trace_id == complete[0] and s.name == "kv_transfer"][0]
     assert transfer.attributes["kvmesh.bytes"] > 0
 
