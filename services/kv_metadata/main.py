@@ -22,6 +22,7 @@ import nats
 from nats.aio.msg import Msg
 from pydantic import ValidationError
 
+from kvmesh.cluster.connect import connect_mesh
 from kvmesh.cluster.directory import WorkerDirectory
 from kvmesh.cluster.etcd_store import EtcdStore
 from kvmesh.cluster.registration import LeasedKey
@@ -67,15 +68,7 @@ class KVMetadataService:
         self._started = time.monotonic()
 
     async def start(self) -> None:
-        self.nc = await nats.connect(
-            self.mesh.nats_url,
-            name=self.service_id,
-            connect_timeout=self.mesh.request_timeout,
-            max_reconnect_attempts=-1,
-            reconnect_time_wait=0.5,
-        )
-        self.store = EtcdStore(list(self.mesh.etcd_endpoints), timeout=min(5.0, self.mesh.request_timeout))
-        await self.store.connect()
+        self.nc, self.store = await connect_mesh(self.mesh, self.service_id)
         self.directory = WorkerDirectory(self.store, self.keys)
         self.directory.on_change(self._worker_changed)
         await self.directory.start()

@@ -24,6 +24,7 @@ from nats.errors import TimeoutError as NatsTimeoutError
 from opentelemetry import trace
 from pydantic import ValidationError
 
+from kvmesh.cluster.connect import connect_mesh
 from kvmesh.cluster.directory import WorkerDirectory
 from kvmesh.cluster.etcd_store import EtcdStore
 from kvmesh.engine.loader.default_model import resolve_model, served_model_name
@@ -108,15 +109,7 @@ class MeshBackend:
         self.directory: WorkerDirectory
 
     async def start(self) -> None:
-        self.nc = await nats.connect(
-            self.mesh.nats_url,
-            name=f"router-{self.router_id}",
-            connect_timeout=self.mesh.request_timeout,
-            max_reconnect_attempts=-1,
-            reconnect_time_wait=0.5,
-        )
-        self.store = EtcdStore(list(self.mesh.etcd_endpoints), timeout=min(5.0, self.mesh.request_timeout))
-        await self.store.connect()
+        self.nc, self.store = await connect_mesh(self.mesh, f"router-{self.router_id}")
         self.directory = WorkerDirectory(self.store, self.keys)
         self.directory.on_change(self._worker_changed)
         await self.directory.start()

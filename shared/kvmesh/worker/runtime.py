@@ -15,6 +15,7 @@ from typing import Any
 import nats
 from nats.aio.msg import Msg
 
+from kvmesh.cluster.connect import connect_mesh
 from kvmesh.cluster.etcd_store import EtcdStore
 from kvmesh.cluster.registration import LeasedKey
 from kvmesh.engine.async_engine import AsyncEngine
@@ -74,15 +75,7 @@ class WorkerRuntime:
         pool = self.engine.engine.kv_pool
         self.agent = MooncakeAgent(s.advertise_host)
         self.agent.register(pool.base_address, pool.nbytes)
-        self.nc = await nats.connect(
-            s.mesh.nats_url,
-            name=f"{s.role}-{self.worker_id}",
-            connect_timeout=self.timeout,
-            max_reconnect_attempts=-1,
-            reconnect_time_wait=0.5,
-        )
-        self.store = EtcdStore(list(s.mesh.etcd_endpoints), timeout=min(self.timeout, 5.0))
-        await self.store.connect()
+        self.nc, self.store = await connect_mesh(s.mesh, f"{s.role}-{self.worker_id}")
         await self.nc.subscribe(self.subjects.cancel, cb=self._handle_cancel)
         await self.nc.subscribe(self.subjects.stats(self.worker_id), cb=self._handle_stats)
         self._background.append(asyncio.create_task(self._report_load(), name="load-reports"))
