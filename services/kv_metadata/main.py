@@ -60,7 +60,7 @@ class KVMetadataService:
         self.mirror: EtcdMirror
         self.registration: LeasedKey | None = None
         self._resyncing: dict[str, list[KVEventBatch]] = {}  # worker -> batches held meanwhile
-        self._tasks: list[asyncio.Task] = []
+        self._tasks: set[asyncio.Task] = set()
         self._query_ms: deque[float] = deque(maxlen=10_000)
         self.queries = 0
         self.blocks_ingested = 0
@@ -77,7 +77,7 @@ class KVMetadataService:
         await self.nc.subscribe(self.subjects.kv_events, cb=self._handle_batch)
         await self.nc.subscribe(self.subjects.kv_query, cb=self._handle_query)
         await self.nc.subscribe(self.subjects.kv_stats, cb=self._handle_stats)
-        self._tasks.append(asyncio.create_task(self.mirror.run(self.mirror_interval), name="kv-mirror"))
+        self._spawn(self.mirror.run(self.mirror_interval), "kv-mirror")
         record = WorkerRecord(
             worker_id=self.service_id,
             role="kv-metadata",
@@ -92,8 +92,13 @@ class KVMetadataService:
         await self.registration.start()
         logger.info("kv-metadata %s ready: %d blocks of %d workers", self.service_id, self.index.num_blocks, len(self.index.workers()))
 
+    def _spawn(self, coroutine, name: str) -> None:
+        task = asyncio.create_task(coroutine, name=name)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)  # finished resyncs do not pile up
+
     async def close(self) -> None:
-        for task in self._tasks:
+        for task in list(self._tasks):
             task.cancel()
         await self.mirror.flush()
         if self.registration is not None:
@@ -154,7 +159,7 @@ class KVMetadataService:
         if isinstance(verdict, Gap):
             logger.info("gap in %s's events (expected %d, got %d): resyncing", batch.worker_id, verdict.expected, verdict.got)
             self._resyncing[batch.worker_id] = [batch]
-            self._tasks.append(asyncio.create_task(self._resync(batch.worker_id), name=f"resync {batch.worker_id}"))
+            self._spawn(self._resync(batch.worker_id), f"resync {batch.worker_id}")
             return
         if verdict is Verdict.RESET:
             self.index.remove_worker(batch.worker_id)

@@ -25,7 +25,6 @@ class EtcdMirror:
         self._puts: dict[str, dict[str, str]] = {}  # worker -> hash hex -> tier
         self._deletes: dict[str, set[str]] = {}  # worker -> hash hex
         self._replace: set[str] = set()  # workers whose mirror is rewritten from scratch
-        self.writes = 0
 
     def stored(self, worker_id: str, hashes: list[str], tier: str) -> None:
         puts = self._puts.setdefault(worker_id, {})
@@ -72,7 +71,6 @@ class EtcdMirror:
                     [(prefix + h, tier.encode(), lease) for h, tier in puts.items()],
                     [prefix + h for h in deletes],
                 )
-                self.writes += len(puts) + len(deletes)
             except ClusterError as exc:
                 # A lease that just expired fails the transaction: the worker is gone anyway.
                 logger.warning("mirroring %d blocks of %s failed: %s", len(puts) + len(deletes), worker_id, exc)

@@ -297,21 +297,21 @@ class MeshBackend:
         decision = self.scorer.choose(route, candidates)
         self.scorer.observe(route, decision.worker_id)
         # The routing span: the decision and every plugin's score of every candidate.
-        span = self._tracer.start_span("route", context=trace.set_span_in_context(span))
+        route_span = self._tracer.start_span("route", context=trace.set_span_in_context(span))
         for key, value in decision.span_attributes().items():
-            span.set_attribute(key, value)
+            route_span.set_attribute(key, value)
         cached = matches.get(decision.worker_id, 0)
-        span.set_attribute("kvmesh.route.cached_prefix_blocks", cached)
-        span.set_attribute("kvmesh.route.kv_metadata_answered", bool(matches))
+        route_span.set_attribute("kvmesh.route.cached_prefix_blocks", cached)
+        route_span.set_attribute("kvmesh.route.kv_metadata_answered", bool(matches))
         # A peer holding more of the prefix than the chosen worker can lend it (the chosen
         # worker pulls it when that is cheaper than recomputing).
         peer = None
         best_peer = max((w for w in records if w != decision.worker_id), key=lambda w: matches.get(w, 0), default=None)
         if best_peer is not None and matches.get(best_peer, 0) > cached:
             peer = PeerPrefix(worker_id=best_peer, num_blocks=matches[best_peer])
-            span.set_attribute("kvmesh.route.peer", best_peer)
-            span.set_attribute("kvmesh.route.peer_prefix_blocks", peer.num_blocks)
-        span.end()
+            route_span.set_attribute("kvmesh.route.peer", best_peer)
+            route_span.set_attribute("kvmesh.route.peer_prefix_blocks", peer.num_blocks)
+        route_span.end()
         return Choice(records[decision.worker_id], f"score {decision.total:.1f}, {cached} prefix blocks cached"), peer
 
     def _candidate(self, record: WorkerRecord, cached_prefix_blocks: int) -> Candidate:

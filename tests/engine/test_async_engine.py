@@ -170,3 +170,21 @@ async def test_a_prefix_lent_by_a_peer_gives_the_same_tokens(tiny_model_dir, pro
         for eng in (lender, borrower):
             stats = await eng.pool_stats()
             assert stats.num_in_use == 0 and stats.num_held == 0
+
+
+async def test_abort_from_elsewhere_ends_the_stream(engine, prompts):
+    """A cancel that arrives from outside the stream (a router's cancel message) must end
+    the stream that a worker task is iterating, or that task would wait forever."""
+    outs = []
+
+    async def consume():
+        async for out in engine.generate("victim", prompts[0], SamplingParams(max_tokens=1000, ignore_eos=True)):
+            outs.append(out)
+
+    task = asyncio.create_task(consume())
+    while not outs:
+        await asyncio.sleep(0.01)
+    assert await engine.abort("victim")
+    await asyncio.wait_for(task, 5)
+    assert outs[-1].finished and outs[-1].finish_reason is FinishReason.ABORT
+    assert (await engine.pool_stats()).num_in_use == 0

@@ -108,3 +108,23 @@ async def test_unreachable_etcd_is_a_clear_error():
     async with EtcdStore(["127.0.0.1:9"], timeout=0.5) as store:
         with pytest.raises(ClusterError, match="etcd put"):
             await store.put("/k", b"v")
+
+
+async def test_a_large_batch_is_written_in_transactions_etcd_accepts(store):
+    keys = [f"/batch/{i:04d}" for i in range(300)]  # more than etcd's 128 operations a transaction
+    await store.write_batch([(k, b"v", 0) for k in keys], [])
+    items, _ = await store.get_prefix("/batch/")
+    assert [i.key for i in items] == keys
+    await store.write_batch([], keys[:200])
+    items, _ = await store.get_prefix("/batch/")
+    assert [i.key for i in items] == keys[200:]
+    assert await store.delete_prefix("/batch/") == 100
+
+
+def test_advertise_host_auto_resolves_this_hosts_address():
+    import socket
+
+    from kvmesh.worker.settings import resolve_advertise_host
+
+    assert resolve_advertise_host("auto") == socket.gethostbyname(socket.gethostname())
+    assert resolve_advertise_host("10.1.2.3") == "10.1.2.3"

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from collections.abc import Awaitable, Callable
 
 import httpx
 import nats
@@ -15,8 +16,18 @@ async def post(base_url: str, path: str, body: dict, timeout: float = 120.0) -> 
         return await client.post(path, json=body)
 
 
-async def stream(base_url: str, path: str, body: dict, timeout: float = 120.0) -> list[dict]:
-    """The JSON objects of an SSE response, in order, up to ``[DONE]`` (which must come)."""
+async def stream(
+    base_url: str,
+    path: str,
+    body: dict,
+    timeout: float = 120.0,
+    *,
+    on_event: Callable[[list[dict]], Awaitable[None]] | None = None,
+    leave_after: int | None = None,
+) -> list[dict]:
+    """The JSON objects of an SSE response, in order, up to ``[DONE]`` (which must come).
+    ``on_event(events so far)`` runs after each one; with ``leave_after`` the client goes
+    away after that many events instead."""
     events: list[dict] = []
     async with httpx.AsyncClient(base_url=base_url, timeout=timeout) as client:
         async with client.stream("POST", path, json={**body, "stream": True}) as response:
@@ -28,6 +39,10 @@ async def stream(base_url: str, path: str, body: dict, timeout: float = 120.0) -
                 if data == "[DONE]":
                     return events
                 events.append(json.loads(data))
+                if on_event is not None:
+                    await on_event(events)
+                if leave_after is not None and len(events) >= leave_after:
+                    return events
     raise AssertionError(f"the stream ended without [DONE] after {len(events)} events")
 
 

@@ -7,7 +7,6 @@ from __future__ import annotations
 import asyncio
 import time
 
-import httpx
 import pytest
 
 from kvmesh.cluster.etcd_store import EtcdStore
@@ -89,32 +88,23 @@ async def test_prefill_killed_before_the_pull_is_retried(tmp_path, default_model
 async def test_decode_killed_mid_stream_resumes_on_the_survivor(tmp_path, default_model_dir):
     """The stream goes on from the tokens already sent, on the other decode worker: the
     client sees one uninterrupted answer, the same as without the fault."""
-    import json
-
     mesh = make_mesh(tmp_path, default_model_dir, prefill=1, decode=2)
     try:
         body = {"model": MODEL, "prompt": "Tell me a long story:", "max_tokens": 60, "temperature": 0, "ignore_eos": True}
         want = (await post(mesh.base_url, "/v1/completions", body)).json()["choices"][0]["text"]
-        events: list[dict] = []
         victim = None
-        async with httpx.AsyncClient(base_url=mesh.base_url, timeout=60) as client:
-            async with client.stream("POST", "/v1/completions", json={**body, "stream": True}) as response:
-                assert response.status_code == 200
-                done = False
-                async for line in response.aiter_lines():
-                    if not line.startswith("data: "):
-                        continue
-                    if line == "data: [DONE]":
-                        done = True
-                        break
-                    events.append(json.loads(line[6:]))
-                    if len(events) == 5 and victim is None:
-                        for worker_id in ("decode-2", "decode-3"):
-                            if (await worker_stats(mesh.nats.url, "default", worker_id)).num_in_use > 0:
-                                victim = worker_id
-                        assert victim is not None
-                        mesh.workers[victim].kill()
-                assert done, "the stream must end cleanly"
+
+        async def kill_the_streaming_decode_worker(events: list[dict]) -> None:
+            nonlocal victim
+            if len(events) == 5:
+                for worker_id in ("decode-2", "decode-3"):
+                    if (await worker_stats(mesh.nats.url, "default", worker_id)).num_in_use > 0:
+                        victim = worker_id
+                assert victim is not None
+                mesh.workers[victim].kill()
+
+        # stream() asserts the stream ends cleanly with [DONE]
+        events = await stream(mesh.base_url, "/v1/completions", body, on_event=kill_the_streaming_decode_worker)
         assert victim is not None
         assert "error" not in events[-1], events[-1]
         assert events[-1]["choices"][0]["finish_reason"] == "length"
@@ -129,25 +119,16 @@ async def test_decode_killed_mid_stream_resumes_on_the_survivor(tmp_path, defaul
 
 async def test_no_worker_left_is_a_clean_error_event(tmp_path, default_model_dir):
     """With every decode worker gone mid-stream, the client gets an error event and [DONE]."""
-    import json
-
     mesh = make_mesh(tmp_path, default_model_dir, prefill=1, decode=1)
     try:
-        body = {"model": MODEL, "prompt": "Tell me a long story:", "max_tokens": 400, "temperature": 0, "ignore_eos": True, "stream": True}
-        events: list[dict] = []
-        async with httpx.AsyncClient(base_url=mesh.base_url, timeout=60) as client:
-            async with client.stream("POST", "/v1/completions", json=body) as response:
-                done = False
-                async for line in response.aiter_lines():
-                    if not line.startswith("data: "):
-                        continue
-                    if line == "data: [DONE]":
-                        done = True
-                        break
-                    events.append(json.loads(line[6:]))
-                    if len(events) == 3:
-                        mesh.workers["decode-2"].kill()
-        assert done and "error" in events[-1], events[-1]
+        body = {"model": MODEL, "prompt": "Tell me a long story:", "max_tokens": 400, "temperature": 0, "ignore_eos": True}
+
+        async def kill_the_decode_worker(events: list[dict]) -> None:
+            if len(events) == 3:
+                mesh.workers["decode-2"].kill()
+
+        events = await stream(mesh.base_url, "/v1/completions", body, on_event=kill_the_decode_worker)
+        assert "error" in events[-1], events[-1]  # and [DONE] came: stream() checks it
         await assert_no_leak(mesh, ["prefill-1"])
     finally:
         mesh.stop()
@@ -163,17 +144,11 @@ async def test_client_leaving_cancels_both_sides_then_drain_and_nats_restart(tmp
 
     mesh = make_mesh(tmp_path, default_model_dir, prefill=1, decode=1)
     try:
-        body = {"model": MODEL, "prompt": "Count slowly:", "max_tokens": 1000, "temperature": 0, "ignore_eos": True, "stream": True}
-        async with httpx.AsyncClient(base_url=mesh.base_url, timeout=60) as client:
-            async with client.stream("POST", "/v1/completions", json=body) as response:
-                seen = 0
-                async for line in response.aiter_lines():
-                    seen += line.startswith("data: ")
-                    if seen == 3:
-                        break  # the client goes away
+        body = {"model": MODEL, "prompt": "Count slowly:", "max_tokens": 600, "temperature": 0, "ignore_eos": True}
+        await stream(mesh.base_url, "/v1/completions", body, leave_after=3)  # the client goes away
         await assert_no_leak(mesh, ["prefill-1", "decode-2"])
         decode = await worker_stats(mesh.nats.url, "default", "decode-2")
-        assert decode.num_in_use == 0  # aborted, not decoding 1000 tokens for nobody
+        assert decode.num_in_use == 0  # aborted, not decoding 600 tokens for nobody
 
         # NATS restarted on the same port: every process reconnects and resubscribes.
         port = mesh.nats.port
@@ -189,18 +164,11 @@ async def test_client_leaving_cancels_both_sides_then_drain_and_nats_restart(tmp
         assert response.json()["choices"][0]["text"].startswith(" Paris")
 
         # Drain: SIGTERM while a stream runs; the stream still completes.
-        import json
+        async def drain_the_decode_worker(events: list[dict]) -> None:
+            if len(events) == 5:  # tokens 2.. come from the decode worker: it is streaming
+                mesh.workers["decode-2"].signal(signal.SIGTERM)
 
-        long = {**body, "max_tokens": 40}
-        events = []
-        async with httpx.AsyncClient(base_url=mesh.base_url, timeout=60) as client:
-            async with client.stream("POST", "/v1/completions", json=long) as response:
-                async for line in response.aiter_lines():
-                    if not line.startswith("data: ") or line == "data: [DONE]":
-                        continue
-                    events.append(json.loads(line[6:]))
-                    if len(events) == 5:  # tokens 2.. come from the decode worker: it is streaming
-                        mesh.workers["decode-2"].signal(signal.SIGTERM)
+        events = await stream(mesh.base_url, "/v1/completions", {**body, "max_tokens": 40}, on_event=drain_the_decode_worker)
         assert events[-1]["choices"][0]["finish_reason"] == "length" and "error" not in events[-1]
         assert len(streamed_text(events)) > 0
         assert mesh.workers["decode-2"].popen.wait(30) == 0

@@ -38,11 +38,6 @@ class LeasedKey:
         self.registrations += 1
         logger.info("registered %s (lease %x, ttl %ds)", self.key, lease_id, self.ttl)
 
-    async def update(self, value: bytes) -> None:
-        self.value = value
-        if self.lease_id is not None:
-            await self.store.put(self.key, value, lease=self.lease_id)
-
     async def _keep_alive(self) -> None:
         interval = max(self.ttl / 3, 0.2)
         while True:

@@ -190,7 +190,15 @@ class AsyncEngine:
         return last
 
     async def abort(self, request_id: str) -> bool:
-        return await self._call(lambda: self.engine.abort_request(request_id)) is not None
+        """Stop a request; its stream (if someone iterates it) ends with an ``abort`` output."""
+
+        def command() -> bool:
+            out = self.engine.abort_request(request_id)
+            if out is not None:
+                self._deliver([out])
+            return out is not None
+
+        return await self._call(command)
 
     async def release_export(self, request_id: str) -> bool:
         return await self._call(lambda: self.engine.release_export(request_id))

@@ -19,13 +19,6 @@ logger = logging.getLogger(__name__)
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
-def dtype_name(dtype: torch.dtype) -> str:
-    for name, value in DTYPES.items():
-        if value == dtype:
-            return name
-    raise ValueError(f"unsupported dtype {dtype}")
-
-
 @dataclass(slots=True, frozen=True)
 class KVLayout:
     num_blocks: int
@@ -84,9 +77,6 @@ class KVCachePool:
     @property
     def nbytes(self) -> int:
         return self.tensor.numel() * self.tensor.element_size()
-
-    def block_address(self, block_id: int) -> int:
-        return self.base_address + block_id * self.layout.block_bytes
 
     def layer_views(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
         """K and V of one layer, each (num_blocks, block_size, kv_heads, head_dim), strided."""

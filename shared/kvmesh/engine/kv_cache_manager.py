@@ -66,13 +66,17 @@ class KVCacheManager:
             return []
         self.update_block_hashes(req)
         max_blocks = (req.num_tokens - 1) // self.block_size
-        hits: list[KVBlock] = []
-        for block_hash in req.block_hashes[:max_blocks]:
+        return self._leading_cached(req.block_hashes[:max_blocks])
+
+    def _leading_cached(self, block_hashes: Sequence[BlockHash]) -> list[KVBlock]:
+        """The cached blocks of a chain's leading hashes, up to the first miss."""
+        blocks: list[KVBlock] = []
+        for block_hash in block_hashes:
             block = self.pool.get_cached_block(block_hash)
             if block is None:
                 break
-            hits.append(block)
-        return hits
+            blocks.append(block)
+        return blocks
 
     def allocate_slots(
         self, req: Request, num_new_tokens: int, new_computed_blocks: Sequence[KVBlock] = ()
@@ -160,12 +164,7 @@ class KVCacheManager:
         the first miss) under ``handle``, so a peer can read them; ``release_held`` frees."""
         if handle in self.held:
             raise ValueError(f"blocks are already held under {handle!r}")
-        blocks: list[KVBlock] = []
-        for block_hash in block_hashes:
-            block = self.pool.get_cached_block(block_hash)
-            if block is None:
-                break
-            blocks.append(block)
+        blocks = self._leading_cached(block_hashes)
         self.pool.touch(blocks)
         self.held[handle] = blocks
         return [block.block_id for block in blocks]
@@ -181,12 +180,7 @@ class KVCacheManager:
         self.pool.free_blocks(reversed(blocks))
 
     def cached_prefix_length(self, block_hashes: Sequence[BlockHash]) -> int:
-        count = 0
-        for block_hash in block_hashes:
-            if self.pool.get_cached_block(block_hash) is None:
-                break
-            count += 1
-        return count
+        return len(self._leading_cached(block_hashes))
 
     def release_held(self, handle: str) -> bool:
         blocks = self.held.pop(handle, None)

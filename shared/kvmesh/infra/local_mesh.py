@@ -21,7 +21,6 @@ from kvmesh.infra.servers import EtcdServer, NatsServer, start_etcd, start_nats
 logger = logging.getLogger(__name__)
 
 ROUTER_READY = re.compile(r"router listening on (http://\S+)")
-WORKER_READY = re.compile(r"(prefill|decode) worker (\S+) ready")
 
 
 @dataclass

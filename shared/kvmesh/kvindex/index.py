@@ -118,33 +118,19 @@ class KVIndex:
         """
         if not chain:
             return {}
-        if tiers is not None:
-            return self._prefix_match_in_tiers(chain, {self._tier_id.get(t, -1) for t in tiers})
+        tier_ids = None if tiers is None else {self._tier_id.get(t, -1) for t in tiers}
         owners = self._owners
         alive = owners.get(chain[0], 0)
+        if tier_ids is not None:
+            alive = self._in_tiers(chain[0], alive, tier_ids)
         if not alive:
             return {}
         counts: dict[str, int] = {}
         matched = 1
         for block_hash in chain[1:]:
             still = alive & owners.get(block_hash, 0)
-            if still != alive:
-                self._credit(alive & ~still, matched, counts)
-                alive = still
-                if not alive:
-                    return counts
-            matched += 1
-        self._credit(alive, matched, counts)
-        return counts
-
-    def _prefix_match_in_tiers(self, chain: Sequence[BlockHash], tier_ids: set[int]) -> dict[str, int]:
-        alive = self._in_tiers(chain[0], self._owners.get(chain[0], 0), tier_ids)
-        if not alive:
-            return {}
-        counts: dict[str, int] = {}
-        matched = 1
-        for block_hash in chain[1:]:
-            still = self._in_tiers(block_hash, alive & self._owners.get(block_hash, 0), tier_ids)
+            if tier_ids is not None:
+                still = self._in_tiers(block_hash, still, tier_ids)
             if still != alive:
                 self._credit(alive & ~still, matched, counts)
                 alive = still
