@@ -3,12 +3,26 @@
 from __future__ import annotations
 
 from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
 from typing import Protocol, runtime_checkable
 
 from kvmesh.engine.tokenizer import Tokenizer
 from kvmesh.protocol import SamplingSpec, TokenEvent
 
-__all__ = ["GenerationBackend"]
+__all__ = ["GenerationBackend", "HealthReport"]
+
+
+@dataclass(frozen=True, slots=True)
+class HealthReport:
+    """Whether the backend can serve a request now.
+
+    ``workers`` counts the live, ready workers by role (e.g. ``{"prefill": 1, "decode": 1}``);
+    ``detail`` says why it is not ready (it becomes the 503's message).
+    """
+
+    ready: bool
+    workers: dict[str, int] = field(default_factory=dict)
+    detail: str = ""
 
 
 @runtime_checkable
@@ -34,6 +48,6 @@ class GenerationBackend(Protocol):
         session_id: str | None = None,  # the client's x-session-id header, for session affinity
     ) -> AsyncIterator[TokenEvent]: ...
 
-    async def health(self) -> dict[str, int]:
-        """Live workers by role, e.g. ``{"prefill": 1, "decode": 1}``."""
+    async def health(self) -> HealthReport:
+        """Whether a request can be served now, and the ready workers by role."""
         ...
