@@ -3,7 +3,9 @@ two disaggregation hooks (prefill for export, decode from imported KV).
 
 The ``LLMEngine`` runs on one thread of its own; every call is a command executed on that
 thread between steps, and outputs come back to the event loop. Model steps never block
-the loop.
+the loop. A request the engine fails ends with ``FinishReason.ERROR``; when the engine
+itself cannot go on, its thread ends: ``is_alive``, ``wait_dead`` and ``heartbeat_age`` say
+so, and ``load_now`` reads the load without waiting for the thread.
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ import concurrent.futures
 import logging
 import queue
 import threading
+import time
 from collections.abc import AsyncIterator, Callable
 from typing import Any, TypeVar
 
@@ -39,6 +42,11 @@ class AsyncEngine:
         self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
         self._stop = threading.Event()
         self._error: BaseException | None = None
+        self._ended = False  # the thread has finished; guarded by _lock with _dead_waiters
+        self._dead_waiters: list[tuple[asyncio.AbstractEventLoop, asyncio.Future]] = []
+        self._lock = threading.Lock()
+        self._beat = time.monotonic()
+        self._load = engine.load()  # replaced (never mutated) by the engine thread
         self._thread = threading.Thread(target=self._run, name="kvmesh-engine", daemon=True)
         self._thread.start()
 
@@ -52,21 +60,25 @@ class AsyncEngine:
     def _run(self) -> None:
         try:
             while not self._stop.is_set():
+                self._beat = time.monotonic()
                 idle = not self.engine.has_unfinished()
                 self._run_commands(wait=idle)
+                self._load = self.engine.load()
                 if self.engine.has_unfinished():
                     outputs = self.engine.step()
-                    if outputs:
-                        self._deliver(outputs)
-                    else:
+                    self._load = self.engine.load()
+                    self._deliver(outputs)
+                    if not self.engine.last_step_tokens:
                         # Nothing could be scheduled (no room); wait for a command to change that.
                         self._run_commands(wait=True)
+                        self._load = self.engine.load()
         except BaseException as exc:  # noqa: BLE001 - the thread must report any failure
             logger.exception("engine thread failed")
             self._error = exc
         finally:
             self._stop.set()
             self._fail_everything()
+            self._wake_dead_waiters()
 
     def _run_commands(self, wait: bool) -> None:
         try:
@@ -74,13 +86,16 @@ class AsyncEngine:
         except queue.Empty:
             return
         while True:
+            # A caller that stopped waiting (cancelled) still gets its command run, but its
+            # future takes no result: setting one on a cancelled future would raise here.
+            wanted = future is not None and future.set_running_or_notify_cancel()
             try:
                 result = command()
             except Exception as exc:  # noqa: BLE001 - handed to the caller
-                if future is not None:
+                if wanted:
                     future.set_exception(exc)
             else:
-                if future is not None:
+                if wanted:
                     future.set_result(result)
             try:
                 command, future = self._commands.get_nowait()
@@ -90,28 +105,49 @@ class AsyncEngine:
     def _deliver(self, outputs: list[RequestOutput]) -> None:
         for out in outputs:
             stream = self._streams.get(out.request_id)
-            if stream is not None:
-                loop, q = stream
+            if stream is None:
+                continue
+            loop, q = stream
+            try:
                 loop.call_soon_threadsafe(q.put_nowait, out)
+            except RuntimeError:  # that event loop is closed: nobody is listening
+                self._streams.pop(out.request_id, None)
 
     def _fail_everything(self) -> None:
         error = EngineDeadError(f"engine stopped: {self._error!r}" if self._error else "engine stopped")
         for loop, q in list(self._streams.values()):
-            if not loop.is_closed():
+            try:
                 loop.call_soon_threadsafe(q.put_nowait, error)
+            except RuntimeError:  # that event loop is closed
+                pass
+        self._fail_commands(error)
+
+    def _fail_commands(self, error: EngineDeadError) -> None:
         while True:
             try:
                 _, future = self._commands.get_nowait()
             except queue.Empty:
                 break
-            if future is not None and not future.done():
+            if future is not None and future.set_running_or_notify_cancel():
                 future.set_exception(error)
+
+    def _wake_dead_waiters(self) -> None:
+        with self._lock:
+            self._ended = True
+            waiters, self._dead_waiters = self._dead_waiters, []
+        for loop, future in waiters:
+            try:
+                loop.call_soon_threadsafe(_resolve, future, self._error)
+            except RuntimeError:  # that event loop is closed
+                pass
 
     async def _call(self, command: Callable[[], T]) -> T:
         if self._stop.is_set():
             raise EngineDeadError("engine stopped")
         future: concurrent.futures.Future = concurrent.futures.Future()
         self._commands.put((command, future))
+        if self._stop.is_set():  # the thread may have emptied the queue just before the put
+            self._fail_commands(EngineDeadError("engine stopped"))
         return await asyncio.wrap_future(future)
 
     # -- requests ------------------------------------------------------------------------
@@ -127,8 +163,8 @@ class AsyncEngine:
         q = self._open_stream(request_id)
         try:
             await self._call(lambda: self.engine.add_request(request_id, prompt_token_ids, params, export_kv=export_kv))
-        except BaseException:
-            self._streams.pop(request_id, None)
+        except BaseException as exc:
+            self._forget_stream(request_id, exc)
             raise
         async for out in self._drain(request_id, q):
             yield out
@@ -148,8 +184,8 @@ class AsyncEngine:
             first = await self._call(
                 lambda: self.engine.add_imported_request(request_id, prompt_token_ids, first_token_id, handle, params)
             )
-        except BaseException:
-            self._streams.pop(request_id, None)
+        except BaseException as exc:
+            self._forget_stream(request_id, exc)
             raise
         q.put_nowait(first)
         async for out in self._drain(request_id, q):
@@ -161,6 +197,13 @@ class AsyncEngine:
         q: asyncio.Queue = asyncio.Queue()
         self._streams[request_id] = (asyncio.get_running_loop(), q)
         return q
+
+    def _forget_stream(self, request_id: str, exc: BaseException) -> None:
+        """The submission failed or its caller was cancelled; a cancelled submission still
+        runs on the engine thread, so an abort follows it there."""
+        self._streams.pop(request_id, None)
+        if not isinstance(exc, Exception) and not self._stop.is_set():
+            self._commands.put((lambda: self.engine.abort_request(request_id), None))
 
     async def _drain(self, request_id: str, q: asyncio.Queue) -> AsyncIterator[RequestOutput]:
         finished = False
@@ -228,7 +271,42 @@ class AsyncEngine:
         return await self._call(self.engine.kv_snapshot)
 
     async def load(self) -> dict[str, int]:
-        return await self._call(self.engine.load)
+        """``load_now()``, or ``EngineDeadError`` once the engine has stopped."""
+        if self._stop.is_set():
+            raise EngineDeadError("engine stopped")
+        return self.load_now()
+
+    def load_now(self) -> dict[str, int]:
+        """Running and waiting requests and free blocks as of the engine thread's last step
+        or command round (as ``LLMEngine.load``), read without waiting for that thread."""
+        return dict(self._load)
+
+    # -- health --------------------------------------------------------------------------
+    def is_alive(self) -> bool:
+        """The engine thread is running and has not been told to stop."""
+        return self._thread.is_alive() and not self._stop.is_set()
+
+    def heartbeat_age(self) -> float:
+        """Seconds since the engine thread last went round its loop: at most about 0.1 s
+        when idle, the length of the step in progress when busy; it grows without bound
+        once the thread has ended."""
+        return time.monotonic() - self._beat
+
+    async def wait_dead(self) -> BaseException | None:
+        """Return once the engine thread has ended: the error that ended it, or ``None``
+        after ``shutdown``. Any number of callers, on any event loop, before or after."""
+        loop = asyncio.get_running_loop()
+        future: asyncio.Future = loop.create_future()
+        with self._lock:
+            if self._ended:
+                return self._error
+            self._dead_waiters.append((loop, future))
+        try:
+            return await future
+        finally:
+            with self._lock:
+                if (loop, future) in self._dead_waiters:
+                    self._dead_waiters.remove((loop, future))
 
     # -- lifetime ------------------------------------------------------------------------
     async def shutdown(self) -> None:
@@ -240,3 +318,8 @@ class AsyncEngine:
 
     async def __aexit__(self, *exc: object) -> None:
         await self.shutdown()
+
+
+def _resolve(future: asyncio.Future, error: BaseException | None) -> None:
+    if not future.done():
+        future.set_result(error)

@@ -45,12 +45,13 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     num_threads: int | None = None
     prepack_weights: bool = True  # oneDNN-prepacked linear weights on CPU (see model/linear.py)
+    max_failed_steps: int = 3  # this many failed steps in a row and the engine gives up
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {self.dtype!r}")
-        if self.block_size < 1 or self.max_num_seqs < 1 or self.max_num_batched_tokens < 1:
-            raise ValueError("block_size, max_num_seqs and max_num_batched_tokens must be positive")
+        if min(self.block_size, self.max_num_seqs, self.max_num_batched_tokens, self.max_failed_steps) < 1:
+            raise ValueError("block_size, max_num_seqs, max_num_batched_tokens and max_failed_steps must be positive")
 
 
 @dataclass(slots=True, frozen=True)
@@ -73,6 +74,7 @@ class RequestOutput:
     num_cached_tokens: int
     kv_export: KVExport | None = None
     queue_seconds: float | None = None  # arrival to first schedule; on the first output only
+    error: str | None = None  # with FinishReason.ERROR: what failed, for the client
 
 
 class LLMEngine:
@@ -108,6 +110,8 @@ class LLMEngine:
         )
         self.runner = ModelRunner(self.model, self.kv_pool, self.kv_manager)
         self._texts: dict[str, OutputText] = {}
+        self._failed_steps = 0  # steps in a row whose batch raised
+        self.last_step_tokens = 0  # tokens the last step scheduled; 0: no room for anything
         logger.info(
             "engine ready in %.1fs: model %s (%s, %d layers) on %s in %s, %d KV blocks of %d tokens",
             time.monotonic() - started,
@@ -168,25 +172,76 @@ class LLMEngine:
         reason = self.scheduler.token_stop_reason(req, first_token_id)
         if reason is not None:
             self.scheduler.finish(req, reason)
-        return self._output(req)
+        return self._output_or_error(req)
 
     def abort_request(self, request_id: str) -> RequestOutput | None:
         req = self.scheduler.abort(request_id)
         if req is None:
             return None
-        return self._output(req, new_tokens=0)
+        return self._output_or_error(req, new_tokens=0)
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished()
 
     # -- stepping ------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
+        """One model step. A request whose sampling or output fails ends with
+        ``FinishReason.ERROR`` and the others go on; when the whole batch fails (inputs,
+        forward, logits) each of its requests does, and after ``max_failed_steps`` such
+        steps in a row the error is raised: the engine cannot go on."""
         out = self.scheduler.schedule()
+        self.last_step_tokens = out.num_tokens
         if not out.scheduled:
             return []
-        sampled = self.runner.execute(out)
-        advanced = self.scheduler.update_from_output(out, sampled)
-        return [self._output(req) for req in advanced]
+        try:
+            sampled = self.runner.execute(out)
+        except Exception as exc:
+            self._failed_steps += 1
+            logger.exception("step failed (%d in a row) for %d requests", self._failed_steps, len(out.scheduled))
+            failed = [self._fail(item.request, exc, "step", kv_written=False) for item in out.scheduled]
+            if self._failed_steps >= self.config.max_failed_steps:
+                raise
+            return failed
+        self._failed_steps = 0
+        outputs: list[RequestOutput] = []
+        tokens: list[int] = []
+        kept = []
+        values = iter(sampled)
+        for item in out.scheduled:
+            value = next(values) if item.samples else None
+            if isinstance(value, Exception):
+                logger.error("request %s: sampling failed", item.request.request_id, exc_info=value)
+                outputs.append(self._fail(item.request, value, "sampling"))
+                continue
+            if value is not None:
+                tokens.append(value)
+            kept.append(item)
+        out.scheduled = kept
+        advanced = self.scheduler.update_from_output(out, tokens)
+        outputs.extend(self._output_or_error(req) for req in advanced)
+        return outputs
+
+    def _output_or_error(self, req: Request, new_tokens: int = 1) -> RequestOutput:
+        try:
+            return self._output(req, new_tokens)
+        except Exception as exc:
+            logger.exception("request %s: building its output failed", req.request_id)
+            return self._fail(req, exc, "detokenizing")
+
+    def _fail(self, req: Request, exc: Exception, stage: str, *, kv_written: bool = True) -> RequestOutput:
+        """End ``req`` with ``FinishReason.ERROR``; its blocks go back (see ``Scheduler.fail``)."""
+        self.scheduler.fail(req, kv_written=kv_written)
+        self._texts.pop(req.request_id, None)
+        return RequestOutput(
+            request_id=req.request_id,
+            new_token_ids=[],
+            text="",
+            finished=True,
+            finish_reason=FinishReason.ERROR,
+            num_prompt_tokens=req.num_prompt_tokens,
+            num_cached_tokens=req.num_cached_tokens,
+            error=f"{stage} failed: {type(exc).__name__}: {exc}",
+        )
 
     def _output(self, req: Request, new_tokens: int = 1) -> RequestOutput:
         text_state = self._texts[req.request_id]
@@ -237,7 +292,7 @@ class LLMEngine:
                 merged = results[out.request_id]
                 merged.new_token_ids.extend(out.new_token_ids)
                 merged.text += out.text
-                merged.finished, merged.finish_reason = out.finished, out.finish_reason
+                merged.finished, merged.finish_reason, merged.error = out.finished, out.finish_reason, out.error
                 merged.num_cached_tokens = out.num_cached_tokens
         return [results[rid] for rid in ids]
 

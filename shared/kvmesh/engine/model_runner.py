@@ -9,7 +9,7 @@ from kvmesh.engine.kv_cache_manager import KVCacheManager, cdiv
 from kvmesh.engine.model.attention import AttentionMetadata, DecodeBatch, PrefillSpan
 from kvmesh.engine.model.llama import LlamaModel
 from kvmesh.engine.request import Request
-from kvmesh.engine.sampler import sample
+from kvmesh.engine.sampler import sample_rows
 from kvmesh.engine.scheduler import SchedulerOutput
 
 
@@ -127,12 +127,13 @@ class ModelRunner:
             bias = bias.masked_fill_(~visible, float("-inf")).view(len(tables), 1, 1, -1)
         return DecodeBatch(block_tables, bias, prefix)
 
-    def execute(self, out: SchedulerOutput) -> list[int]:
+    def execute(self, out: SchedulerOutput) -> list[int | Exception]:
         """Run one step; returns one sampled token per request that reached its last token,
-        in the order of ``out.scheduled`` (which this reorders: decodes first)."""
+        in the order of ``out.scheduled`` (which this reorders: decodes first), or the
+        exception that sampling that request's row raised. Anything else raises."""
         input_ids, positions, meta, rows, reqs = self.prepare(out)
         hidden = self.model.forward(input_ids, positions, meta, self.kv_pool)
         if not rows:
             return []
         logits = self.model.logits(hidden[self._tensor(rows)])
-        return sample(logits, reqs)
+        return sample_rows(logits, reqs)

@@ -10,11 +10,15 @@ import torch
 
 from kvmesh.hashing import BlockHash
 
+# Below this a temperature means greedy (vLLM's ``_SAMPLING_EPS``).
+SAMPLING_EPS = 1e-5
+
 
 class FinishReason(str, enum.Enum):
     STOP = "stop"  # eos, a stop token id or a stop string
     LENGTH = "length"  # max_tokens or the model's context
     ABORT = "abort"
+    ERROR = "error"  # the engine failed this request; ``RequestOutput.error`` says why
 
 
 class RequestStatus(enum.Enum):
@@ -37,7 +41,7 @@ class SamplingParams:
     def __post_init__(self) -> None:
         self.stop = tuple(self.stop)
         self.stop_token_ids = tuple(self.stop_token_ids)
-        if self.temperature < 0:
+        if not self.temperature >= 0:  # NaN too
             raise ValueError(f"temperature must be >= 0, got {self.temperature}")
         if self.top_k < 0:
             raise ValueError(f"top_k must be >= 0 (0 disables it), got {self.top_k}")
@@ -50,7 +54,7 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0.0 or self.top_k == 1
+        return self.temperature < SAMPLING_EPS or self.top_k == 1
 
 
 @dataclass(slots=True, eq=False)

@@ -1,17 +1,32 @@
-"""Next-token choice per request: greedy, or temperature / top-k / top-p with a seed."""
+"""Next-token choice per request: greedy, or temperature / top-k / top-p with a seed.
+
+Degenerate values follow vLLM (``vllm/sampling_params.py`` and ``vllm/v1/sample/``): a
+temperature below ``SAMPLING_EPS`` is greedy (``SamplingParams.greedy``); one below
+``MIN_TEMPERATURE`` is raised to it (vLLM's ``_MAX_TEMP``), as dividing by it overflows
+float32; top-p drops a token once the tokens above it reach top_p (the rule of vLLM's
+``apply_top_k_top_p``, there on an ascending sort) but always keeps the most likely one
+(vLLM's ``top_p_mask[:, -1] = False``), so a top-p that is 0.0 in float32 means the
+argmax. Beyond vLLM, a row whose probabilities still come out non-finite or all zero takes
+the argmax instead of raising.
+"""
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Sequence
 
 import torch
 
-from kvmesh.engine.request import Request
+from kvmesh.engine.request import SAMPLING_EPS, Request
+
+logger = logging.getLogger(__name__)
+
+MIN_TEMPERATURE = 1e-2
 
 
-def _sample_row(logits: torch.Tensor, req: Request) -> int:
+def _filtered_scores(logits: torch.Tensor, req: Request) -> torch.Tensor:
     params = req.sampling
-    scores = logits / params.temperature
+    scores = logits / max(params.temperature, MIN_TEMPERATURE)
     if params.top_k and params.top_k < scores.shape[-1]:
         kth = torch.topk(scores, params.top_k).values[-1]
         scores = scores.masked_fill(scores < kth, float("-inf"))
@@ -20,16 +35,38 @@ def _sample_row(logits: torch.Tensor, req: Request) -> int:
         probs = torch.softmax(sorted_scores, dim=-1)
         # Drop a token when the tokens above it already reach top_p; the first always stays.
         drop = (torch.cumsum(probs, dim=-1) - probs) >= params.top_p
+        drop[0] = False
         sorted_scores = sorted_scores.masked_fill(drop, float("-inf"))
         scores = torch.full_like(scores, float("-inf")).scatter(0, order, sorted_scores)
-    probs = torch.softmax(scores, dim=-1)
+    return scores
+
+
+def _sample_row(logits: torch.Tensor, req: Request) -> int:
+    probs = torch.softmax(_filtered_scores(logits, req), dim=-1)
+    if not bool(torch.isfinite(probs).all() & (probs.sum() > 0)):
+        logger.warning("request %s: no valid distribution to sample; taking the argmax", req.request_id)
+        return int(torch.argmax(torch.nan_to_num(logits, nan=float("-inf"))).item())
     return int(torch.multinomial(probs, 1, generator=req.generator).item())
 
 
-def sample(logits: torch.Tensor, requests: Sequence[Request]) -> list[int]:
-    """One token per row of ``logits`` (N, vocab), float32, for the matching request."""
-    chosen = torch.argmax(logits, dim=-1).tolist()
+def sample_rows(logits: torch.Tensor, requests: Sequence[Request]) -> list[int | Exception]:
+    """One token per row of ``logits`` (N, vocab), float32, for the matching request; a row
+    whose sampling raised gives that exception instead, and the other rows are unaffected."""
+    chosen: list[int | Exception] = list(torch.argmax(logits, dim=-1).tolist())
     for row, req in enumerate(requests):
-        if not req.sampling.greedy:
+        if req.sampling.greedy:
+            continue
+        try:
             chosen[row] = _sample_row(logits[row], req)
+        except Exception as exc:  # noqa: BLE001 - the engine fails this request only
+            chosen[row] = exc
     return chosen
+
+
+def sample(logits: torch.Tensor, requests: Sequence[Request]) -> list[int]:
+    """Like ``sample_rows``, but the first failed row raises."""
+    chosen = sample_rows(logits, requests)
+    for value in chosen:
+        if isinstance(value, Exception):
+            raise value
+    return chosen  # type: ignore[return-value]

@@ -15,6 +15,7 @@ from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+from kvmesh.engine.block_pool import BlockPool, BlockRemoved, KVBlock
 from kvmesh.engine.kv_cache_manager import KVCacheManager, cdiv
 from kvmesh.engine.request import FinishReason, Request, RequestStatus
 
@@ -177,16 +178,43 @@ class Scheduler:
         req.status = RequestStatus.FINISHED
         req.finish_reason = reason
         del self.requests[req.request_id]
-        if req.export_kv and reason is not FinishReason.ABORT:
+        if req.export_kv and reason not in (FinishReason.ABORT, FinishReason.ERROR):
             self.kv.hold(req)
         else:
             self.kv.free(req)
+
+    def fail(self, req: Request, *, kv_written: bool = True) -> None:
+        """End a request the engine could not serve (``FinishReason.ERROR``): its blocks are
+        freed, an export is not held. ``kv_written=False`` means its scheduled step never
+        ran: the blocks that step named in the prefix cache hold no KV, so they lose their
+        names first. A request already finished (its output failed) gives back its export."""
+        if req.is_finished:
+            if req.export_kv:
+                self.kv.release_held(req.request_id)
+            req.finish_reason = FinishReason.ERROR
+            return
+        if not kv_written:
+            first = req.num_computed_tokens // self.kv.block_size
+            _uncache(self.kv.pool, self.kv.req_blocks.get(req.request_id, [])[first:])
+        self.finish(req, FinishReason.ERROR)
 
     def abort(self, request_id: str) -> Request | None:
         req = self.requests.get(request_id)
         if req is not None:
             self.finish(req, FinishReason.ABORT)
         return req
+
+
+def _uncache(pool: BlockPool, blocks: list[KVBlock]) -> None:
+    """Take the prefix-cache names back from blocks whose KV was never written.
+
+    This reaches into the pool (``cached``, the event queue); it belongs in ``BlockPool``.
+    """
+    hashes = tuple(b.block_hash for b in blocks if b.block_hash is not None and pool.cached.get(b.block_hash) is b)
+    for block_hash in hashes:
+        pool.cached.pop(block_hash).block_hash = None
+    if hashes:
+        pool._events.append(BlockRemoved(hashes))  # noqa: SLF001
 
 
 def max_model_len(max_positions: int, num_blocks: int, block_size: int) -> int:
