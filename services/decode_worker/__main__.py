@@ -1,6 +1,7 @@
 import asyncio
+import sys
 
 from kvmesh.services.decode_worker.main import main
 
 if __name__ == "__main__":
-    asyncio.run(main())
+    sys.exit(asyncio.run(main()))

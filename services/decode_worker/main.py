@@ -11,8 +11,11 @@ import sys
 from nats.aio.msg import Msg
 from pydantic import ValidationError
 
-from kvmesh.errors import KvmeshError, MeshError
+from kvmesh.engine.async_engine import EngineDeadError
+from kvmesh.engine.request import FinishReason
+from kvmesh.errors import ErrorCode, MeshError
 from kvmesh.protocol import QUEUE_GROUP, DecodeAck, DecodeRequest, ErrorInfo, ReleaseRequest, TokenEvent
+from kvmesh.services.decode_worker.handle_check import check_handle
 from kvmesh.telemetry import extract_context, inject_headers, record_queue_wait
 from kvmesh.transfer.mooncake_agent import TransferError
 from kvmesh.transfer.runs import coalesce
@@ -37,11 +40,11 @@ class DecodeWorker:
         try:
             request = DecodeRequest.decode(msg.data)
         except ValidationError as exc:
-            error = ErrorInfo(code="bad_request", message=str(exc))
+            error = ErrorInfo(code=ErrorCode.BAD_REQUEST, message=str(exc))
             await msg.respond(DecodeAck(request_id="", accepted=False, error=error).encode())
             return
         if self.runtime.draining:
-            error = ErrorInfo(code="unavailable", message="worker is draining")
+            error = ErrorInfo(code=ErrorCode.UNAVAILABLE, message="worker is draining")
             await msg.respond(DecodeAck(request_id=request.request_id, accepted=False, error=error).encode())
             return
         await msg.respond(DecodeAck(request_id=request.request_id, accepted=True).encode())
@@ -58,64 +61,86 @@ class DecodeWorker:
         with rt.tracer.start_as_current_span("decode", context=extract_context(headers)) as span:
             span.set_attribute("kvmesh.worker_id", rt.worker_id)
             span.set_attribute("kvmesh.request_id", rid)
-            try:
-                cached = None
-                if request.kv is not None:
-                    cached = request.prefill_cached_tokens  # what the prefill reused, not the import
-                    await self._pull(request)
-                    stream = rt.engine.generate_from_import(
-                        rid, request.prompt_token_ids, request.first_token_id, rid, request.sampling.to_params()
-                    )
-                else:
-                    span.set_attribute("kvmesh.local_prefill", True)
-                    stream = rt.engine.generate(rid, request.prompt_token_ids, request.sampling.to_params())
-                async for out in stream:
-                    if out.queue_seconds is not None and request.kv is None:
-                        record_queue_wait(rt.tracer, span, out.queue_seconds)
-                    await send(
-                        TokenEvent(
-                            request_id=rid,
-                            seq=seq,
-                            token_ids=out.new_token_ids,
-                            text=out.text,
-                            finished=out.finished,
-                            finish_reason=out.finish_reason.value if out.finish_reason else None,
-                            num_prompt_tokens=out.num_prompt_tokens,
-                            num_cached_tokens=cached if cached is not None else out.num_cached_tokens,
+            stage = "pull" if request.kv is not None else "prefill"
+            async with rt.heartbeat(request.progress_subject, rid, stage) as beat:
+                try:
+                    cached = None
+                    if request.kv is not None:
+                        cached = request.prefill_cached_tokens  # what the prefill reused, not the import
+                        await self._pull(request)
+                        beat.stage = "decode"
+                        stream = rt.engine.generate_from_import(
+                            rid, request.prompt_token_ids, request.first_token_id, rid, request.sampling.to_params()
                         )
-                    )
-                    seq += 1
-                span.set_attribute("kvmesh.output_events", seq)
-            except (KvmeshError, ValueError) as exc:
-                span.record_exception(exc)
-                if isinstance(exc, MeshError):
-                    code = exc.code
-                elif isinstance(exc, TransferError):
-                    code = "unavailable"  # the prefill worker or its blocks are gone: retryable
-                else:
-                    code = "bad_request"
-                logger.warning("request %s failed: %s", rid, exc)
-                await send(TokenEvent(request_id=rid, seq=seq, finished=True, error=ErrorInfo(code=code, message=str(exc))))
+                    else:
+                        span.set_attribute("kvmesh.local_prefill", True)
+                        stream = rt.engine.generate(rid, request.prompt_token_ids, request.sampling.to_params())
+                    async for out in stream:
+                        beat.stage = "decode"
+                        if out.queue_seconds is not None and request.kv is None:
+                            record_queue_wait(rt.tracer, span, out.queue_seconds)
+                        if out.finish_reason is FinishReason.ERROR:
+                            raise MeshError(ErrorCode.REQUEST_FAILED, out.error or "the engine failed this request")
+                        await send(
+                            TokenEvent(
+                                request_id=rid,
+                                seq=seq,
+                                token_ids=out.new_token_ids,
+                                text=out.text,
+                                finished=out.finished,
+                                finish_reason=out.finish_reason.value if out.finish_reason else None,
+                                num_prompt_tokens=out.num_prompt_tokens,
+                                num_cached_tokens=cached if cached is not None else out.num_cached_tokens,
+                            )
+                        )
+                        seq += 1
+                    span.set_attribute("kvmesh.output_events", seq)
+                except Exception as exc:  # noqa: BLE001 - every failure ends the stream with an error event
+                    span.record_exception(exc)
+                    code = error_code(exc)
+                    if code is ErrorCode.INTERNAL:
+                        logger.exception("request %s failed", rid)
+                    else:
+                        logger.warning("request %s failed: %s", rid, exc)
+                    error = ErrorInfo(code=code, message=str(exc))
+                    await send(TokenEvent(request_id=rid, seq=seq, finished=True, error=error))
+                    if request.kv is not None:
+                        await self._release_unused_import(rid)
+
+    async def _release_unused_import(self, request_id: str) -> None:
+        """Blocks pulled for a request the engine then refused are given back (a no-op
+        once the engine took them over)."""
+        try:
+            await self.runtime.engine.release_import(request_id)
+        except Exception as exc:  # noqa: BLE001 - a dead engine frees nothing more
+            logger.debug("releasing the import of %s failed: %s", request_id, exc)
 
     async def _pull(self, request: DecodeRequest) -> None:
-        """Blocks for the prompt's KV, one batched read of the prefill's blocks, pin released."""
+        """Blocks for the prompt's KV, one batched read of the prefill's blocks, pin released.
+        The handle is checked before anything is allocated; whatever fails after the
+        allocation gives the blocks back."""
         rt = self.runtime
         kv = request.kv
-        assert kv is not None and request.first_token_id is not None
+        assert kv is not None and rt.directory is not None
         local = rt.engine.engine.kv_layout
         ok = False
         bytes_pulled = 0
         try:
-            if not kv.layout.to_layout().compatible_with(local):
-                raise TransferError(f"KV layout of {kv.prefill_worker_id} does not match this worker's")
+            check_handle(
+                request,
+                rt.directory.workers.get(kv.prefill_worker_id),
+                local,
+                vocab_size=rt.engine.engine.model_config.vocab_size,
+                pin_key=rt.keys.pin(kv.prefill_worker_id, request.request_id),
+            )
             if rt.settings.fault_pull_delay:
                 await asyncio.sleep(rt.settings.fault_pull_delay)
             with rt.tracer.start_as_current_span("kv_transfer") as span:
                 block_ids = await rt.engine.allocate_import(request.request_id, kv.num_tokens)
                 if block_ids is None:
-                    raise MeshError("overloaded", f"no room for {len(kv.block_ids)} KV blocks")
-                runs = coalesce(kv.block_ids, block_ids)
+                    raise MeshError(ErrorCode.OVERLOADED, f"no room for {len(kv.block_ids)} KV blocks")
                 try:
+                    runs = coalesce(kv.block_ids, block_ids)
                     stats = await rt.agent.read_blocks_async(
                         kv.transfer_endpoint,
                         runs,
@@ -123,7 +148,7 @@ class DecodeWorker:
                         local_base=rt.engine.engine.kv_pool.base_address,
                         block_bytes=local.block_bytes,
                     )
-                except TransferError:
+                except BaseException:
                     await rt.engine.release_import(request.request_id)
                     raise
                 bytes_pulled = stats.bytes
@@ -141,9 +166,22 @@ class DecodeWorker:
                 logger.warning("could not release the pin of %s: %s", request.request_id, exc)
 
 
-async def main(argv: list[str] | None = None) -> None:
+def error_code(exc: BaseException) -> ErrorCode:
+    """The mesh's code for a failure while serving a decode request."""
+    if isinstance(exc, MeshError):
+        return exc.code
+    if isinstance(exc, TransferError):
+        return ErrorCode.KV_LOST  # the prefill worker or its blocks are gone: retry elsewhere
+    if isinstance(exc, EngineDeadError):
+        return ErrorCode.UNAVAILABLE  # this worker is going away
+    if isinstance(exc, ValueError):
+        return ErrorCode.BAD_REQUEST  # the engine refused the request (too long, bad ids)
+    return ErrorCode.INTERNAL
+
+
+async def main(argv: list[str] | None = None) -> int:
     settings = worker_settings("decode", argv if argv is not None else sys.argv[1:])
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     worker = DecodeWorker(WorkerRuntime(settings))
     await worker.start()
-    await worker.runtime.serve_until_signalled()
+    return await worker.runtime.serve_until_signalled()

@@ -40,6 +40,7 @@ from kvmesh.protocol import (
     WorkerRecord,
 )
 from kvmesh.services.kv_metadata.mirror import EtcdMirror
+from kvmesh.worker.health import HealthServer, HealthStatus
 from kvmesh.worker.settings import MeshSettings, add_mesh_args, mesh_settings
 
 logger = logging.getLogger(__name__)
@@ -91,6 +92,15 @@ class KVMetadataService:
         self.registration = LeasedKey(self.store, self.keys.worker("kv-metadata", self.service_id), record.encode(), ttl=5)
         await self.registration.start()
         logger.info("kv-metadata %s ready: %d blocks of %d workers", self.service_id, self.index.num_blocks, len(self.index.workers()))
+
+    def health_status(self) -> HealthStatus:
+        nc = getattr(self, "nc", None)
+        checks = {
+            "nats": nc is not None and nc.is_connected,
+            "etcd": self.registration is not None and self.registration.confirmed,
+        }
+        failing = ", ".join(f"{k} failing" for k, ok in checks.items() if not ok)
+        return HealthStatus(live=True, ready=all(checks.values()), checks=checks, detail=failing)
 
     def _spawn(self, coroutine, name: str) -> None:
         task = asyncio.create_task(coroutine, name=name)
@@ -222,9 +232,16 @@ async def main(argv: list[str] | None = None) -> None:
     add_mesh_args(parser)
     parser.add_argument("--service-id", default=os.environ.get("KVMESH_SERVICE_ID"))
     parser.add_argument("--mirror-interval", type=float, default=float(os.environ.get("KVMESH_MIRROR_INTERVAL", "0.2")))
+    parser.add_argument("--health-host", default=os.environ.get("KVMESH_HEALTH_HOST", "127.0.0.1"))
+    parser.add_argument(
+        "--health-port", type=int, default=int(os.environ.get("KVMESH_HEALTH_PORT", "0")),
+        help="port of /health/live and /health/ready; 0 picks a free one (KVMESH_HEALTH_PORT)",
+    )
     args = parser.parse_args(argv if argv is not None else sys.argv[1:])
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     service = KVMetadataService(mesh_settings(args, parser), service_id=args.service_id, mirror_interval=args.mirror_interval)
+    health = HealthServer(service.health_status, args.health_host, args.health_port)
+    await health.start()
     await service.start()
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
@@ -234,3 +251,4 @@ async def main(argv: list[str] | None = None) -> None:
         loop.add_signal_handler(signum, stop.set)
     await stop.wait()
     await service.close()
+    await health.stop()

@@ -12,7 +12,8 @@ from nats.aio.msg import Msg
 from pydantic import ValidationError
 
 from kvmesh.engine.request import FinishReason
-from kvmesh.errors import KvmeshError
+from kvmesh.engine.async_engine import EngineDeadError
+from kvmesh.errors import ErrorCode, KvmeshError
 from kvmesh.protocol import (
     QUEUE_GROUP,
     ErrorInfo,
@@ -61,8 +62,19 @@ class PrefillWorker:
         try:
             request = PrefillRequest.decode(msg.data)
         except ValidationError as exc:
-            await msg.respond(PrefillResponse(request_id="", error=ErrorInfo(code="bad_request", message=str(exc))).encode())
+            await msg.respond(PrefillResponse(request_id="", error=ErrorInfo(code=ErrorCode.BAD_REQUEST, message=str(exc))).encode())
             return
+        rid = request.request_id
+        async with rt.heartbeat(request.progress_subject, rid, "prefill"):
+            try:
+                await self._prefill_request(msg, request)
+            except Exception as exc:  # noqa: BLE001 - the router hears of every failure
+                logger.exception("prefill of %s failed", rid)
+                error = ErrorInfo(code=ErrorCode.INTERNAL, message=f"prefill failed: {exc!r}")
+                await msg.respond(PrefillResponse(request_id=rid, error=error).encode())
+
+    async def _prefill_request(self, msg: Msg, request: PrefillRequest) -> None:
+        rt = self.runtime
         rid = request.request_id
         with rt.tracer.start_as_current_span("prefill", context=extract_context(msg.headers)) as span:
             span.set_attribute("kvmesh.worker_id", rt.worker_id)
@@ -76,7 +88,12 @@ class PrefillWorker:
                 out = await rt.engine.prefill_export(rid, request.prompt_token_ids, request.sampling.to_params())
             except (ValueError, KvmeshError) as exc:
                 span.record_exception(exc)
-                await msg.respond(PrefillResponse(request_id=rid, error=ErrorInfo(code="bad_request", message=str(exc))).encode())
+                code = ErrorCode.UNAVAILABLE if isinstance(exc, EngineDeadError) else ErrorCode.BAD_REQUEST
+                await msg.respond(PrefillResponse(request_id=rid, error=ErrorInfo(code=code, message=str(exc))).encode())
+                return
+            if out.finish_reason is FinishReason.ERROR:
+                error = ErrorInfo(code=ErrorCode.REQUEST_FAILED, message=out.error or "the engine failed this request")
+                await msg.respond(PrefillResponse(request_id=rid, error=error).encode())
                 return
             if out.queue_seconds is not None:
                 record_queue_wait(rt.tracer, span, out.queue_seconds)
@@ -84,7 +101,7 @@ class PrefillWorker:
             self.cost.observe_prefill(out.num_prompt_tokens - out.num_cached_tokens, time.perf_counter() - started)
             span.set_attribute("kvmesh.computed_tokens", out.num_prompt_tokens - out.num_cached_tokens)
             if out.finish_reason is FinishReason.ABORT or out.kv_export is None:
-                await msg.respond(PrefillResponse(request_id=rid, error=ErrorInfo(code="cancelled", message="aborted")).encode())
+                await msg.respond(PrefillResponse(request_id=rid, error=ErrorInfo(code=ErrorCode.CANCELLED, message="aborted")).encode())
                 return
             export = out.kv_export
             pool = rt.engine.engine.kv_pool
@@ -108,9 +125,9 @@ class PrefillWorker:
             )
             try:
                 await msg.respond(response.encode())
-            except Exception:  # the router gave up on us: nobody will pull
+            except Exception as exc:  # noqa: BLE001 - the router gave up on us: nobody will pull
+                logger.warning("the answer to %s could not be sent (%s); unpinning", rid, exc)
                 await self.pins.release(rid, reason="router gone")
-                raise
 
     async def _handle_release(self, msg: Msg) -> None:
         try:
@@ -151,9 +168,9 @@ class PrefillWorker:
         await self.pins.release(request_id, reason="cancelled")
 
 
-async def main(argv: list[str] | None = None) -> None:
+async def main(argv: list[str] | None = None) -> int:
     settings = worker_settings("prefill", argv if argv is not None else sys.argv[1:])
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     worker = PrefillWorker(WorkerRuntime(settings))
     await worker.start()
-    await worker.runtime.serve_until_signalled()
+    return await worker.runtime.serve_until_signalled()

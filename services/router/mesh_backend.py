@@ -18,6 +18,7 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
 import nats
+import nats.errors
 from nats.aio.msg import Msg
 from nats.errors import NoRespondersError
 from nats.errors import TimeoutError as NatsTimeoutError
@@ -30,7 +31,7 @@ from kvmesh.cluster.etcd_store import EtcdStore
 from kvmesh.engine.loader.default_model import resolve_model, served_model_name
 from kvmesh.engine.model.config import ModelConfig
 from kvmesh.engine.tokenizer import Tokenizer
-from kvmesh.errors import MeshError
+from kvmesh.errors import ErrorCode, MeshError, is_retryable
 from kvmesh.protocol import (
     CancelRequest,
     DecodeAck,
@@ -50,6 +51,7 @@ from kvmesh.protocol import (
 from kvmesh.hashing import hash_to_hex, hash_token_blocks
 from kvmesh.routing.plugins import Candidate, RouteRequest
 from kvmesh.routing.scorer import load_scorer_config
+from kvmesh.services.router.backend import HealthReport
 from kvmesh.services.router.progress import RequestProgress
 from kvmesh.services.router.worker_choice import Choice, LoadBoard, least_loaded
 from kvmesh.telemetry import inject_headers, tracer
@@ -57,16 +59,36 @@ from kvmesh.worker.settings import MeshSettings
 
 logger = logging.getLogger(__name__)
 
-RETRYABLE = {"unavailable", "overloaded", "internal"}
-_WORKER_GONE = object()
+
+
+@dataclass(slots=True, frozen=True)
+class _WorkerGone:
+    """Put in an attempt's queue when a worker it waits on leaves the directory."""
+
+    worker_id: str
 
 
 @dataclass(slots=True)
 class _Attempt:
+    """One try of a request. Everything it waits for arrives in ``events``: the decode
+    worker's token events, the prefill reply, and word that a worker it waits on is gone.
+    ``last_heard`` moves with every message about it, heartbeats (``Progress``) included."""
+
     attempt_id: str
     decode_worker: str
     prefill_worker: str | None
+    deadline: float  # the request's own, on the event loop's clock
+    stage: str = "prefill"  # then "decode"
     events: asyncio.Queue = field(default_factory=asyncio.Queue)
+    last_heard: float = field(default_factory=lambda: asyncio.get_running_loop().time())
+
+    def waits_on(self, worker_id: str) -> bool:
+        if self.stage == "prefill" and self.prefill_worker == worker_id:
+            return True
+        return self.decode_worker == worker_id
+
+    def heard(self) -> None:
+        self.last_heard = asyncio.get_running_loop().time()
 
 
 class _Retry(Exception):
@@ -86,6 +108,7 @@ class MeshBackend:
         router_id: str | None = None,
         routing_config: str | dict | None = None,
         kv_query_timeout: float = 0.05,
+        worker_wait: float = 10.0,
     ) -> None:
         self.mesh = mesh
         self.subjects = Subjects(mesh.namespace)
@@ -102,6 +125,7 @@ class MeshBackend:
         self.board = LoadBoard()
         self.scorer = load_scorer_config(routing_config)  # how prefill workers are chosen
         self.kv_query_timeout = kv_query_timeout
+        self.worker_wait = worker_wait  # seconds a request waits for a decode worker to come back
         self._attempts: dict[str, _Attempt] = {}
         self._tracer = tracer("kvmesh.router")
         self.nc: nats.NATS
@@ -115,6 +139,7 @@ class MeshBackend:
         await self.directory.start()
         await self.nc.subscribe(self.subjects.load, cb=self._handle_load)
         await self.nc.subscribe(self.subjects.stream(self.router_id, "*"), cb=self._handle_event)
+        await self.nc.subscribe(self.subjects.progress(self.router_id, "*"), cb=self._handle_progress)
 
     async def close(self) -> None:
         await self.directory.stop()
@@ -127,8 +152,21 @@ class MeshBackend:
         lengths = [w.max_model_len for w in self.directory.workers.values() if w.role == "decode"]
         return min(lengths) if lengths else self._model_max_len
 
-    async def health(self) -> dict[str, int]:
-        return {role: len(self.directory.alive(role)) for role in ("prefill", "decode")}
+    def ready_workers(self, role: str) -> list[WorkerRecord]:
+        """Registered, and their latest load report is fresh and says ready."""
+        return [w for w in self.directory.alive(role) if self.board.ready(w.worker_id)]
+
+    async def health(self) -> HealthReport:
+        """Ready when a decode worker is ready by its own checks (engine stepping, NATS and
+        etcd connected): it can also prefill, so that is a live prefill path too."""
+        ready = {role: len(self.ready_workers(role)) for role in ("prefill", "decode")}
+        registered = {role: len(self.directory.alive(role)) for role in ("prefill", "decode")}
+        if not self.nc.is_connected:
+            return HealthReport(False, ready, "the router is not connected to NATS")
+        if ready["decode"] < 1:
+            counts = ", ".join(f"{role}={n}" for role, n in sorted(registered.items()))
+            return HealthReport(False, ready, f"no decode worker is ready (registered: {counts})")
+        return HealthReport(True, ready)
 
     # -- NATS callbacks ------------------------------------------------------------------
     async def _handle_load(self, msg: Msg) -> None:
@@ -142,17 +180,25 @@ class MeshBackend:
         if attempt is None:
             return
         try:
-            attempt.events.put_nowait(TokenEvent.decode(msg.data))
+            event = TokenEvent.decode(msg.data)
         except ValidationError:
             logger.warning("malformed token event on %s", msg.subject)
+            return
+        attempt.heard()
+        attempt.events.put_nowait(event)
+
+    async def _handle_progress(self, msg: Msg) -> None:
+        attempt = self._attempts.get(msg.subject.rsplit(".", 1)[-1])
+        if attempt is not None:
+            attempt.heard()
 
     def _worker_changed(self, worker_id: str, record: WorkerRecord | None) -> None:
         if record is not None:
             return
         self.board.forget(worker_id)
         for attempt in self._attempts.values():
-            if attempt.decode_worker == worker_id:
-                attempt.events.put_nowait(_WORKER_GONE)
+            if attempt.waits_on(worker_id):
+                attempt.events.put_nowait(_WorkerGone(worker_id))
 
     # -- one request ---------------------------------------------------------------------
     async def generate(
@@ -176,13 +222,21 @@ class MeshBackend:
         progress = RequestProgress(request_id, self.tokenizer, sampling, self.eos_token_ids, len(prompt_token_ids))
         excluded: set[str] = set()
         last_reason = "no attempt made"
+        deadline = asyncio.get_running_loop().time() + self.mesh.request_deadline
         try:
             for attempt_number in range(self.max_attempts):
                 attempt_id = f"{request_id}-{attempt_number}"
                 span.set_attribute("kvmesh.attempts", attempt_number + 1)
                 attempt_sampling = sampling.model_copy(update={"max_tokens": progress.remaining_tokens})
                 attempt = self._attempt(
-                    attempt_id, prompt_token_ids + progress.emitted, attempt_sampling, excluded, span, ctx, session_id
+                    attempt_id,
+                    prompt_token_ids + progress.emitted,
+                    attempt_sampling,
+                    excluded,
+                    span,
+                    ctx,
+                    deadline,
+                    session_id,
                 )
                 try:
                     async with contextlib.aclosing(attempt) as events:  # closing cancels the attempt at once
@@ -207,7 +261,7 @@ class MeshBackend:
                         len(progress.emitted),
                         retry,
                     )
-            raise MeshError("unavailable", f"the request failed after {self.max_attempts} attempts: {last_reason}")
+            raise MeshError(ErrorCode.UNAVAILABLE, f"the request failed after {self.max_attempts} attempts: {last_reason}")
         except MeshError as exc:
             span.set_status(trace.Status(trace.StatusCode.ERROR, exc.message))
             raise
@@ -222,14 +276,13 @@ class MeshBackend:
         excluded: set[str],
         span: trace.Span,
         ctx,
+        deadline: float,
         session_id: str | None = None,
     ) -> AsyncIterator[TokenEvent]:
         """One try: the first token from a prefill worker, the rest from a decode worker.
         Yields events whose token ids are new (their text is ignored: the router
         detokenizes)."""
-        decode = least_loaded(self.directory.alive("decode"), self.board, excluded)
-        if decode is None:
-            raise MeshError("unavailable", "no decode worker is available")
+        decode = await self._decode_worker(excluded, deadline)
         routed = await self._choose_prefill(attempt_id, prompt, excluded, session_id, span)
         prefill, peer = routed if routed is not None else (None, None)
         span.set_attribute("kvmesh.decode_worker", decode.worker.worker_id)
@@ -240,15 +293,18 @@ class MeshBackend:
             prompt_token_ids=prompt,
             sampling=sampling,
             reply_subject=self.subjects.stream(self.router_id, attempt_id),
+            progress_subject=self.subjects.progress(self.router_id, attempt_id),
         )
-        attempt = _Attempt(attempt_id, decode.worker.worker_id, prefill.worker.worker_id if prefill else None)
+        attempt = _Attempt(
+            attempt_id, decode.worker.worker_id, prefill.worker.worker_id if prefill else None, deadline
+        )
         self._attempts[attempt_id] = attempt
         self.board.add(decode.worker.worker_id, 1)
         finished = False
         try:
             first_sent = False
             if prefill is not None:
-                response = await self._prefill(prefill.worker, attempt_id, prompt, sampling, ctx, peer)
+                response = await self._prefill(attempt, prefill.worker, prompt, sampling, ctx, peer)
                 request = request.model_copy(
                     update={
                         "first_token_id": response.first_token_id,
@@ -263,6 +319,8 @@ class MeshBackend:
                     token_ids=[response.first_token_id],
                     num_cached_tokens=response.num_cached_tokens,
                 )
+            attempt.stage = "decode"
+            attempt.heard()
             await self._start_decode(decode.worker, request, ctx)
             async for event in self._events_in_order(attempt):
                 finished = event.finished
@@ -275,6 +333,25 @@ class MeshBackend:
             self._attempts.pop(attempt_id, None)
             if not finished:
                 await self._cancel(attempt_id)
+
+    async def _decode_worker(self, excluded: set[str], deadline: float) -> Choice:
+        """The least loaded ready decode worker; while there is none (one restarting, say),
+        wait up to ``worker_wait`` seconds for one to join before answering unavailable."""
+        loop = asyncio.get_running_loop()
+        give_up = min(deadline, loop.time() + self.worker_wait)
+        while True:
+            choice = least_loaded(self.directory.alive("decode"), self.board, excluded)
+            if choice is not None:
+                return choice
+            left = give_up - loop.time()
+            if left <= 0:
+                raise MeshError(ErrorCode.UNAVAILABLE, "no decode worker is available")
+            try:  # a worker joining, or a fresh load report making one usable
+                await self.directory.wait_for(
+                    lambda d: least_loaded(d.alive("decode"), self.board, excluded) is not None, min(left, 0.25)
+                )
+            except TimeoutError:
+                pass
 
     async def _choose_prefill(
         self, attempt_id: str, prompt: list[int], excluded: set[str], session_id: str | None, span: trace.Span
@@ -343,69 +420,118 @@ class MeshBackend:
 
     async def _prefill(
         self,
+        attempt: _Attempt,
         worker: WorkerRecord,
-        attempt_id: str,
         prompt: list[int],
         sampling: SamplingSpec,
         ctx,
         peer: PeerPrefix | None = None,
     ) -> PrefillResponse:
+        """Ask ``worker`` for the first token and a KV handle. A long prefill is waited for
+        as long as the worker says it is working on it (``Progress``); a worker that goes
+        silent or leaves the directory is given up on at once."""
         self.board.add(worker.worker_id, 1)
         try:
             with self._tracer.start_as_current_span("prefill_call", context=ctx) as span:
                 span.set_attribute("kvmesh.worker_id", worker.worker_id)
-                payload = PrefillRequest(request_id=attempt_id, prompt_token_ids=prompt, sampling=sampling, peer=peer)
+                payload = PrefillRequest(
+                    request_id=attempt.attempt_id,
+                    prompt_token_ids=prompt,
+                    sampling=sampling,
+                    peer=peer,
+                    progress_subject=self.subjects.progress(self.router_id, attempt.attempt_id),
+                ).encode()
+                self._check_size(payload, "the prefill request")
+                timeout = max(0.1, attempt.deadline - asyncio.get_running_loop().time())
+                reply = asyncio.ensure_future(
+                    self.nc.request(worker.subject, payload, timeout=timeout, headers=inject_headers())
+                )
+                reply.add_done_callback(attempt.events.put_nowait)
                 try:
-                    msg = await self.nc.request(
-                        worker.subject, payload.encode(), timeout=self.mesh.request_timeout, headers=inject_headers()
-                    )
-                except (NatsTimeoutError, NoRespondersError, asyncio.TimeoutError) as exc:
-                    await self._cancel(attempt_id)
+                    while True:
+                        item = await self._next(attempt, worker.worker_id)
+                        if item is reply:
+                            msg = reply.result()
+                            break
+                except (nats.errors.Error, asyncio.TimeoutError) as exc:
                     raise _Retry(f"prefill on {worker.worker_id}: {type(exc).__name__}", worker.worker_id) from None
+                finally:
+                    reply.cancel()
         finally:
             self.board.add(worker.worker_id, -1)
         response = PrefillResponse.decode(msg.data)
         if response.error is not None:
-            if response.error.code in RETRYABLE:
+            if is_retryable(response.error.code):
                 raise _Retry(f"prefill on {worker.worker_id}: {response.error.message}", worker.worker_id)
             raise MeshError(response.error.code, response.error.message)
         return response
 
     async def _start_decode(self, worker: WorkerRecord, request: DecodeRequest, ctx) -> None:
+        payload = request.encode()
+        self._check_size(payload, "the decode request")
         try:
             msg = await self.nc.request(
-                worker.subject, request.encode(), timeout=min(5.0, self.mesh.request_timeout), headers=inject_headers(ctx)
+                worker.subject, payload, timeout=min(5.0, self.mesh.request_timeout), headers=inject_headers(ctx)
             )
-        except (NatsTimeoutError, NoRespondersError, asyncio.TimeoutError) as exc:
+        except (nats.errors.Error, asyncio.TimeoutError) as exc:
             raise _Retry(f"decode on {worker.worker_id}: {type(exc).__name__}", worker.worker_id) from None
         ack = DecodeAck.decode(msg.data)
         if not ack.accepted:
             error = ack.error
-            if error is None or error.code in RETRYABLE:
+            if error is None or is_retryable(error.code):
                 raise _Retry(f"decode on {worker.worker_id} refused: {error.message if error else '?'}", worker.worker_id)
             raise MeshError(error.code, error.message)
+
+    def _check_size(self, payload: bytes, what: str) -> None:
+        """A message NATS would refuse is refused here, before it is sent."""
+        limit = self.nc.max_payload
+        if limit and len(payload) > limit:
+            raise MeshError(
+                ErrorCode.TOO_LARGE, f"{what} is {len(payload)} bytes; the mesh carries at most {limit} bytes a message"
+            )
+
+    async def _next(self, attempt: _Attempt, waiting_on: str) -> object:
+        """The attempt's next item. Raises ``_Retry`` when the worker it waits on left the
+        directory or has been silent (no event, no heartbeat) for ``silence_timeout``, and
+        ``MeshError(timeout)`` when the request's deadline passes."""
+        loop = asyncio.get_running_loop()
+        while True:
+            now = loop.time()
+            if now >= attempt.deadline:
+                raise MeshError(ErrorCode.TIMEOUT, f"the request took longer than {self.mesh.request_deadline:g}s")
+            silent = now - attempt.last_heard
+            if silent >= self.mesh.silence_timeout:
+                raise _Retry(f"no word from {waiting_on} for {silent:.1f}s", waiting_on)
+            wait = min(self.mesh.silence_timeout - silent, attempt.deadline - now)
+            try:
+                item = await asyncio.wait_for(attempt.events.get(), wait)
+            except asyncio.TimeoutError:
+                continue  # a heartbeat may have moved last_heard; look again
+            if isinstance(item, _WorkerGone):
+                if attempt.waits_on(item.worker_id):
+                    raise _Retry(f"worker {item.worker_id} is gone", item.worker_id)
+                continue
+            return item
 
     async def _events_in_order(self, attempt: _Attempt) -> AsyncIterator[TokenEvent]:
         """The attempt's events by sequence number, until the last one."""
         expected = 0
         early: dict[int, TokenEvent] = {}
         while True:
-            try:
-                item = await asyncio.wait_for(attempt.events.get(), self.mesh.request_timeout)
-            except asyncio.TimeoutError:
-                raise _Retry(f"no token from {attempt.decode_worker} for {self.mesh.request_timeout:g}s", attempt.decode_worker) from None
-            if item is _WORKER_GONE:
-                raise _Retry(f"decode worker {attempt.decode_worker} is gone", attempt.decode_worker)
+            item = await self._next(attempt, attempt.decode_worker)
+            if not isinstance(item, TokenEvent):
+                continue  # a late prefill reply
             early[item.seq] = item
             while expected in early:
                 event = early.pop(expected)
                 expected += 1
                 if event.error is not None:
-                    if event.error.code == "unavailable":  # the pull failed: the prefill side is gone
+                    code = event.error.code
+                    if code is ErrorCode.KV_LOST:  # the pull failed: the prefill side is gone
                         raise _Retry(event.error.message, attempt.prefill_worker)
-                    if event.error.code in RETRYABLE:
+                    if is_retryable(code):
                         raise _Retry(event.error.message, attempt.decode_worker)
-                    raise MeshError(event.error.code, event.error.message)
+                    raise MeshError(code, event.error.message)
                 yield event
                 if event.finished:
                     return

@@ -38,12 +38,21 @@ class LoadBoard:
         self.in_flight[worker_id] = max(0, self.in_flight.get(worker_id, 0) + delta)
 
     def usable(self, worker_id: str) -> bool:
-        """Not draining, and not silent for longer than ``stale_after`` (a hung or dead
-        worker whose lease has not run out yet). A worker not yet heard from is usable."""
+        """Not draining, not saying it is unready, and not silent for longer than
+        ``stale_after`` (a hung or dead worker whose lease has not run out yet). A worker
+        not yet heard from is usable."""
         report = self.reports.get(worker_id)
         if report is None:
             return True
-        return not report.draining and time.monotonic() - self.received_at[worker_id] < self.stale_after
+        return self.ready(worker_id)
+
+    def ready(self, worker_id: str) -> bool:
+        """Heard from lately, and its own checks say it can take work."""
+        report = self.reports.get(worker_id)
+        if report is None:
+            return False
+        fresh = time.monotonic() - self.received_at[worker_id] < self.stale_after
+        return fresh and report.ready and not report.draining
 
     def load(self, worker_id: str) -> float:
         report = self.reports.get(worker_id)

@@ -13,6 +13,7 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 from kvmesh.engine.kv_cache import KVLayout
+from kvmesh.errors import ERROR_KINDS, ErrorCode
 from kvmesh.engine.request import SamplingParams
 
 Role = Literal["prefill", "decode", "router", "kv-metadata"]
@@ -78,6 +79,11 @@ class Subjects:
         """Decode -> router: one request's token events."""
         return f"{self.root}.stream.{router_id}.{request_id}"
 
+    def progress(self, router_id: str, request_id: str) -> str:
+        """Workers -> router: a request is alive and being worked on (``Progress``), so the
+        router tells a long prefill from a dead or cut-off worker."""
+        return f"{self.root}.progress.{router_id}.{request_id}"
+
 
 QUEUE_GROUP = {"prefill": "prefill-workers", "decode": "decode-workers"}
 
@@ -119,7 +125,7 @@ class Message(BaseModel):
 
 
 class ErrorInfo(Message):
-    code: Literal["bad_request", "overloaded", "unavailable", "internal", "cancelled"]
+    code: ErrorCode  # what it means, its HTTP status and whether to retry: ``kvmesh.errors``
     message: str
 
 
@@ -171,6 +177,7 @@ class WorkerRecord(Message):
     host: str
     pid: int
     started_at: float
+    health_url: str | None = None  # the worker's liveness / readiness endpoint (``/health/...``)
 
 
 class KVHandle(Message):
@@ -197,6 +204,7 @@ class PrefillRequest(Message):
     prompt_token_ids: list[int]
     sampling: SamplingSpec
     peer: PeerPrefix | None = None  # pull the prefix from this peer when cheaper than recomputing
+    progress_subject: str | None = None  # where to say "still working on it" (``Progress``)
 
 
 class KVLendRequest(Message):
@@ -231,6 +239,7 @@ class DecodeRequest(Message):
     first_token_id: int | None = None  # with kv: the token the prefill sampled
     kv: KVHandle | None = None  # None: the decode worker prefills itself
     prefill_cached_tokens: int = 0  # with kv: prompt tokens the prefill found in its cache
+    progress_subject: str | None = None  # where to say "still working on it" (``Progress``)
 
 
 class DecodeAck(Message):
@@ -253,6 +262,15 @@ class TokenEvent(Message):
     error: ErrorInfo | None = None
 
 
+class Progress(Message):
+    """A worker still holds a request and its engine is stepping; sent every heartbeat
+    interval while the request is queued, prefilled, pulled or decoded there."""
+
+    request_id: str
+    worker_id: str
+    stage: Literal["prefill", "pull", "decode"]
+
+
 class ReleaseRequest(Message):
     request_id: str
     bytes_pulled: int = 0
@@ -271,6 +289,7 @@ class LoadReport(Message):
     free_blocks: int
     total_blocks: int
     draining: bool = False
+    ready: bool = True  # engine stepping, NATS and etcd connected (the readiness check)
     timestamp: float
 
 
@@ -325,9 +344,9 @@ class KVIndexStats(Message):
 
 
 class MeshErrorCode:
-    """HTTP status for each ``ErrorInfo.code`` at the router's edge."""
+    """HTTP status for each ``ErrorInfo.code`` at the router's edge (from ``kvmesh.errors``)."""
 
-    STATUS = {"bad_request": 400, "overloaded": 503, "unavailable": 503, "internal": 500, "cancelled": 499}
+    STATUS = {code.value: kind.http_status for code, kind in ERROR_KINDS.items()}
 
 
 class WorkerStats(Message):

@@ -104,7 +104,13 @@ class WorkerDirectory:
                 return
             logger.info("worker %s left", worker_id)
         else:
-            if worker_id not in self.workers:
+            old = self.workers.get(worker_id)
+            if old is not None and (old.pid, old.started_at, old.host) != (record.pid, record.started_at, record.host):
+                # A restarted worker under the same id: the old one is gone, with whatever it held.
+                logger.info("worker %s restarted", worker_id)
+                for listener in self._listeners:
+                    listener(worker_id, None)
+            elif old is None:
                 logger.info("worker %s (%s) joined", worker_id, record.role)
             self.workers[worker_id] = record
         self._changed.set()

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 
 from kvmesh.cluster.etcd_store import ClusterError, EtcdStore
 
@@ -25,7 +26,13 @@ class LeasedKey:
         self.ttl = ttl
         self.lease_id: int | None = None
         self.registrations = 0
+        self.last_confirmed: float | None = None  # monotonic time etcd last confirmed the lease
         self._task: asyncio.Task | None = None
+
+    @property
+    def confirmed(self) -> bool:
+        """etcd confirmed the lease within its TTL: others see this key now."""
+        return self.last_confirmed is not None and time.monotonic() - self.last_confirmed < self.ttl
 
     async def start(self) -> None:
         await self._register()
@@ -36,6 +43,7 @@ class LeasedKey:
         await self.store.put(self.key, self.value, lease=lease_id)
         self.lease_id = lease_id
         self.registrations += 1
+        self.last_confirmed = time.monotonic()
         logger.info("registered %s (lease %x, ttl %ds)", self.key, lease_id, self.ttl)
 
     async def _keep_alive(self) -> None:
@@ -46,6 +54,8 @@ class LeasedKey:
                 if self.lease_id is None or await self.store.refresh(self.lease_id) <= 0:
                     logger.warning("lease of %s was lost; registering again", self.key)
                     await self._register()
+                else:
+                    self.last_confirmed = time.monotonic()
             except ClusterError as exc:
                 logger.warning("keeping %s alive failed (%s); retrying", self.key, exc)
 

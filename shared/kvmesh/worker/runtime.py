@@ -1,6 +1,9 @@
 """The host of one worker's engine: NATS, etcd registration, the transfer engine, load
-reports, pool stats, cancellation, and drain on SIGTERM. Role-specific work lives in the
-services; this is what they share."""
+reports, pool stats, cancellation, health checks, heartbeats, and drain on SIGTERM.
+Role-specific work lives in the services; this is what they share.
+
+An engine that stops (its thread failed) ends the process with a non-zero exit code, so a
+supervisor restarts it: never a live process with a dead engine."""
 
 from __future__ import annotations
 
@@ -16,6 +19,7 @@ import nats
 from nats.aio.msg import Msg
 
 from kvmesh.cluster.connect import connect_mesh
+from kvmesh.cluster.directory import WorkerDirectory
 from kvmesh.cluster.etcd_store import EtcdStore
 from kvmesh.cluster.registration import LeasedKey
 from kvmesh.engine.async_engine import AsyncEngine
@@ -23,6 +27,8 @@ from kvmesh.engine.llm_engine import EngineConfig
 from kvmesh.protocol import CancelRequest, Keys, KVLayoutSpec, LoadReport, Subjects, WorkerRecord, WorkerStats
 from kvmesh.telemetry import setup_tracing, shutdown_tracing, tracer
 from kvmesh.transfer.mooncake_agent import MooncakeAgent
+from kvmesh.worker.health import HealthServer, HealthStatus
+from kvmesh.worker.heartbeat import Heartbeat
 from kvmesh.worker.kv_events import KVEventPublisher
 from kvmesh.worker.settings import WorkerSettings
 
@@ -42,6 +48,7 @@ class WorkerRuntime:
         self.nc: nats.NATS
         self.store: EtcdStore
         self.registration: LeasedKey | None = None
+        self._started_at = time.time()
         self.draining = False
         self.bytes_served = 0  # prefill: bytes of pinned blocks peers pulled
         self.pin_count: Callable[[], int] = lambda: 0
@@ -51,12 +58,16 @@ class WorkerRuntime:
         self._background: list[asyncio.Task] = []
         self._closers: list[Callable[[], Awaitable[None]]] = []
         self._stopped = asyncio.Event()
+        self.exit_code = 0  # non-zero once the engine has died
+        self.directory: WorkerDirectory | None = None  # every worker's record, to check handles against
+        self.health = HealthServer(self.health_status, settings.health_host, settings.health_port)
 
     # -- start ---------------------------------------------------------------------------
     async def start(self) -> None:
         s = self.settings
         s.log()
         setup_tracing(f"kvmesh-{s.role}-worker", self.worker_id)
+        await self.health.start()  # live (and not ready) while the model loads
         logger.info("loading the model")
         self.engine = await AsyncEngine.create(
             EngineConfig(
@@ -75,7 +86,10 @@ class WorkerRuntime:
         pool = self.engine.engine.kv_pool
         self.agent = MooncakeAgent(s.advertise_host)
         self.agent.register(pool.base_address, pool.nbytes)
+        self._background.append(asyncio.create_task(self._watch_engine(), name="engine-watch"))
         self.nc, self.store = await connect_mesh(s.mesh, f"{s.role}-{self.worker_id}")
+        self.directory = WorkerDirectory(self.store, self.keys)
+        await self.directory.start()
         await self.nc.subscribe(self.subjects.cancel, cb=self._handle_cancel)
         await self.nc.subscribe(self.subjects.stats(self.worker_id), cb=self._handle_stats)
         self._background.append(asyncio.create_task(self._report_load(), name="load-reports"))
@@ -97,7 +111,8 @@ class WorkerRuntime:
             kv_layout=KVLayoutSpec.from_layout(engine.kv_layout),
             host=self.settings.advertise_host,
             pid=os.getpid(),
-            started_at=time.time(),
+            started_at=self._started_at,
+            health_url=self.health.url,
         )
 
     async def register(self) -> None:
@@ -113,6 +128,51 @@ class WorkerRuntime:
 
     async def subscribe_work(self, subject: str, handler: Callable[[Msg], Awaitable[None]], queue: str = "") -> None:
         self._work_subscriptions.append(await self.nc.subscribe(subject, queue=queue, cb=handler))
+
+    # -- health ----------------------------------------------------------------------------
+    def engine_stepping(self) -> bool:
+        engine = getattr(self, "engine", None)
+        return (
+            engine is not None
+            and engine.is_alive()
+            and engine.heartbeat_age() < self.settings.engine_stall_limit
+        )
+
+    def health_status(self) -> HealthStatus:
+        """Live while the engine thread is (or the model is still loading); ready when the
+        engine steps, NATS and etcd are connected, the worker is registered and not draining."""
+        engine = getattr(self, "engine", None)
+        loading = engine is None
+        nc = getattr(self, "nc", None)
+        checks = {
+            "engine": self.engine_stepping(),
+            "nats": nc is not None and nc.is_connected,
+            "etcd": self.registration is not None and self.registration.confirmed,
+            "accepting": not self.draining,
+        }
+        live = loading or (engine is not None and engine.is_alive())
+        detail = "loading the model" if loading else ", ".join(f"{k} failing" for k, ok in checks.items() if not ok)
+        return HealthStatus(live=live and self.exit_code == 0, ready=all(checks.values()), checks=checks, detail=detail)
+
+    async def _watch_engine(self) -> None:
+        error = await self.engine.wait_dead()
+        if self._stopped.is_set():
+            return  # shut down on purpose
+        logger.critical("the engine stopped (%r); exiting so that a supervisor restarts this worker", error)
+        self.exit_code = 1
+        self._stopped.set()
+
+    def heartbeat(self, subject: str | None, request_id: str, stage: str) -> Heartbeat:
+        """Progress messages to ``subject`` while the ``async with`` block runs."""
+        return Heartbeat(
+            self.nc,
+            subject,
+            request_id,
+            self.worker_id,
+            interval=self.settings.mesh.heartbeat_interval,
+            stage=stage,
+            engine_stepping=self.engine_stepping,
+        )
 
     def spawn(self, coroutine: Coroutine[Any, Any, Any], name: str) -> asyncio.Task:
         """Run a request's work in the background, tracked so drain can wait for it."""
@@ -158,7 +218,7 @@ class WorkerRuntime:
     async def _report_load(self) -> None:
         while True:
             try:
-                load = await self.engine.load()
+                load = self.engine.load_now()  # never queued behind a long engine step
                 report = LoadReport(
                     worker_id=self.worker_id,
                     role=self.settings.role,
@@ -167,6 +227,7 @@ class WorkerRuntime:
                     free_blocks=load["free_blocks"],
                     total_blocks=self.engine.engine.kv_layout.num_blocks,
                     draining=self.draining,
+                    ready=self.health_status().ready,
                     timestamp=time.time(),
                 )
                 await self.nc.publish(self.subjects.load, report.encode())
@@ -202,6 +263,8 @@ class WorkerRuntime:
                 logger.exception("closing step failed")
         for task in self._background:
             task.cancel()
+        if self.directory is not None:
+            await self.directory.stop()
         if self.registration is not None:
             await self.registration.stop(revoke=False)
         try:
@@ -210,15 +273,21 @@ class WorkerRuntime:
             await self.nc.close()
         await self.store.close()
         await self.engine.shutdown()
+        await self.health.stop()
         shutdown_tracing()
 
-    async def serve_until_signalled(self) -> None:
-        """Block until SIGTERM or SIGINT, then drain and close."""
+    async def serve_until_signalled(self) -> int:
+        """Block until SIGTERM or SIGINT (or the engine's death), then drain and close.
+        Returns the process's exit code."""
         loop = asyncio.get_running_loop()
         for signum in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(signum, self._stopped.set)
         await self._stopped.wait()
-        logger.info("signal received")
-        await self.drain()
+        if self.exit_code == 0:
+            logger.info("signal received")
+            await self.drain()
+        elif self.registration is not None:
+            await self.registration.stop(revoke=True)  # leave the directory at once
         await self.close()
         logger.info("stopped")
+        return self.exit_code

@@ -23,7 +23,14 @@ class MeshSettings:
     nats_url: str
     etcd_endpoints: tuple[str, ...]
     namespace: str = "default"
-    request_timeout: float = 30.0  # seconds for any single network wait
+    request_timeout: float = 30.0  # seconds for any single network wait (connect, ack, query)
+    request_deadline: float = 1800.0  # seconds a whole request may take, retries included
+    silence_timeout: float = 5.0  # a worker working on a request says so at least this often
+    heartbeat_interval: float = 0.5  # how often workers say so (``Progress``)
+
+    def __post_init__(self) -> None:
+        if not 0 < self.heartbeat_interval < self.silence_timeout:
+            raise ValueError("the heartbeat interval must be positive and shorter than the silence timeout")
 
 
 @dataclass(slots=True, frozen=True)
@@ -46,6 +53,9 @@ class WorkerSettings:
     pin_ttl: int = 30  # seconds a prefill's blocks wait for the decode side's pull
     load_interval: float = 0.5  # seconds between load reports
     drain_timeout: float = 60.0
+    health_host: str = "127.0.0.1"  # where the liveness / readiness endpoint listens
+    health_port: int = 0  # 0: a free port (logged, and in the worker's etcd record)
+    engine_stall_limit: float = 60.0  # an engine that has not gone round its loop for this long is not ready
     # Fault injection for tests: seconds a decode worker waits before pulling KV, so a test
     # can kill the prefill worker in between. Read from KVMESH_FAULT_PULL_DELAY only.
     fault_pull_delay: float = float(os.environ.get("KVMESH_FAULT_PULL_DELAY", "0"))
@@ -61,7 +71,22 @@ def add_mesh_args(parser: argparse.ArgumentParser) -> None:
         "--etcd", default=_env("ETCD_ENDPOINTS"), help="etcd endpoints host:port[,host:port] (KVMESH_ETCD_ENDPOINTS)"
     )
     parser.add_argument("--namespace", default=_env("NAMESPACE", "default"), help="mesh namespace (KVMESH_NAMESPACE)")
-    parser.add_argument("--request-timeout", type=float, default=float(_env("REQUEST_TIMEOUT", "30")))
+    parser.add_argument(
+        "--request-timeout", type=float, default=float(_env("REQUEST_TIMEOUT", "30")),
+        help="seconds for any single network wait: connect, ack, query (KVMESH_REQUEST_TIMEOUT)",
+    )
+    parser.add_argument(
+        "--request-deadline", type=float, default=float(_env("REQUEST_DEADLINE", "1800")),
+        help="seconds a whole request may take, retries included (KVMESH_REQUEST_DEADLINE)",
+    )
+    parser.add_argument(
+        "--silence-timeout", type=float, default=float(_env("SILENCE_TIMEOUT", "5")),
+        help="a worker silent this long about a request is given up on (KVMESH_SILENCE_TIMEOUT)",
+    )
+    parser.add_argument(
+        "--heartbeat-interval", type=float, default=float(_env("HEARTBEAT_INTERVAL", "0.5")),
+        help="seconds between a worker's progress messages for a request (KVMESH_HEARTBEAT_INTERVAL)",
+    )
 
 
 def mesh_settings(args: argparse.Namespace, parser: argparse.ArgumentParser) -> MeshSettings:
@@ -74,6 +99,9 @@ def mesh_settings(args: argparse.Namespace, parser: argparse.ArgumentParser) -> 
         etcd_endpoints=tuple(e.strip() for e in args.etcd.split(",") if e.strip()),
         namespace=args.namespace,
         request_timeout=args.request_timeout,
+        request_deadline=args.request_deadline,
+        silence_timeout=args.silence_timeout,
+        heartbeat_interval=args.heartbeat_interval,
     )
 
 
@@ -100,6 +128,11 @@ def worker_parser(role: str) -> argparse.ArgumentParser:
     parser.add_argument("--pin-ttl", type=int, default=int(_env("PIN_TTL", "30")))
     parser.add_argument("--load-interval", type=float, default=float(_env("LOAD_INTERVAL", "0.5")))
     parser.add_argument("--drain-timeout", type=float, default=float(_env("DRAIN_TIMEOUT", "60")))
+    parser.add_argument("--health-host", default=_env("HEALTH_HOST", "127.0.0.1"), help="(KVMESH_HEALTH_HOST)")
+    parser.add_argument(
+        "--health-port", type=int, default=int(_env("HEALTH_PORT", "0")),
+        help="port of /health/live and /health/ready; 0 picks a free one (KVMESH_HEALTH_PORT)",
+    )
     parser.add_argument("-v", "--verbose", action="store_true")
     return parser
 
@@ -133,5 +166,7 @@ def worker_settings(role: str, argv: list[str] | None = None) -> WorkerSettings:
         pin_ttl=args.pin_ttl,
         load_interval=args.load_interval,
         drain_timeout=args.drain_timeout,
+        health_host=args.health_host,
+        health_port=args.health_port,
         **extra,
     )

@@ -1,0 +1,228 @@
+"""No input and no single death takes the mesh down (issue 7), through real processes:
+a degenerate sampling request is answered and the workers keep serving; a prefill worker
+killed mid-prefill is given up on as soon as its record leaves etcd; a long prefill is not
+mistaken for a dead worker and does not lock others out; an inconsistent decode request is
+refused before anything is allocated."""
+
+from __future__ import annotations
+
+import asyncio
+import re
+import time
+from datetime import datetime
+
+import httpx
+import nats
+import pytest
+
+from kvmesh.cluster.etcd_store import EtcdStore
+from kvmesh.infra.local_mesh import LocalMesh, MeshOptions
+from kvmesh.protocol import (
+    DecodeAck,
+    DecodeRequest,
+    Keys,
+    LoadReport,
+    PrefillRequest,
+    PrefillResponse,
+    SamplingSpec,
+    Subjects,
+    TokenEvent,
+)
+from tests.mesh.client import post, worker_stats
+
+pytestmark = pytest.mark.slow
+
+MODEL = "SmolLM2-135M-Instruct"
+LEASE_TTL = 2
+
+
+def make_mesh(tmp_path, default_model_dir, *, prefill: int, decode: int, kv_cache_mib: int = 32, **options) -> LocalMesh:
+    env = {"KVMESH_CACHE_DIR": str(default_model_dir.parent.parent), **options.pop("env", {})}
+    mesh = LocalMesh(
+        MeshOptions(
+            prefill=prefill,
+            decode=decode,
+            kv_cache_mib=kv_cache_mib,
+            lease_ttl=LEASE_TTL,
+            pin_ttl=10,
+            num_threads=1,
+            env=env,
+            **options,
+        ),
+        tmp_path,
+    )
+    mesh.start()
+    return mesh
+
+
+def long_prompt(words: int) -> str:
+    return " ".join(f"item{i % 97} is {i}." for i in range(words))
+
+
+async def greedy(mesh: LocalMesh, prompt: str, max_tokens: int = 8, **extra) -> httpx.Response:
+    body = {"model": MODEL, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, **extra}
+    return await post(mesh.base_url, "/v1/completions", body)
+
+
+async def assert_pools_at_baseline(mesh: LocalMesh, worker_ids: list[str]) -> None:
+    for worker_id in worker_ids:
+        for _ in range(50):
+            stats = await worker_stats(mesh.nats.url, "default", worker_id)
+            if (stats.num_in_use, stats.num_held, stats.pins) == (0, 0, 0):
+                break
+            await asyncio.sleep(0.1)
+        assert (stats.num_in_use, stats.num_held, stats.pins) == (0, 0, 0), stats
+
+
+def log_time(line: str) -> float:
+    stamp = re.match(r"(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3})", line)
+    assert stamp is not None, line
+    return datetime.strptime(stamp.group(1), "%Y-%m-%d %H:%M:%S,%f").timestamp()
+
+
+@pytest.fixture(scope="module")
+def mesh(tmp_path_factory, default_model_dir):
+    mesh = make_mesh(tmp_path_factory.mktemp("robust"), default_model_dir, prefill=1, decode=1)
+    yield mesh
+    mesh.stop()
+
+
+@pytest.mark.parametrize(
+    "sampling",
+    [{"temperature": 1e-40}, {"temperature": 1.0, "top_p": 1e-300}, {"temperature": 1e-30, "top_k": 3}],
+)
+async def test_degenerate_sampling_is_answered_and_the_workers_keep_serving(mesh, sampling):
+    """Each of these killed an engine for good (torch.multinomial raised on the engine
+    thread); they are greedy (or keep the top token), as in vLLM."""
+    want = (await greedy(mesh, "The capital of France is")).json()["choices"][0]["text"]
+    for _ in range(2):  # twice: once would only reach the prefill worker's engine
+        response = await greedy(mesh, "The capital of France is", **sampling)
+        assert response.status_code == 200, response.text
+        assert response.json()["choices"][0]["text"] == want
+    # Both engines still serve, and the health checks say so.
+    assert (await greedy(mesh, "Two plus two is")).status_code == 200
+    async with httpx.AsyncClient(timeout=5) as client:
+        assert (await client.get(f"{mesh.base_url}/health")).status_code == 200
+        async with EtcdStore([mesh.etcd.endpoint]) as store:
+            items, _ = await store.get_prefix(Keys("default").workers())
+        from kvmesh.protocol import WorkerRecord
+
+        records = [WorkerRecord.decode(item.value) for item in items]
+        for record in records:
+            if record.health_url:
+                ready = await client.get(f"{record.health_url}/health/ready")
+                assert ready.status_code == 200, (record.worker_id, ready.text)
+                assert ready.json()["checks"]["engine"] is True
+    assert {r.role for r in records if r.health_url} == {"prefill", "decode"}
+    await assert_pools_at_baseline(mesh, ["prefill-1", "decode-2"])
+
+
+async def test_an_inconsistent_decode_request_is_refused_and_leaks_nothing(mesh):
+    """A handle whose token count disagrees with its blocks (and one naming another
+    endpoint) used to leak its blocks for good; now it is refused before allocation."""
+    subjects = Subjects("default")
+    nc = await nats.connect(mesh.nats.url, connect_timeout=5)
+    try:
+        prompt = list(range(100, 150))  # 50 tokens: 4 blocks of 16
+        prefill = PrefillRequest(request_id="forged-1", prompt_token_ids=prompt, sampling=SamplingSpec(max_tokens=4))
+        reply = await nc.request(subjects.prefill("prefill-1"), prefill.encode(), timeout=30)
+        handle = PrefillResponse.decode(reply.data)
+        assert handle.kv is not None and len(handle.kv.block_ids) == 4
+        bad_handles = [
+            handle.kv.model_copy(update={"num_tokens": 20}),  # 20 tokens in 4 blocks
+            handle.kv.model_copy(update={"transfer_endpoint": "127.0.0.1:1"}),
+            handle.kv.model_copy(update={"block_ids": (0, 1, 2, 10_000)}),
+        ]
+        for number, kv in enumerate(bad_handles):
+            inbox = f"test.forged.{number}"
+            events = await nc.subscribe(inbox)
+            request = DecodeRequest(
+                request_id="forged-1",
+                prompt_token_ids=prompt,
+                sampling=SamplingSpec(max_tokens=4),
+                reply_subject=inbox,
+                first_token_id=handle.first_token_id,
+                kv=kv,
+            )
+            ack = DecodeAck.decode((await nc.request(subjects.decode("decode-2"), request.encode(), timeout=10)).data)
+            assert ack.accepted
+            event = TokenEvent.decode((await events.next_msg(timeout=10)).data)
+            assert event.finished and event.error is not None and event.error.code == "bad_request", event
+            await events.unsubscribe()
+    finally:
+        await nc.close()
+    # The refused pull released the prefill's pin (ok=False), and nothing is held anywhere.
+    await assert_pools_at_baseline(mesh, ["prefill-1", "decode-2"])
+    assert (await greedy(mesh, "The capital of France is")).status_code == 200
+
+
+async def test_a_long_prefill_is_not_taken_for_a_dead_worker(tmp_path, default_model_dir):
+    """The router's old fixed wait (here 2 s) ran out during a long prefill, so the request
+    was retried elsewhere and then failed; now the workers' heartbeats keep it alive, and
+    other clients are served while it runs."""
+    mesh = make_mesh(
+        tmp_path, default_model_dir, prefill=1, decode=1, kv_cache_mib=160, request_timeout=2,
+        env={"KVMESH_MAX_NUM_BATCHED_TOKENS": "256"},
+    )  # fmt: skip
+    try:
+        started = time.monotonic()
+        long_request = asyncio.create_task(greedy(mesh, long_prompt(300), max_tokens=2))
+        short_done: list[float] = []
+        for number in range(3):
+            await asyncio.sleep(0.3)
+            response = await greedy(mesh, f"Question {number}: the capital of France is", max_tokens=4)
+            assert response.status_code == 200, response.text
+            short_done.append(time.monotonic() - started)
+        response = await asyncio.wait_for(long_request, 120)
+        long_seconds = time.monotonic() - started
+        assert response.status_code == 200, response.text
+        usage = response.json()["usage"]
+        assert usage["prompt_tokens"] > 2000
+        assert "retrying" not in mesh.router.tail(200)
+        assert long_seconds > 2, "the prompt must outlast the old fixed wait for the test to mean anything"
+        assert max(short_done) < long_seconds  # the others were served meanwhile
+        await assert_pools_at_baseline(mesh, ["prefill-1", "decode-2"])
+    finally:
+        mesh.stop()
+
+
+async def test_a_prefill_killed_mid_request_is_retried_as_its_record_leaves(tmp_path, default_model_dir):
+    """Only decode deaths used to wake waiting requests: a dead prefill worker's requests
+    waited out the whole timeout. Now the request is retried within 2 s of the record
+    leaving etcd (here: at once, when the lease runs out)."""
+    mesh = make_mesh(
+        tmp_path, default_model_dir, prefill=2, decode=1, kv_cache_mib=160, request_timeout=30,
+        env={"KVMESH_MAX_NUM_BATCHED_TOKENS": "256"},
+    )  # fmt: skip
+    subjects = Subjects("default")
+    nc = await nats.connect(mesh.nats.url, connect_timeout=5)
+    busy: asyncio.Queue[str] = asyncio.Queue()
+
+    async def on_load(msg) -> None:
+        report = LoadReport.decode(msg.data)
+        if report.role == "prefill" and report.running > 0:
+            busy.put_nowait(report.worker_id)
+
+    try:
+        await nc.subscribe(subjects.load, cb=on_load)
+        prompt = long_prompt(300)
+        request = asyncio.create_task(greedy(mesh, prompt, max_tokens=4))
+        victim = await asyncio.wait_for(busy.get(), 60)  # prefilling now
+        mesh.workers[victim].kill()
+        async with EtcdStore([mesh.etcd.endpoint]) as store:
+            key = Keys("default").worker("prefill", victim)
+            while await store.get(key) is not None:
+                await asyncio.sleep(0.05)
+        gone_at = time.time()
+        response = await asyncio.wait_for(request, 120)
+        assert response.status_code == 200, response.text
+        retry_lines = [line for line in mesh.router.tail(200).splitlines() if "retrying" in line]
+        assert retry_lines, mesh.router.tail(50)
+        assert log_time(retry_lines[0]) - gone_at < 2.0, retry_lines[0]
+        again = await greedy(mesh, prompt, max_tokens=4)  # the same prompt, from the survivor's cache
+        assert again.json()["choices"][0]["text"] == response.json()["choices"][0]["text"]
+        survivor = "prefill-2" if victim == "prefill-1" else "prefill-1"
+        await assert_pools_at_baseline(mesh, [survivor, "decode-3"])
+    finally:
+        await nc.close()
+        mesh.stop()
