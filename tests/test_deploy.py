@@ -75,3 +75,31 @@ def test_each_service_is_its_own_deployment_running_its_module():
         name = role.replace("_", "-")
         container = docs[("Deployment", name)]["spec"]["template"]["spec"]["containers"][0]
         assert f"kvmesh.services.{role}" in " ".join(container["command"])
+
+
+def test_every_service_is_probed_on_its_health_endpoints_not_behind_auth():
+    docs = {(d["kind"], d["metadata"]["name"]): d for d in rendered_manifests()}
+    config = docs[("ConfigMap", "kvmesh-config")]["data"]
+    for role in ROLES:
+        container = docs[("Deployment", role.replace("_", "-"))]["spec"]["template"]["spec"]["containers"][0]
+        ports = {p["name"]: p["containerPort"] for p in container["ports"]}
+        assert container["readinessProbe"]["httpGet"]["path"] == "/health/ready"
+        assert container["livenessProbe"]["httpGet"]["path"] == "/health/live"
+        port = container["readinessProbe"]["httpGet"]["port"]
+        if role == "router":
+            assert ports[port] == 8000
+        else:  # the workers' and kv-metadata's own health port, from the shared config
+            assert ports[port] == int(config["KVMESH_HEALTH_PORT"]) and config["KVMESH_HEALTH_HOST"] == "0.0.0.0"
+            assert container["startupProbe"]["httpGet"]["path"] == "/health/live"
+
+
+def test_compose_checks_every_service_by_its_health_endpoint():
+    done = subprocess.run(
+        [str(compose_binary()), "-f", str(ROOT / "deploy/compose/compose.yaml"), "config", "--format", "json"],
+        capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    services = __import__("json").loads(done.stdout)["services"]
+    for name in ("router", "prefill-worker", "decode-worker", "kv-metadata"):
+        test = " ".join(services[name]["healthcheck"]["test"])
+        assert "/health/ready" in test, name
+    assert services["decode-worker"]["environment"]["KVMESH_HEALTH_PORT"] == "8081"
