@@ -323,3 +323,17 @@ def test_double_free_asserts() -> None:
     with pytest.raises(AssertionError, match="freed twice"):
         pool.free_blocks([again, again])
     assert_free_list_consistent(pool)
+
+
+
+def test_uncache_takes_back_the_names_of_blocks_never_written() -> None:
+    pool = make_pool()
+    blocks = pool.get_new_blocks(3)
+    pool.cache_full_blocks(blocks[:3], H[:3], None)
+    pool.take_events()
+    pool.uncache(blocks[1:])  # the step that was to write blocks 1 and 2 failed
+    assert pool.take_events() == [BlockRemoved((H[1], H[2]))]
+    assert pool.cached == {H[0]: blocks[0]}
+    assert [b.block_hash for b in blocks] == [H[0], None, None]
+    pool.uncache(blocks[1:])  # nothing named any more: no event
+    assert pool.take_events() == []

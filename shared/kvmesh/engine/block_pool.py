@@ -203,6 +203,15 @@ class BlockPool:
     def _flush_stored(self, hashes: list[BlockHash], ids: list[int], parent: BlockHash | None) -> None:
         self._events.append(BlockStored(tuple(hashes), parent, tuple(ids), self.block_size))
 
+    def uncache(self, blocks: Iterable[KVBlock]) -> None:
+        """Take the prefix-cache names back from blocks whose KV was never written (a failed
+        step), so no later request reads them as a hit; a ``BlockRemoved`` says so."""
+        hashes = tuple(b.block_hash for b in blocks if b.block_hash is not None and self.cached.get(b.block_hash) is b)
+        for block_hash in hashes:
+            self.cached.pop(block_hash).block_hash = None
+        if hashes:
+            self._events.append(BlockRemoved(hashes))
+
     def reset_prefix_cache(self) -> bool:
         """Forget every cached hash; only possible when no block is referenced."""
         if len(self.free_queue) != self.num_blocks:

@@ -15,7 +15,6 @@ from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from kvmesh.engine.block_pool import BlockPool, BlockRemoved, KVBlock
 from kvmesh.engine.kv_cache_manager import KVCacheManager, cdiv
 from kvmesh.engine.request import FinishReason, Request, RequestStatus
 
@@ -195,7 +194,7 @@ class Scheduler:
             return
         if not kv_written:
             first = req.num_computed_tokens // self.kv.block_size
-            _uncache(self.kv.pool, self.kv.req_blocks.get(req.request_id, [])[first:])
+            self.kv.pool.uncache(self.kv.req_blocks.get(req.request_id, [])[first:])
         self.finish(req, FinishReason.ERROR)
 
     def abort(self, request_id: str) -> Request | None:
@@ -203,18 +202,6 @@ class Scheduler:
         if req is not None:
             self.finish(req, FinishReason.ABORT)
         return req
-
-
-def _uncache(pool: BlockPool, blocks: list[KVBlock]) -> None:
-    """Take the prefix-cache names back from blocks whose KV was never written.
-
-    This reaches into the pool (``cached``, the event queue); it belongs in ``BlockPool``.
-    """
-    hashes = tuple(b.block_hash for b in blocks if b.block_hash is not None and pool.cached.get(b.block_hash) is b)
-    for block_hash in hashes:
-        pool.cached.pop(block_hash).block_hash = None
-    if hashes:
-        pool._events.append(BlockRemoved(hashes))  # noqa: SLF001
 
 
 def max_model_len(max_positions: int, num_blocks: int, block_size: int) -> int:
