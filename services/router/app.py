@@ -1,18 +1,23 @@
 """The router's HTTP edge: OpenAI-compatible endpoints over a ``GenerationBackend``.
 
-``create_app`` wires the routes; a request is validated (``openai_api``), tokenized (``prompts``),
-checked against the model's context, handed to the backend, and its token events are returned as
-one JSON object or as server-sent events (``streaming``). Errors become OpenAI error bodies;
-metrics go to a registry owned by the app (``metrics``); ``auth`` guards ``/v1/*``.
+``create_app`` wires the routes; a request's body is read within ``limits``, validated
+(``openai_api``), tokenized off the event loop (``prompts``), checked against the model's context,
+handed to the backend, and its token events are returned as one JSON object or as server-sent
+events (``streaming``). Errors become OpenAI error bodies; metrics go to a registry owned by the
+app (``metrics``); ``auth`` guards ``/v1/*``; ``app.state.shutdown`` ends what is in flight.
 """
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
+import functools
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator
-from typing import Any
+from collections.abc import AsyncIterator, Callable
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, TypeVar
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -22,7 +27,8 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from kvmesh.protocol import TokenEvent
 from kvmesh.services.router.auth import BearerAuth
-from kvmesh.services.router.backend import GenerationBackend
+from kvmesh.services.router.backend import GenerationBackend, HealthReport
+from kvmesh.services.router.limits import BodyLimit, Limits
 from kvmesh.services.router.metrics import RequestTracker, RouterMetrics
 from kvmesh.services.router.openai_api import (
     APIError,
@@ -30,8 +36,10 @@ from kvmesh.services.router.openai_api import (
     ChatFormat,
     CompletionFormat,
     CompletionRequest,
+    error_json,
 )
 from kvmesh.services.router.prompts import chat_prompt_ids, completion_prompt_ids, resolve_max_tokens
+from kvmesh.services.router.shutdown import Shutdown
 from kvmesh.services.router.streaming import (
     CLIENT_CLOSED,
     EventStream,
@@ -58,11 +66,24 @@ COMPLETIONS = "/v1/completions"
 CHAT_COMPLETIONS = "/v1/chat/completions"
 SESSION_HEADER = "x-session-id"
 GENERATION_PATHS = frozenset({COMPLETIONS, CHAT_COMPLETIONS})
+HEALTH_TIMEOUT = 2.0  # seconds the backend has to answer a health check
+TOKENIZER_THREADS = 2
+
+T = TypeVar("T")
 
 
 # --------------------------------------------------------------------------- errors
-def _error_response(error: APIError) -> JSONResponse:
-    return JSONResponse(error.body(), status_code=error.status)
+class ErrorResponse(Response):
+    """An OpenAI error body; encodes whatever the message quotes (``error_json``)."""
+
+    media_type = "application/json"
+
+    def __init__(self, error: APIError) -> None:
+        super().__init__(error_json(error.body()), status_code=error.status)
+
+
+def _error_response(error: APIError) -> Response:
+    return ErrorResponse(error)
 
 
 def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
@@ -99,9 +120,10 @@ def _failed(tracker: RequestTracker, exc: BaseException) -> APIError | None:
 class _Generation:
     """Runs one validated request against the backend and shapes its answer."""
 
-    def __init__(self, backend: GenerationBackend, metrics: RouterMetrics) -> None:
+    def __init__(self, backend: GenerationBackend, metrics: RouterMetrics, shutdown: Shutdown) -> None:
         self.backend = backend
         self.metrics = metrics
+        self.shutdown = shutdown
 
     async def serve(
         self,
@@ -128,7 +150,7 @@ class _Generation:
             raise as_api_error(exc, request_id) from exc
         tracker = RequestTracker(self.metrics, endpoint, request_id, len(prompt_ids))
         if body.stream:
-            return await self._stream(events, fmt, tracker)
+            return await self._stream(request, events, fmt, tracker)
         return await self._complete(request, events, fmt, tracker)
 
     async def _complete(
@@ -139,7 +161,7 @@ class _Generation:
         tracker: RequestTracker,
     ) -> Response:
         try:
-            text = await unless_disconnected(request, self._collect(events, tracker))
+            text = await unless_disconnected(request, self._collect(events, tracker), self.shutdown)
         except BaseException as exc:
             error = _failed(tracker, exc)
             if error is None:
@@ -163,32 +185,60 @@ class _Generation:
             await aclose(events)
 
     async def _stream(
-        self, events: AsyncIterator[TokenEvent], fmt: CompletionFormat | ChatFormat, tracker: RequestTracker
+        self,
+        request: Request,
+        events: AsyncIterator[TokenEvent],
+        fmt: CompletionFormat | ChatFormat,
+        tracker: RequestTracker,
     ) -> Response:
         try:
-            first = check_event(await anext(events, None))
+            first = check_event(await unless_disconnected(request, anext(events, None), self.shutdown))
         except BaseException as exc:
             await aclose(events)
             error = _failed(tracker, exc)
             if error is None:
                 raise
             raise error from exc
-        return EventStreamResponse(EventStream(events, first, fmt, tracker))
+        return EventStreamResponse(EventStream(events, first, fmt, tracker, self.shutdown))
 
 
 # --------------------------------------------------------------------------- the app
-def create_app(backend: GenerationBackend, *, api_key: str | None = None) -> FastAPI:
-    """The router's FastAPI app serving ``backend``'s model; ``api_key`` guards ``/v1/*``."""
+def create_app(
+    backend: GenerationBackend, *, api_key: str | None = None, limits: Limits | None = None
+) -> FastAPI:
+    """The router's FastAPI app serving ``backend``'s model; ``api_key`` guards ``/v1/*``.
+
+    ``app.state.shutdown`` is the app's ``Shutdown``: the server begins it on SIGTERM / SIGINT.
+    """
+    limits = limits or Limits()
     metrics = RouterMetrics()
-    generation = _Generation(backend, metrics)
+    shutdown = Shutdown()
+    generation = _Generation(backend, metrics, shutdown)
     created = int(time.time())
-    app = FastAPI(title="kvmesh router")
+    tokenizing = ThreadPoolExecutor(TOKENIZER_THREADS, thread_name_prefix="kvmesh-tokenize")
+
+    @contextlib.asynccontextmanager
+    async def lifespan(_: FastAPI) -> AsyncIterator[None]:
+        try:
+            yield
+        finally:
+            tokenizing.shutdown(wait=False, cancel_futures=True)
+
+    app = FastAPI(title="kvmesh router", lifespan=lifespan)
     app.state.backend = backend
     app.state.metrics = metrics
+    app.state.shutdown = shutdown
+    app.state.limits = limits
     if api_key is not None:
         app.add_middleware(BearerAuth, api_key=api_key, metrics=metrics, counted_paths=GENERATION_PATHS)
+    # outermost: a body is bounded before anything reads it
+    app.add_middleware(BodyLimit, limits=limits, metrics=metrics, counted_paths=GENERATION_PATHS)
 
-    def rejected(request: Request, error: APIError) -> JSONResponse:
+    async def off_loop(work: Callable[..., T], *args: Any) -> T:
+        """Blocking work (tokenizing, templating) in the app's small thread pool."""
+        return await asyncio.get_running_loop().run_in_executor(tokenizing, functools.partial(work, *args))
+
+    def rejected(request: Request, error: APIError) -> Response:
         if request.url.path in GENERATION_PATHS:
             metrics.count(request.url.path, error.status)
         if error.status != CLIENT_CLOSED:
@@ -198,17 +248,23 @@ def create_app(backend: GenerationBackend, *, api_key: str | None = None) -> Fas
         return _error_response(error)
 
     @app.exception_handler(APIError)
-    async def on_api_error(request: Request, exc: APIError) -> JSONResponse:
+    async def on_api_error(request: Request, exc: APIError) -> Response:
         return rejected(request, exc)
 
     @app.exception_handler(RequestValidationError)
-    async def on_validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:
+    async def on_validation_error(request: Request, exc: RequestValidationError) -> Response:
         message, param = _validation_message(exc)
         return rejected(request, APIError(400, message, param=param))
 
     @app.exception_handler(StarletteHTTPException)
-    async def on_http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+    async def on_http_error(request: Request, exc: StarletteHTTPException) -> Response:
         return rejected(request, APIError(exc.status_code, str(exc.detail)))
+
+    def check_accepting(model: str) -> None:
+        """A generation request may start: the router is not shutting down, the model is ours."""
+        if shutdown.started:
+            raise shutdown.error()
+        check_model(model)
 
     def check_model(model: str) -> None:
         if model != backend.model_name:
@@ -228,19 +284,26 @@ def create_app(backend: GenerationBackend, *, api_key: str | None = None) -> Fas
             "max_model_len": backend.max_model_len,
         }
 
-    @app.get("/health")
-    async def health() -> JSONResponse:
+    async def readiness() -> Response:
+        if shutdown.started:
+            return _error_response(shutdown.error())
         try:
-            workers = await backend.health()
+            report: HealthReport = await asyncio.wait_for(backend.health(), HEALTH_TIMEOUT)
         except Exception as exc:
-            logger.warning("health check failed: %s", exc)
-            return _error_response(APIError(503, f"health check failed: {exc}", code="unavailable"))
-        if workers.get("decode", 0) < 1:
-            counts = ", ".join(f"{role}={n}" for role, n in sorted(workers.items())) or "none"
-            return _error_response(
-                APIError(503, f"no decode worker is alive (workers: {counts})", code="unavailable")
-            )
-        return JSONResponse({"status": "ok", "workers": workers})
+            timed_out = isinstance(exc, asyncio.TimeoutError)
+            reason = f"no answer in {HEALTH_TIMEOUT:g} s" if timed_out else str(exc) or type(exc).__name__
+            logger.warning("health check failed: %s", reason)
+            return _error_response(APIError(503, f"health check failed: {reason}", code="unavailable"))
+        if not report.ready:
+            return _error_response(APIError(503, report.detail or "not ready", code="unavailable"))
+        return JSONResponse({"status": "ok", "workers": report.workers})
+
+    app.add_api_route("/health", readiness, methods=["GET"])
+    app.add_api_route("/health/ready", readiness, methods=["GET"])
+
+    @app.get("/health/live")
+    async def liveness() -> JSONResponse:
+        return JSONResponse({"status": "alive"})
 
     @app.get("/metrics")
     async def prometheus_metrics() -> Response:
@@ -257,14 +320,14 @@ def create_app(backend: GenerationBackend, *, api_key: str | None = None) -> Fas
 
     @app.post(COMPLETIONS)
     async def completions(body: CompletionRequest, request: Request) -> Response:
-        check_model(body.model)
-        prompt_ids = completion_prompt_ids(body, backend.tokenizer)
+        check_accepting(body.model)
+        prompt_ids = await off_loop(completion_prompt_ids, body, backend.tokenizer, backend.max_model_len)
         return await generation.serve(request, COMPLETIONS, body, prompt_ids)
 
     @app.post(CHAT_COMPLETIONS)
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
-        check_model(body.model)
-        prompt_ids = chat_prompt_ids(body, backend.tokenizer)
+        check_accepting(body.model)
+        prompt_ids = await off_loop(chat_prompt_ids, body, backend.tokenizer, backend.max_model_len)
         return await generation.serve(request, CHAT_COMPLETIONS, body, prompt_ids)
 
     return app

@@ -1,18 +1,20 @@
-"""The router process: the OpenAI-compatible API in front of the mesh."""
+"""The router process: the OpenAI-compatible API in front of the mesh.
+
+SIGTERM or SIGINT ends every open stream with an error event and ``[DONE]``, answers what is
+waiting with a 503, and exits within about two seconds (``server``).
+"""
 
 from __future__ import annotations
 
 import argparse
-import asyncio
 import logging
 import os
-import socket
 import sys
 
-import uvicorn
-
 from kvmesh.services.router.app import create_app
+from kvmesh.services.router.limits import Limits
 from kvmesh.services.router.mesh_backend import MeshBackend
+from kvmesh.services.router.server import RouterServer, bind, serve
 from kvmesh.telemetry import setup_tracing, shutdown_tracing
 from kvmesh.worker.settings import add_mesh_args, mesh_settings
 
@@ -33,13 +35,53 @@ def build_parser() -> argparse.ArgumentParser:
         default=os.environ.get("KVMESH_ROUTING_CONFIG"),
         help="JSON or YAML file of scoring plugins and weights (default: prefix x2, load x1, session x1)",
     )
+    defaults = Limits()
+    env = os.environ.get
+    limits = parser.add_argument_group("request limits")
+    limits.add_argument(
+        "--max-body-bytes",
+        type=int,
+        default=int(env("KVMESH_MAX_BODY_BYTES", defaults.max_body_bytes)),
+        help="larger request bodies get a 413 (default: %(default)s)",
+    )
+    limits.add_argument(
+        "--body-timeout",
+        type=float,
+        default=float(env("KVMESH_BODY_TIMEOUT", defaults.body_timeout)),
+        help="seconds a request body may take to arrive, else a 408 (default: %(default)s)",
+    )
+    limits.add_argument(
+        "--max-header-bytes",
+        type=int,
+        default=int(env("KVMESH_MAX_HEADER_BYTES", defaults.max_header_bytes)),
+        help="a larger request line and headers get a 431 (default: %(default)s)",
+    )
+    limits.add_argument(
+        "--header-timeout",
+        type=float,
+        default=float(env("KVMESH_HEADER_TIMEOUT", defaults.header_timeout)),
+        help="seconds a request's head may take to arrive, else a 408 (default: %(default)s)",
+    )
     return parser
+
+
+def limits_from(args: argparse.Namespace, parser: argparse.ArgumentParser) -> Limits:
+    try:
+        return Limits(
+            max_body_bytes=args.max_body_bytes,
+            body_timeout=args.body_timeout,
+            max_header_bytes=args.max_header_bytes,
+            header_timeout=args.header_timeout,
+        )
+    except ValueError as exc:
+        parser.error(str(exc))
 
 
 async def main(argv: list[str] | None = None) -> None:
     parser = build_parser()
     args = parser.parse_args(argv if argv is not None else sys.argv[1:])
     mesh = mesh_settings(args, parser)
+    limits = limits_from(args, parser)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     logger.info("settings: %s", {k: v for k, v in vars(args).items() if k != "api_key"})
     setup_tracing("kvmesh-router")
@@ -51,7 +93,7 @@ async def main(argv: list[str] | None = None) -> None:
         routing_config=args.routing_config,
     )
     await backend.start()
-    app = create_app(backend, api_key=args.api_key)
+    app = create_app(backend, api_key=args.api_key, limits=limits)
     try:
         from opentelemetry.instrumentation.fastapi import FastAPIInstrumentor
 
@@ -59,17 +101,10 @@ async def main(argv: list[str] | None = None) -> None:
     except ImportError:
         logger.info("opentelemetry-instrumentation-fastapi not installed: no HTTP spans")
 
-    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    sock.bind((args.host, args.port))
-    port = sock.getsockname()[1]
-    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", access_log=False))
-    serving = asyncio.create_task(server.serve(sockets=[sock]))
-    while not server.started and not serving.done():
-        await asyncio.sleep(0.05)
-    logger.info("router listening on http://%s:%d", args.host, port)
+    sock = bind(args.host, args.port)
     try:
-        await serving
+        await serve(RouterServer(app, limits), sock)
     finally:
         await backend.close()
         shutdown_tracing()
+        logger.info("router stopped")

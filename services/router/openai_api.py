@@ -7,12 +7,24 @@ into a ``SamplingSpec`` and prompt, and the answer is built as plain dicts.
 from __future__ import annotations
 
 import json
+import re
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, BeforeValidator, ConfigDict, Field
+from pydantic import (
+    AfterValidator,
+    BaseModel,
+    BeforeValidator,
+    ConfigDict,
+    Field,
+    GetCoreSchemaHandler,
+    GetJsonSchemaHandler,
+    WithJsonSchema,
+)
+from pydantic.json_schema import JsonSchemaValue
+from pydantic_core import CoreSchema, core_schema
 
 from kvmesh.protocol import SamplingSpec
 
@@ -27,12 +39,19 @@ __all__ = [
     "StreamOptions",
     "Usage",
     "error_body",
+    "error_json",
     "error_type",
     "sse_event",
 ]
 
-MAX_STOP_SEQUENCES = 4
+MAX_STOP_SEQUENCES = 4  # OpenAI's limit
+MAX_STOP_CHARS = 1024  # per stop sequence; four of them stay far below what a NATS message carries
+MAX_STOP_TOKEN_IDS = 64
+MAX_MESSAGES = 2048  # OpenAI's limit
+MAX_TOKEN_ID = 2**31 - 1
+SEED_RANGE = (-(2**63), 2**64 - 1)  # what torch.Generator.manual_seed takes
 SSE_DONE = "data: [DONE]\n\n"
+_SURROGATE = re.compile("[\ud800-\udfff]")
 
 
 # --------------------------------------------------------------------------- errors
@@ -67,15 +86,41 @@ def error_body(
     return {"error": {"message": message, "type": error_type(status), "param": param, "code": code}}
 
 
+def error_json(body: dict[str, Any]) -> bytes:
+    """An error body as JSON bytes. ASCII-only, so whatever a message quotes (even a lone
+    surrogate from the request) encodes."""
+    return json.dumps(body, ensure_ascii=True, separators=(",", ":")).encode("ascii")
+
+
+# --------------------------------------------------------------------------- text
+def unicode_problem(text: str) -> str | None:
+    """Why ``text`` is not valid Unicode (a lone surrogate, which JSON's ``\\ud800`` escapes
+    can carry but UTF-8 cannot), or None when it is."""
+    match = _SURROGATE.search(text)
+    if match is None:
+        return None
+    return f"must be valid Unicode text, but has a lone surrogate U+{ord(match.group()):04X} at character {match.start()}"
+
+
+def _valid_text(value: str) -> str:
+    problem = unicode_problem(value)
+    if problem is not None:
+        raise ValueError(problem)
+    return value
+
+
+Text = Annotated[str, AfterValidator(_valid_text)]
+
+
 # --------------------------------------------------------------------------- field parsers
 def _parse_prompt(value: Any) -> Any:
     if isinstance(value, str):
-        return value
+        return _valid_text(value)
     if isinstance(value, list):
         if any(isinstance(item, (str, list)) for item in value):
             raise ValueError("only one prompt per request (batches of prompts are not supported)")
-        if all(type(item) is int for item in value):
-            return value
+        if all(type(item) is int or (type(item) is float and item.is_integer()) for item in value):
+            return [int(item) for item in value]  # 7.0 is an integer to JSON Schema, so to us
     raise ValueError("prompt must be a string or a list of token ids")
 
 
@@ -87,23 +132,32 @@ def _parse_stop(value: Any) -> tuple[str, ...]:
         raise ValueError("stop must be a string or a list of strings")
     if len(stops) > MAX_STOP_SEQUENCES:
         raise ValueError(f"at most {MAX_STOP_SEQUENCES} stop sequences are allowed, got {len(stops)}")
-    if any(s == "" for s in stops):
-        raise ValueError("stop sequences must not be empty strings")
+    for i, stop in enumerate(stops):
+        if stop == "":
+            raise ValueError("stop sequences must not be empty strings")
+        if len(stop) > MAX_STOP_CHARS:
+            raise ValueError(f"stop sequence {i} has {len(stop)} characters; at most {MAX_STOP_CHARS} are allowed")
+        problem = unicode_problem(stop)
+        if problem is not None:
+            raise ValueError(f"stop sequence {i} {problem}")
     return tuple(stops)
 
 
 def _parse_content(value: Any) -> str:
     """A message's content: a string, or text parts joined by newlines."""
     if isinstance(value, str):
-        return value
+        return _valid_text(value)
     if isinstance(value, list):
         texts = []
-        for part in value:
+        for i, part in enumerate(value):
             if not isinstance(part, dict) or part.get("type") != "text":
                 kind = part.get("type") if isinstance(part, dict) else type(part).__name__
                 raise ValueError(f"only text content parts are supported, got {kind!r}")
             if not isinstance(part.get("text"), str):
                 raise ValueError("a text content part needs a string 'text'")
+            problem = unicode_problem(part["text"])
+            if problem is not None:
+                raise ValueError(f"text part {i} {problem}")
             texts.append(part["text"])
         return "\n".join(texts)
     raise ValueError("content must be a string or a list of text parts")
@@ -121,15 +175,47 @@ def _is_one(value: Any) -> bool:
     return value is None or (not isinstance(value, bool) and value == 1)
 
 
-def _only_off(accepted: Callable[[Any], bool], message: str) -> BeforeValidator:
-    """A field we accept only at its "off" value; anything else is a clear 400."""
+@dataclass(frozen=True)
+class _OnlyOff:
+    """A field we accept only at its "off" values (``off``, or null); anything else is a clear
+    400. Its JSON schema names those values, so what is generated from /openapi.json is valid."""
 
-    def check(value: Any) -> Any:
-        if not accepted(value):
-            raise ValueError(message)
+    accepted: Callable[[Any], bool]
+    message: str
+    off: tuple[Any, ...]
+
+    def __get_pydantic_core_schema__(self, source: Any, handler: GetCoreSchemaHandler) -> CoreSchema:
+        return core_schema.no_info_before_validator_function(self._check, handler(source))
+
+    def __get_pydantic_json_schema__(self, schema: CoreSchema, handler: GetJsonSchemaHandler) -> JsonSchemaValue:
+        return {"anyOf": [*({"const": value} for value in self.off), {"type": "null"}]}
+
+    def _check(self, value: Any) -> Any:
+        if not self.accepted(value):
+            raise ValueError(self.message)
         return value
 
-    return BeforeValidator(check)
+
+def _only_off(accepted: Callable[[Any], bool], message: str, *off: Any) -> _OnlyOff:
+    return _OnlyOff(accepted, message, off)
+
+
+def _text_schema(**bounds: int) -> dict[str, Any]:
+    return {"type": "string", **{f"{k}Length": v for k, v in bounds.items()}}
+
+
+# What the parsers above accept, for /openapi.json (pydantic would describe their output).
+_STOP = _text_schema(min=1, max=MAX_STOP_CHARS)
+STOP_SCHEMA = {"anyOf": [_STOP, {"type": "array", "items": _STOP, "maxItems": MAX_STOP_SEQUENCES}, {"type": "null"}]}
+PROMPT_SCHEMA = {
+    "anyOf": [_text_schema(min=1), {"type": "array", "items": {"type": "integer", "minimum": 0}, "minItems": 1}]
+}
+_TEXT_PART = {
+    "type": "object",
+    "properties": {"type": {"const": "text"}, "text": {"type": "string"}},
+    "required": ["type", "text"],
+}
+CONTENT_SCHEMA = {"anyOf": [{"type": "string"}, {"type": "array", "items": _TEXT_PART}]}
 
 
 # --------------------------------------------------------------------------- requests
@@ -144,27 +230,29 @@ class _GenerationRequest(BaseModel):
 
     model_config = ConfigDict(extra="allow")
 
-    model: str
+    model: Text
     temperature: float | None = Field(default=None, ge=0.0, le=2.0)
     top_p: float | None = Field(default=None, gt=0.0, le=1.0)
     top_k: int | None = Field(default=None, ge=-1)  # extension; 0 and -1 mean off
-    seed: int | None = None
-    stop: Annotated[tuple[str, ...], BeforeValidator(_parse_stop)] = ()
+    seed: int | None = Field(default=None, ge=SEED_RANGE[0], le=SEED_RANGE[1])
+    stop: Annotated[tuple[str, ...], BeforeValidator(_parse_stop), WithJsonSchema(STOP_SCHEMA)] = ()
     stream: bool | None = False
     stream_options: StreamOptions | None = None
     ignore_eos: bool = False  # extension
-    stop_token_ids: list[Annotated[int, Field(ge=0)]] | None = None  # extension
+    stop_token_ids: (
+        list[Annotated[int, Field(ge=0, le=MAX_TOKEN_ID)]] | None
+    ) = Field(default=None, max_length=MAX_STOP_TOKEN_IDS)  # extension
     user: str | None = None
     # accepted only at their "off" values
-    n: Annotated[Any, _only_off(_is_one, "only n=1 is supported (one choice per request)")] = 1
-    logprobs: Annotated[Any, _only_off(_is_off, "logprobs are not supported")] = None
-    presence_penalty: Annotated[Any, _only_off(_is_zero, "presence_penalty is not supported (only 0)")] = None
-    frequency_penalty: Annotated[Any, _only_off(_is_zero, "frequency_penalty is not supported (only 0)")] = (
-        None
-    )
-    logit_bias: Annotated[Any, _only_off(lambda v: v is None or v == {}, "logit_bias is not supported")] = (
-        None
-    )
+    n: Annotated[Any, _only_off(_is_one, "only n=1 is supported (one choice per request)", 1)] = 1
+    logprobs: Annotated[Any, _only_off(_is_off, "logprobs are not supported", False)] = None
+    presence_penalty: Annotated[Any, _only_off(_is_zero, "presence_penalty is not supported (only 0)", 0)] = None
+    frequency_penalty: Annotated[
+        Any, _only_off(_is_zero, "frequency_penalty is not supported (only 0)", 0)
+    ] = None
+    logit_bias: Annotated[
+        Any, _only_off(lambda v: v is None or v == {}, "logit_bias is not supported", {})
+    ] = None
 
     max_tokens: int | None = Field(default=None, ge=1)
 
@@ -192,33 +280,35 @@ class _GenerationRequest(BaseModel):
 
 
 class CompletionRequest(_GenerationRequest):
-    prompt: Annotated[str | list[int], BeforeValidator(_parse_prompt)]
+    prompt: Annotated[str | list[int], BeforeValidator(_parse_prompt), WithJsonSchema(PROMPT_SCHEMA)]
     max_tokens: int | None = Field(default=16, ge=1)
-    best_of: Annotated[Any, _only_off(_is_one, "best_of > 1 is not supported")] = None
-    echo: Annotated[Any, _only_off(_is_off, "echo is not supported")] = None
-    suffix: Annotated[Any, _only_off(lambda v: v is None or v == "", "suffix is not supported")] = None
+    best_of: Annotated[Any, _only_off(_is_one, "best_of > 1 is not supported", 1)] = None
+    echo: Annotated[Any, _only_off(_is_off, "echo is not supported", False)] = None
+    suffix: Annotated[Any, _only_off(lambda v: v is None or v == "", "suffix is not supported", "")] = None
 
 
 class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="allow")
 
     role: Literal["system", "user", "assistant"]
-    content: Annotated[str, BeforeValidator(_parse_content)]
+    content: Annotated[str, BeforeValidator(_parse_content), WithJsonSchema(CONTENT_SCHEMA)]
 
 
 class ChatCompletionRequest(_GenerationRequest):
-    messages: list[ChatMessage] = Field(min_length=1)
+    messages: list[ChatMessage] = Field(min_length=1, max_length=MAX_MESSAGES)
     max_tokens: int | None = Field(default=None, ge=1)
     max_completion_tokens: int | None = Field(default=None, ge=1)
-    top_logprobs: Annotated[Any, _only_off(_is_zero, "top_logprobs are not supported")] = None
-    tools: Annotated[Any, _only_off(lambda v: v is None or v == [], "tools are not supported")] = None
+    top_logprobs: Annotated[Any, _only_off(_is_zero, "top_logprobs are not supported", 0)] = None
+    tools: Annotated[Any, _only_off(lambda v: v is None or v == [], "tools are not supported", [])] = None
     tool_choice: Annotated[
-        Any, _only_off(lambda v: v is None or v == "none", "tool_choice is not supported")
+        Any, _only_off(lambda v: v is None or v == "none", "tool_choice is not supported", "none")
     ] = None
     response_format: Annotated[
         Any,
         _only_off(
-            lambda v: v is None or v == {"type": "text"}, "response_format is not supported (only text)"
+            lambda v: v is None or v == {"type": "text"},
+            "response_format is not supported (only text)",
+            {"type": "text"},
         ),
     ] = None
 

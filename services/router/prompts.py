@@ -1,16 +1,46 @@
-"""A request's prompt as token ids, and its completion budget within the model's context."""
+"""A request's prompt as token ids, and its completion budget within the model's context.
+
+The prompt functions are blocking (tokenizing, rendering the chat template): the app runs them
+off the event loop. A prompt with far more characters than the context could hold as tokens is
+refused before it is tokenized.
+"""
 
 from __future__ import annotations
 
 from kvmesh.engine.tokenizer import ChatTemplateError, Tokenizer
 from kvmesh.services.router.openai_api import APIError, ChatCompletionRequest, CompletionRequest
 
-__all__ = ["chat_prompt_ids", "completion_prompt_ids", "resolve_max_tokens"]
+__all__ = [
+    "PROMPT_CHARS_PER_TOKEN",
+    "chat_prompt_ids",
+    "check_prompt_chars",
+    "completion_prompt_ids",
+    "resolve_max_tokens",
+]
+
+# No tokenizer of a served model averages more characters per token than this, so a prompt of more
+# than PROMPT_CHARS_PER_TOKEN x max_model_len characters cannot fit the context: it is refused
+# without spending the CPU time (and memory) of tokenizing it.
+PROMPT_CHARS_PER_TOKEN = 16
 
 
-def completion_prompt_ids(request: CompletionRequest, tokenizer: Tokenizer) -> list[int]:
+def check_prompt_chars(chars: int, max_model_len: int, *, param: str) -> None:
+    limit = PROMPT_CHARS_PER_TOKEN * max_model_len
+    if chars > limit:
+        raise APIError(
+            400,
+            f"This model's maximum context length is {max_model_len} tokens. However, your prompt has "
+            f"{chars} characters, more than that context can hold (at most {limit} characters are "
+            "accepted). Please reduce the length of the prompt.",
+            param=param,
+            code="context_length_exceeded",
+        )
+
+
+def completion_prompt_ids(request: CompletionRequest, tokenizer: Tokenizer, max_model_len: int) -> list[int]:
     """The prompt's token ids: a string is encoded with special tokens, ids are range-checked."""
     if isinstance(request.prompt, str):
+        check_prompt_chars(len(request.prompt), max_model_len, param="prompt")
         ids = tokenizer.encode(request.prompt, add_special_tokens=True)
     else:
         ids = list(request.prompt)
@@ -25,8 +55,9 @@ def completion_prompt_ids(request: CompletionRequest, tokenizer: Tokenizer) -> l
     return ids
 
 
-def chat_prompt_ids(request: ChatCompletionRequest, tokenizer: Tokenizer) -> list[int]:
+def chat_prompt_ids(request: ChatCompletionRequest, tokenizer: Tokenizer, max_model_len: int) -> list[int]:
     """The messages rendered by the model's chat template, then encoded without extra specials."""
+    check_prompt_chars(sum(len(m.content) for m in request.messages), max_model_len, param="messages")
     try:
         text = tokenizer.apply_chat_template(request.template_messages(), add_generation_prompt=True)
     except ChatTemplateError as exc:

@@ -1,8 +1,9 @@
 """Consuming a backend's token events over HTTP: disconnect handling, error mapping and SSE.
 
-A non-streamed answer is awaited with ``unless_disconnected``; a streamed one is an
-``EventStreamResponse`` over an ``EventStream``, which closes the backend iterator (cancelling an
-unfinished request) and records the outcome once, however the response ends.
+A non-streamed answer (and a stream's first event) is awaited with ``unless_disconnected``; a
+streamed one is an ``EventStreamResponse`` over an ``EventStream``, which closes the backend
+iterator (cancelling an unfinished request) and records the outcome once, however the response
+ends. Both end early when the router shuts down: a 503, or an error event and ``[DONE]``.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from kvmesh.errors import MeshError
 from kvmesh.protocol import MeshErrorCode, TokenEvent
 from kvmesh.services.router.metrics import RequestTracker
 from kvmesh.services.router.openai_api import SSE_DONE, APIError, ChatFormat, CompletionFormat, sse_event
+from kvmesh.services.router.shutdown import Shutdown
 
 __all__ = [
     "CLIENT_CLOSED",
@@ -81,17 +83,21 @@ async def _wait_for_disconnect(request: Request) -> None:
         pass
 
 
-async def unless_disconnected(request: Request, work: Awaitable[T]) -> T:
-    """Await ``work``; cancel it and raise ``ClientGone`` if the client goes away first."""
+async def unless_disconnected(request: Request, work: Awaitable[T], shutdown: Shutdown) -> T:
+    """Await ``work``; cancel it and raise ``ClientGone`` if the client goes away first, or the
+    shutdown's 503 ``APIError`` if the router begins shutting down first."""
     task = asyncio.ensure_future(work)
     watcher = asyncio.ensure_future(_wait_for_disconnect(request))
+    stopping = shutdown.future()
     try:
-        await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+        await asyncio.wait({task, watcher, stopping}, return_when=asyncio.FIRST_COMPLETED)
     finally:
         for t in (task, watcher):
             t.cancel()
         await asyncio.gather(task, watcher, return_exceptions=True)
     if task.cancelled():
+        if stopping.done():
+            raise shutdown.error()
         raise ClientGone()
     return task.result()
 
@@ -105,11 +111,13 @@ class EventStream:
         first: TokenEvent,
         fmt: CompletionFormat | ChatFormat,
         tracker: RequestTracker,
+        shutdown: Shutdown,
     ) -> None:
         self._events = events
         self._first = first
         self._fmt = fmt
         self._tracker = tracker
+        self._shutdown = shutdown
         self.status = CLIENT_CLOSED  # unless the stream runs to its end
         self._closed = False
         self._pending: asyncio.Future[TokenEvent | None] | None = None
@@ -146,9 +154,14 @@ class EventStream:
         Starlette stops a stream whose client left by cancelling an anyio scope, which re-cancels
         every later await in that scope; were the backend iterated here, its cleanup (telling the
         mesh to cancel) could not await anything. ``close`` cancels this task instead, once.
+        The router shutting down ends the wait with its 503 ``APIError``.
         """
         self._pending = asyncio.ensure_future(_anext_or_none(self._events))
-        return await asyncio.shield(self._pending)
+        stopping = self._shutdown.future()
+        await asyncio.wait({self._pending, stopping}, return_when=asyncio.FIRST_COMPLETED)
+        if not self._pending.done():
+            raise self._shutdown.error()
+        return self._pending.result()
 
     async def close(self) -> None:
         """Close the backend iterator (cancelling an unfinished request) and record the outcome."""

@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 from kvmesh.engine.tokenizer import Tokenizer
 from kvmesh.errors import MeshError
 from kvmesh.protocol import SamplingSpec, TokenEvent
+from kvmesh.services.router.backend import HealthReport
 
 
 @dataclass(frozen=True)
@@ -66,7 +67,11 @@ class FakeBackend:
     script: list[Step] = field(default_factory=lambda: [Emit((5,), "Hi"), Finish("stop")])
     model_name: str = "tiny-llama"
     max_model_len: int = 64
-    workers: dict[str, int] = field(default_factory=lambda: {"prefill": 1, "decode": 1})
+    workers: dict[str, int] = field(default_factory=lambda: {"prefill": 1, "decode": 1})  # ready, by role
+    ready: bool = True
+    detail: str = ""  # why not ready
+    health_error: Exception | None = None  # health() raises this
+    health_seconds: float = 0.0  # health() takes this long
     cancel_seconds: float = 0.0  # awaited before a cancellation is recorded
     calls: list[Call] = field(default_factory=list)
     cancelled: list[str] = field(default_factory=list)
@@ -116,5 +121,9 @@ class FakeBackend:
                     await asyncio.sleep(self.cancel_seconds)
                 self.cancelled.append(request_id)
 
-    async def health(self) -> dict[str, int]:
-        return dict(self.workers)
+    async def health(self) -> HealthReport:
+        if self.health_seconds:
+            await asyncio.sleep(self.health_seconds)
+        if self.health_error is not None:
+            raise self.health_error
+        return HealthReport(self.ready, dict(self.workers), self.detail)

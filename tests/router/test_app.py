@@ -364,7 +364,6 @@ async def test_api_key(fake: FakeBackend) -> None:
         )
         resp = await client.post("/v1/completions", json=payload, headers={"Authorization": "Bearer s3cret"})
         assert resp.status_code == 200
-        assert (await client.get("/health")).status_code == 200
         assert (await client.get("/metrics")).status_code == 200
     assert len(fake.calls) == 1
 
@@ -381,25 +380,59 @@ async def test_models(client: httpx.AsyncClient) -> None:
     assert (await client.get("/v1/models/other")).status_code == 404
 
 
-async def test_health(client: httpx.AsyncClient, fake: FakeBackend) -> None:
-    resp = await client.get("/health")
-    assert (resp.status_code, resp.json()) == (200, {"status": "ok", "workers": {"prefill": 1, "decode": 1}})
-    fake.workers = {"prefill": 2, "decode": 0}
-    resp = await client.get("/health")
+async def test_health_when_ready(client: httpx.AsyncClient) -> None:
+    for path in ("/health", "/health/ready"):
+        resp = await client.get(path)
+        assert (resp.status_code, resp.json()) == (200, {"status": "ok", "workers": {"prefill": 1, "decode": 1}})
+
+
+async def test_health_when_not_ready_is_503_with_the_backends_reason(
+    client: httpx.AsyncClient, fake: FakeBackend
+) -> None:
+    fake.ready = False
+    fake.workers = {"prefill": 1, "decode": 0}
+    fake.detail = "no decode worker is ready (registered: decode=1, prefill=1)"
+    for path in ("/health", "/health/ready"):
+        resp = await client.get(path)
+        assert (resp.status_code, resp.json()) == (
+            503,
+            error(fake.detail, type_="service_unavailable", code="unavailable"),
+        )
+    fake.detail = ""
+    assert (await client.get("/health")).json()["error"]["message"] == "not ready"
+
+
+async def test_health_when_the_backend_fails_or_hangs(
+    client: httpx.AsyncClient, fake: FakeBackend, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    fake.health_error = RuntimeError("etcd is gone")
+    resp = await client.get("/health/ready")
     assert (resp.status_code, resp.json()) == (
         503,
-        error(
-            "no decode worker is alive (workers: decode=0, prefill=2)",
-            type_="service_unavailable",
-            code="unavailable",
-        ),
+        error("health check failed: etcd is gone", type_="service_unavailable", code="unavailable"),
     )
-    fake.workers = {}
+    fake.health_error = None
+    fake.health_seconds = 5.0
+    monkeypatch.setattr("kvmesh.services.router.app.HEALTH_TIMEOUT", 0.05)
     resp = await client.get("/health")
     assert (resp.status_code, resp.json()["error"]["message"]) == (
         503,
-        "no decode worker is alive (workers: none)",
+        "health check failed: no answer in 0.05 s",
     )
+
+
+async def test_liveness_does_not_ask_the_backend(client: httpx.AsyncClient, fake: FakeBackend) -> None:
+    fake.health_error = RuntimeError("must not be called")
+    fake.ready = False
+    resp = await client.get("/health/live")
+    assert (resp.status_code, resp.json()) == (200, {"status": "alive"})
+
+
+async def test_health_is_not_behind_the_api_key(fake: FakeBackend) -> None:
+    app = create_app(fake, api_key="s3cret")
+    async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://test") as client:
+        for path in ("/health", "/health/ready", "/health/live"):
+            assert (await client.get(path)).status_code == 200, path
 
 
 # --------------------------------------------------------------------------- metrics

@@ -1,0 +1,272 @@
+"""Bounded inputs through the app (in-process): field limits, valid Unicode, the prompt's character
+limit, the body limit, and tokenization off the event loop."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator
+
+import httpx
+import pytest
+
+from kvmesh.engine.tokenizer import Tokenizer
+from kvmesh.services.router.app import create_app
+from kvmesh.services.router.limits import Limits
+from tests.router.fakes import FakeBackend
+
+MODEL = "tiny-llama"
+CHAT = "/v1/chat/completions"
+COMPLETIONS = "/v1/completions"
+
+
+def error(message: str, param: str | None = None, code: str | None = None) -> dict:
+    return {"error": {"message": message, "type": "invalid_request_error", "param": param, "code": code}}
+
+
+def chat(content: object = "Hi", **extra: object) -> dict:
+    return {"model": MODEL, "messages": [{"role": "user", "content": content}], **extra}
+
+
+async def post_raw(client: httpx.AsyncClient, path: str, body: bytes) -> httpx.Response:
+    return await client.post(path, content=body, headers={"content-type": "application/json"})
+
+
+class CountingTokenizer(Tokenizer):
+    """The tiny tokenizer, counting its encodes; ``delay`` makes each one block that long."""
+
+    def __init__(self, base: Tokenizer, delay: float = 0.0) -> None:
+        super().__init__(base.backend, chat_template=base.chat_template)
+        self.encodes = 0
+        self.delay = delay
+
+    def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
+        self.encodes += 1
+        if self.delay:
+            time.sleep(self.delay)  # blocks whichever thread runs it
+        return super().encode(text, add_special_tokens=add_special_tokens)
+
+
+# --------------------------------------------------------------------------- field limits
+@pytest.mark.parametrize(
+    ("extra", "message", "param"),
+    [
+        ({"stop": ["a" * 1025]}, "stop: stop sequence 0 has 1025 characters; at most 1024 are allowed", "stop"),
+        (
+            {"stop": ["x", "y" * 2000]},
+            "stop: stop sequence 1 has 2000 characters; at most 1024 are allowed",
+            "stop",
+        ),
+        (
+            {"stop_token_ids": list(range(65))},
+            "stop_token_ids: List should have at most 64 items after validation, not 65",
+            "stop_token_ids",
+        ),
+        (
+            {"stop_token_ids": [2**31]},
+            "stop_token_ids.0: Input should be less than or equal to 2147483647",
+            "stop_token_ids.0",
+        ),
+        ({"seed": 2**64}, "seed: Input should be less than or equal to 18446744073709551615", "seed"),
+        ({"seed": -(2**63) - 1}, "seed: Input should be greater than or equal to -9223372036854775808", "seed"),
+    ],
+)
+async def test_sampling_field_limits(
+    client: httpx.AsyncClient, fake: FakeBackend, extra: dict, message: str, param: str
+) -> None:
+    resp = await client.post(COMPLETIONS, json={"model": MODEL, "prompt": "x", **extra})
+    assert (resp.status_code, resp.json()) == (400, error(message, param=param))
+    assert fake.calls == []
+
+
+async def test_field_limits_at_their_bounds_are_accepted(client: httpx.AsyncClient, fake: FakeBackend) -> None:
+    payload = {
+        "model": MODEL,
+        "prompt": "x",
+        "stop": ["a" * 1024] * 4,
+        "stop_token_ids": list(range(64)),
+        "seed": 2**64 - 1,
+    }
+    assert (await client.post(COMPLETIONS, json=payload)).status_code == 200
+    assert fake.calls[0].sampling.stop == ("a" * 1024,) * 4
+
+
+async def test_too_many_messages(client: httpx.AsyncClient, fake: FakeBackend) -> None:
+    messages = [{"role": "user", "content": "x"}] * 2049
+    resp = await client.post(CHAT, json={"model": MODEL, "messages": messages})
+    assert (resp.status_code, resp.json()) == (
+        400,
+        error("messages: List should have at most 2048 items after validation, not 2049", param="messages"),
+    )
+    assert fake.calls == []
+
+
+# --------------------------------------------------------------------------- valid Unicode
+LONE = "a\\ud800b"  # a lone surrogate as a JSON escape: valid JSON, not valid Unicode
+PROBLEM = "must be valid Unicode text, but has a lone surrogate U+D800 at character 1"
+
+
+@pytest.mark.parametrize(
+    ("path", "body", "message", "param"),
+    [
+        (COMPLETIONS, f'{{"model": "{MODEL}", "prompt": "{LONE}"}}', f"prompt: {PROBLEM}", "prompt"),
+        (COMPLETIONS, f'{{"model": "{LONE}", "prompt": "x"}}', f"model: {PROBLEM}", "model"),
+        (
+            COMPLETIONS,
+            f'{{"model": "{MODEL}", "prompt": "x", "stop": ["ok", "{LONE}"]}}',
+            f"stop: stop sequence 1 {PROBLEM}",
+            "stop",
+        ),
+        (COMPLETIONS, f'{{"model": "{MODEL}", "prompt": "x", "stop": "{LONE}"}}', f"stop: stop sequence 0 {PROBLEM}", "stop"),
+        (
+            CHAT,
+            f'{{"model": "{MODEL}", "messages": [{{"role": "user", "content": "{LONE}"}}]}}',
+            f"messages.0.content: {PROBLEM}",
+            "messages.0.content",
+        ),
+        (
+            CHAT,
+            f'{{"model": "{MODEL}", "messages": [{{"role": "user", "content": '
+            f'[{{"type": "text", "text": "ok"}}, {{"type": "text", "text": "{LONE}"}}]}}]}}',
+            f"messages.0.content: text part 1 {PROBLEM}",
+            "messages.0.content",
+        ),
+        (CHAT, f'{{"model": "{LONE}", "messages": [{{"role": "user", "content": "x"}}]}}', f"model: {PROBLEM}", "model"),
+    ],
+)
+async def test_a_lone_surrogate_is_a_400_naming_the_field(
+    client: httpx.AsyncClient, fake: FakeBackend, path: str, body: str, message: str, param: str
+) -> None:
+    resp = await post_raw(client, path, body.encode())
+    assert (resp.status_code, resp.json()) == (400, error(message, param=param))
+    assert fake.calls == []
+
+
+async def test_surrogate_bytes_and_invalid_utf8_are_400s(client: httpx.AsyncClient) -> None:
+    # UTF-8-encoded surrogate bytes: json.loads lets them through as a lone surrogate
+    resp = await post_raw(client, COMPLETIONS, b'{"model": "tiny-llama", "prompt": "a\xed\xa0\x80b"}')
+    assert (resp.status_code, resp.json()) == (400, error(f"prompt: {PROBLEM}", param="prompt"))
+    resp = await post_raw(client, COMPLETIONS, b'{"model": "tiny-llama", "prompt": "\xff\xfe"}')
+    assert (resp.status_code, resp.json()) == (400, error("There was an error parsing the body"))
+
+
+async def test_an_error_that_quotes_a_lone_surrogate_still_encodes(client: httpx.AsyncClient) -> None:
+    """A wrong model is echoed in the 404; the body is ASCII JSON, so even this encodes."""
+    resp = await client.post(COMPLETIONS, json={"model": "gpt-\u00e9", "prompt": "x"})
+    assert resp.status_code == 404
+    assert b"\\u00e9" in resp.content
+    assert resp.json()["error"]["message"].startswith("The model `gpt-\u00e9` does not exist.")
+
+
+# --------------------------------------------------------------------------- prompt characters
+async def test_a_prompt_too_long_for_the_context_is_refused_before_tokenizing(
+    fake: FakeBackend, tokenizer: Tokenizer
+) -> None:
+    counting = CountingTokenizer(tokenizer)
+    fake.tokenizer = counting  # max_model_len 64: at most 16 x 64 = 1024 characters
+    async with httpx.AsyncClient(transport=httpx.ASGITransport(app=create_app(fake)), base_url="http://t") as client:
+        resp = await client.post(COMPLETIONS, json={"model": MODEL, "prompt": "a" * 1025})
+        assert (resp.status_code, resp.json()) == (
+            400,
+            error(
+                "This model's maximum context length is 64 tokens. However, your prompt has 1025 characters, "
+                "more than that context can hold (at most 1024 characters are accepted). Please reduce the "
+                "length of the prompt.",
+                param="prompt",
+                code="context_length_exceeded",
+            ),
+        )
+        content = [{"type": "text", "text": "a" * 600}, {"type": "text", "text": "b" * 600}]
+        resp = await client.post(CHAT, json=chat(content))
+        assert resp.status_code == 400
+        assert resp.json()["error"]["param"] == "messages"
+        assert "1201 characters" in resp.json()["error"]["message"]
+        assert counting.encodes == 0
+        resp = await client.post(COMPLETIONS, json={"model": MODEL, "prompt": "a " * 512})  # 1024: tokenized
+        assert resp.json()["error"]["code"] == "context_length_exceeded"
+        assert "tokens" in resp.json()["error"]["message"]
+        assert counting.encodes == 1
+    assert fake.calls == []
+
+
+async def test_tokenizing_runs_off_the_event_loop(fake: FakeBackend, tokenizer: Tokenizer) -> None:
+    fake.tokenizer = CountingTokenizer(tokenizer, delay=0.5)
+    async with httpx.AsyncClient(transport=httpx.ASGITransport(app=create_app(fake)), base_url="http://t") as client:
+        request = asyncio.create_task(client.post(COMPLETIONS, json={"model": MODEL, "prompt": "The river"}))
+        await asyncio.sleep(0.05)  # the request is being tokenized
+        started = time.monotonic()
+        health = await client.get("/health")
+        assert time.monotonic() - started < 0.1
+        assert health.status_code == 200
+        assert not request.done()
+        assert (await request).status_code == 200
+
+
+# --------------------------------------------------------------------------- the body
+@pytest.fixture
+async def small(fake: FakeBackend) -> AsyncIterator[httpx.AsyncClient]:
+    app = create_app(fake, limits=Limits(max_body_bytes=1000))
+    async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t") as client:
+        yield client
+
+
+TOO_LARGE = {
+    "error": {
+        "message": "The request body is larger than this server accepts (1000 bytes).",
+        "type": "invalid_request_error",
+        "param": None,
+        "code": "request_too_large",
+    }
+}
+
+
+async def test_a_body_over_the_limit_is_413(small: httpx.AsyncClient, fake: FakeBackend) -> None:
+    body = f'{{"model": "{MODEL}", "prompt": "{"a" * 1000}"}}'.encode()
+    resp = await post_raw(small, COMPLETIONS, body)
+    assert (resp.status_code, resp.json()) == (413, TOO_LARGE)
+    at_limit = f'{{"model": "{MODEL}", "prompt": "x", "user": "{"a" * (1000 - 50)}"}}'.encode()
+    assert len(at_limit) == 1000
+    assert (await post_raw(small, COMPLETIONS, at_limit)).status_code == 200
+    assert len(fake.calls) == 1
+
+
+async def test_a_chunked_body_is_counted_as_it_arrives(small: httpx.AsyncClient, fake: FakeBackend) -> None:
+    sent = 0
+
+    async def chunks() -> AsyncIterator[bytes]:
+        nonlocal sent
+        yield f'{{"model": "{MODEL}", "prompt": "'.encode()
+        for _ in range(1000):
+            sent += 1
+            yield b"a" * 100
+        yield b'"}'
+
+    resp = await small.post(COMPLETIONS, content=chunks(), headers={"content-type": "application/json"})
+    assert (resp.status_code, resp.json()) == (413, TOO_LARGE)
+    assert fake.calls == []
+
+
+async def test_a_json_body_limit_reached_by_a_chat_request(small: httpx.AsyncClient) -> None:
+    resp = await small.post(CHAT, json=chat("x" * 2000))
+    assert resp.status_code == 413
+
+
+# --------------------------------------------------------------------------- JSON Schema integers
+async def test_integral_floats_are_token_ids_but_fractions_and_bools_are_not(
+    client: httpx.AsyncClient, fake: FakeBackend
+) -> None:
+    """7.0 is an integer to JSON Schema (schemathesis sends such prompts)."""
+    assert (await client.post(COMPLETIONS, json={"model": MODEL, "prompt": [5.0, 6, 7.0]})).status_code == 200
+    assert fake.calls[0].prompt_token_ids == [5, 6, 7]
+    for prompt in ([5.5], [True, 6]):
+        resp = await client.post(COMPLETIONS, json={"model": MODEL, "prompt": prompt})
+        assert (resp.status_code, resp.json()) == (
+            400,
+            error("prompt: prompt must be a string or a list of token ids", param="prompt"),
+        )
+
+
+async def test_a_refused_body_is_counted(small: httpx.AsyncClient) -> None:
+    assert (await small.post(COMPLETIONS, json={"model": MODEL, "prompt": "a" * 2000})).status_code == 413
+    text = (await small.get("/metrics")).text
+    assert 'kvmesh_router_requests_total{endpoint="/v1/completions",status="413"} 1.0' in text
