@@ -124,15 +124,18 @@ async def timed_health(url: str, stop: asyncio.Event) -> list[float]:
 
 
 async def test_a_large_body_is_413_from_its_content_length(router: Served, fake: FakeBackend) -> None:
+    """The server never reads the body: ``/health`` on another connection stays fast (loosely
+    bounded here, where client and server share one event loop; tests/mesh/test_router_limits.py
+    holds a real router to 100 ms)."""
+    body = b'{"model": "tiny-llama", "prompt": "' + b"a" * 32 * 1024 * 1024 + b'"}'
     stop = asyncio.Event()
     health = asyncio.create_task(timed_health(router.url, stop))
-    body = b'{"model": "tiny-llama", "prompt": "' + b"a" * 32 * 1024 * 1024 + b'"}'
     async with httpx.AsyncClient(base_url=router.url, timeout=10) as client:
         resp = await client.post("/v1/completions", content=body, headers={"content-type": "application/json"})
     stop.set()
     times = await health
     assert (resp.status_code, resp.json()) == (413, BODY_TOO_LARGE)
-    assert max(times) < 0.1, times
+    assert max(times) < 0.25, times
     assert fake.calls == []
 
 
