@@ -18,8 +18,8 @@ from fastapi import Request
 from fastapi.responses import StreamingResponse
 from starlette.types import Receive, Scope, Send
 
-from kvmesh.errors import MeshError
-from kvmesh.protocol import MeshErrorCode, TokenEvent
+from kvmesh.errors import ERROR_KINDS, ErrorCode, MeshError
+from kvmesh.protocol import TokenEvent
 from kvmesh.services.router.metrics import RequestTracker
 from kvmesh.services.router.openai_api import SSE_DONE, APIError, ChatFormat, CompletionFormat, sse_event
 from kvmesh.services.router.shutdown import Shutdown
@@ -37,7 +37,7 @@ __all__ = [
 
 logger = logging.getLogger(__name__)
 
-CLIENT_CLOSED = 499  # nginx's "client closed request"; also MeshErrorCode.STATUS["cancelled"]
+CLIENT_CLOSED = ERROR_KINDS[ErrorCode.CANCELLED].http_status  # 499, nginx's "client closed request"
 
 T = TypeVar("T")
 
@@ -58,7 +58,7 @@ def as_api_error(exc: BaseException, request_id: str) -> APIError:
     if isinstance(exc, APIError):
         return exc
     if isinstance(exc, MeshError):
-        return APIError(MeshErrorCode.STATUS.get(exc.code, 500), exc.message, code=exc.code)
+        return APIError(exc.http_status, exc.message, code=exc.code.value)
     if isinstance(exc, ClientGone):
         return APIError(CLIENT_CLOSED, "the client closed the request", code="cancelled")
     logger.error("request %s failed", request_id, exc_info=exc)

@@ -13,7 +13,7 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 from kvmesh.engine.kv_cache import KVLayout
-from kvmesh.errors import ERROR_KINDS, ErrorCode
+from kvmesh.errors import ErrorCode
 from kvmesh.engine.request import SamplingParams
 
 Role = Literal["prefill", "decode", "router", "kv-metadata"]
@@ -341,12 +341,6 @@ class KVIndexStats(Message):
     query_p50_ms: float
     query_p99_ms: float
     resyncs: int
-
-
-class MeshErrorCode:
-    """HTTP status for each ``ErrorInfo.code`` at the router's edge (from ``kvmesh.errors``)."""
-
-    STATUS = {code.value: kind.http_status for code, kind in ERROR_KINDS.items()}
 
 
 class WorkerStats(Message):
