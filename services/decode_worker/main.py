@@ -14,7 +14,7 @@ from pydantic import ValidationError
 from kvmesh.engine.async_engine import EngineDeadError
 from kvmesh.engine.request import FinishReason
 from kvmesh.errors import ErrorCode, MeshError
-from kvmesh.protocol import QUEUE_GROUP, DecodeAck, DecodeRequest, ErrorInfo, ReleaseRequest, TokenEvent
+from kvmesh.protocol import QUEUE_GROUP, DecodeAck, DecodeRequest, ErrorInfo, ReleaseRequest, Stage, TokenEvent
 from kvmesh.services.decode_worker.handle_check import check_handle
 from kvmesh.telemetry import extract_context, inject_headers, record_queue_wait
 from kvmesh.transfer.mooncake_agent import TransferError
@@ -61,16 +61,16 @@ class DecodeWorker:
         with rt.tracer.start_as_current_span("decode", context=extract_context(headers)) as span:
             span.set_attribute("kvmesh.worker_id", rt.worker_id)
             span.set_attribute("kvmesh.request_id", rid)
-            stage = "pull" if request.kv is not None else "prefill"
+            stage: Stage = "pull" if request.kv is not None else "prefill"
             async with rt.heartbeat(request.progress_subject, rid, stage) as beat:
                 try:
                     cached = None
                     if request.kv is not None:
                         cached = request.prefill_cached_tokens  # what the prefill reused, not the import
-                        await self._pull(request)
+                        first_token = await self._pull(request)
                         beat.stage = "decode"
                         stream = rt.engine.generate_from_import(
-                            rid, request.prompt_token_ids, request.first_token_id, rid, request.sampling.to_params()
+                            rid, request.prompt_token_ids, first_token, rid, request.sampling.to_params()
                         )
                     else:
                         span.set_attribute("kvmesh.local_prefill", True)
@@ -115,10 +115,10 @@ class DecodeWorker:
         except Exception as exc:  # noqa: BLE001 - a dead engine frees nothing more
             logger.debug("releasing the import of %s failed: %s", request_id, exc)
 
-    async def _pull(self, request: DecodeRequest) -> None:
+    async def _pull(self, request: DecodeRequest) -> int:
         """Blocks for the prompt's KV, one batched read of the prefill's blocks, pin released.
         The handle is checked before anything is allocated; whatever fails after the
-        allocation gives the blocks back."""
+        allocation gives the blocks back. Returns the prefill's first token."""
         rt = self.runtime
         kv = request.kv
         assert kv is not None and rt.directory is not None
@@ -158,6 +158,8 @@ class DecodeWorker:
                 span.set_attribute("kvmesh.ranges", stats.ranges)
                 span.set_attribute("kvmesh.seconds", stats.seconds)
                 ok = True
+                assert request.first_token_id is not None  # check_handle saw to it
+                return request.first_token_id
         finally:
             release = ReleaseRequest(request_id=request.request_id, bytes_pulled=bytes_pulled, ok=ok)
             try:

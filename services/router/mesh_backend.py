@@ -14,7 +14,7 @@ import asyncio
 import contextlib
 import logging
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator
 from dataclasses import dataclass, field
 
 import nats
@@ -278,7 +278,7 @@ class MeshBackend:
         ctx,
         deadline: float,
         session_id: str | None = None,
-    ) -> AsyncIterator[TokenEvent]:
+    ) -> AsyncGenerator[TokenEvent, None]:
         """One try: the first token from a prefill worker, the rest from a decode worker.
         Yields events whose token ids are new (their text is ignored: the router
         detokenizes)."""
@@ -313,6 +313,7 @@ class MeshBackend:
                     }
                 )
                 first_sent = True
+                assert response.first_token_id is not None  # _prefill checked it
                 yield TokenEvent(
                     request_id=attempt_id,
                     seq=-1,
@@ -464,6 +465,8 @@ class MeshBackend:
             if is_retryable(response.error.code):
                 raise _Retry(f"prefill on {worker.worker_id}: {response.error.message}", worker.worker_id)
             raise MeshError(response.error.code, response.error.message)
+        if response.first_token_id is None or response.kv is None:
+            raise _Retry(f"prefill on {worker.worker_id} answered without a first token and KV", worker.worker_id)
         return response
 
     async def _start_decode(self, worker: WorkerRecord, request: DecodeRequest, ctx) -> None:

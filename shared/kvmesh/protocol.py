@@ -17,6 +17,7 @@ from kvmesh.errors import ErrorCode
 from kvmesh.engine.request import SamplingParams
 
 Role = Literal["prefill", "decode", "router", "kv-metadata"]
+Stage = Literal["prefill", "pull", "decode"]  # where a request is on a worker (``Progress``)
 
 
 # --------------------------------------------------------------------------- subjects
@@ -268,7 +269,7 @@ class Progress(Message):
 
     request_id: str
     worker_id: str
-    stage: Literal["prefill", "pull", "decode"]
+    stage: Stage
 
 
 class ReleaseRequest(Message):

@@ -92,10 +92,10 @@ class AsyncEngine:
             try:
                 result = command()
             except Exception as exc:  # noqa: BLE001 - handed to the caller
-                if wanted:
+                if wanted and future is not None:
                     future.set_exception(exc)
             else:
-                if wanted:
+                if wanted and future is not None:
                     future.set_result(result)
             try:
                 command, future = self._commands.get_nowait()

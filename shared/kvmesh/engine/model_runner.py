@@ -42,7 +42,7 @@ class ModelRunner:
         self.block_size = kv_pool.layout.block_size
         self.device = model.device
 
-    def _tensor(self, values: list[int]) -> torch.Tensor:
+    def _tensor(self, values: list[int] | list[list[int]]) -> torch.Tensor:
         return torch.tensor(values, dtype=torch.long, device=self.device)
 
     def prepare(self, out: SchedulerOutput) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, list[int], list[Request]]:

@@ -55,8 +55,7 @@ class OTLPSink:
 
     @property
     def endpoint(self) -> str:
-        host, port = self._server.server_address[:2]
-        return f"http://{host}:{port}"
+        return f"http://127.0.0.1:{self._server.server_port}"
 
     def _add(self, request: ExportTraceServiceRequest) -> None:
         received = []

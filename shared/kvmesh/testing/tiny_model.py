@@ -351,7 +351,7 @@ def build_tiny_model(
         },
     )
 
-    shape = dict(
+    shape: dict[str, Any] = dict(
         vocab_size=vocab_size,
         hidden_size=hidden_size,
         num_layers=num_layers,

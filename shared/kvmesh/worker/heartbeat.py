@@ -15,7 +15,7 @@ from types import TracebackType
 
 import nats
 
-from kvmesh.protocol import Progress
+from kvmesh.protocol import Progress, Stage
 
 logger = logging.getLogger(__name__)
 
@@ -32,7 +32,7 @@ class Heartbeat:
         worker_id: str,
         *,
         interval: float,
-        stage: str,
+        stage: Stage,
         engine_stepping: Callable[[], bool],
     ) -> None:
         self.nc = nc
@@ -40,7 +40,7 @@ class Heartbeat:
         self.request_id = request_id
         self.worker_id = worker_id
         self.interval = interval
-        self.stage = stage
+        self.stage: Stage = stage
         self.engine_stepping = engine_stepping
         self.sent = 0
         self._task: asyncio.Task | None = None

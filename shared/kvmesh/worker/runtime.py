@@ -24,7 +24,7 @@ from kvmesh.cluster.etcd_store import EtcdStore
 from kvmesh.cluster.registration import LeasedKey
 from kvmesh.engine.async_engine import AsyncEngine
 from kvmesh.engine.llm_engine import EngineConfig
-from kvmesh.protocol import CancelRequest, Keys, KVLayoutSpec, LoadReport, Subjects, WorkerRecord, WorkerStats
+from kvmesh.protocol import CancelRequest, Keys, KVLayoutSpec, LoadReport, Stage, Subjects, WorkerRecord, WorkerStats
 from kvmesh.telemetry import setup_tracing, shutdown_tracing, tracer
 from kvmesh.transfer.mooncake_agent import MooncakeAgent
 from kvmesh.worker.health import HealthServer, HealthStatus
@@ -162,7 +162,7 @@ class WorkerRuntime:
         self.exit_code = 1
         self._stopped.set()
 
-    def heartbeat(self, subject: str | None, request_id: str, stage: str) -> Heartbeat:
+    def heartbeat(self, subject: str | None, request_id: str, stage: Stage) -> Heartbeat:
         """Progress messages to ``subject`` while the ``async with`` block runs."""
         return Heartbeat(
             self.nc,

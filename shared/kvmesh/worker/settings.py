@@ -8,10 +8,17 @@ import os
 import socket
 import uuid
 from dataclasses import asdict, dataclass, field
+from typing import overload
+
+from kvmesh.protocol import Role
 
 logger = logging.getLogger(__name__)
 
 
+@overload
+def _env(name: str) -> str | None: ...
+@overload
+def _env(name: str, default: str) -> str: ...
 def _env(name: str, default: str | None = None) -> str | None:
     return os.environ.get(f"KVMESH_{name}", default)
 
@@ -35,7 +42,7 @@ class MeshSettings:
 
 @dataclass(slots=True, frozen=True)
 class WorkerSettings:
-    role: str
+    role: Role
     mesh: MeshSettings
     worker_id: str = field(default_factory=lambda: f"{socket.gethostname()}-{uuid.uuid4().hex[:8]}")
     model: str | None = None
@@ -105,7 +112,7 @@ def mesh_settings(args: argparse.Namespace, parser: argparse.ArgumentParser) -> 
     )
 
 
-def worker_parser(role: str) -> argparse.ArgumentParser:
+def worker_parser(role: Role) -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog=f"kvmesh-{role}-worker", description=f"kvmesh {role} worker")
     add_mesh_args(parser)
     parser.add_argument("--worker-id", default=_env("WORKER_ID"))
@@ -144,7 +151,7 @@ def resolve_advertise_host(value: str) -> str:
     return value
 
 
-def worker_settings(role: str, argv: list[str] | None = None) -> WorkerSettings:
+def worker_settings(role: Role, argv: list[str] | None = None) -> WorkerSettings:
     parser = worker_parser(role)
     args = parser.parse_args(argv)
     extra = {"worker_id": args.worker_id} if args.worker_id else {}

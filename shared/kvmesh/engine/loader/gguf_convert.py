@@ -317,7 +317,7 @@ def _build_tokenizer(
             logger.warning("duplicate token %r at ids %d and %d; keeping the first", token, vocab[token], idx)
             continue
         vocab[token] = idx
-    merges = [tuple(m.split(" ", 1)) for m in merges_raw]
+    merges = [(left, right) for left, right in (m.split(" ", 1) for m in merges_raw)]
 
     tokenizer = HFTokenizer(models.BPE(vocab=vocab, merges=merges, fuse_unk=False, byte_fallback=False))
     tokenizer.pre_tokenizer = _pre_tokenizer(_field(reader, "tokenizer.ggml.pre", "default"))
