@@ -94,3 +94,48 @@ def test_kvmesh_up_serves_and_stops_on_ctrl_c(default_model_dir, tmp_path):
     finally:
         if up.poll() is None:
             up.kill()
+
+
+def test_up_on_a_busy_port_fails_at_once_on_one_line(tmp_path):
+    """Before anything starts (no model load, no servers), not as a traceback later."""
+    import socket
+    import time
+
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        began = time.monotonic()
+        done = kvmesh("up", "--port", str(port), "--workdir", str(tmp_path / "w"))
+        took = time.monotonic() - began
+    assert (done.returncode, done.stderr, done.stdout) == (2, f"kvmesh up: error: port {port} on 127.0.0.1 is in use\n", "")
+    assert took < 1.0, took
+    assert not (tmp_path / "w" / "logs").exists()  # nothing was started
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--model", "/nonexistent/model"], "kvmesh up: error: model path /nonexistent/model does not exist"),
+        (["--model", "{empty_dir}"], "kvmesh up: error: model directory {empty_dir} has no config.json"),
+        (["--port", "70000"], "kvmesh up: error: argument --port: must be a port number in 0..65535, got 70000"),
+        (["--prefill", "-1"], "kvmesh up: error: argument --prefill: must be >= 0, got -1"),
+        (["--decode", "0"], "kvmesh up: error: argument --decode: must be a positive integer, got 0"),
+        (["--dtype", "float16"], "kvmesh up: error: argument --dtype: invalid choice: 'float16'"),
+        (["--host", "no-such-host.invalid"], "kvmesh up: error: --host no-such-host.invalid:"),
+        (["--no-such-flag"], "kvmesh: error: unrecognized arguments: --no-such-flag"),
+    ],
+)
+def test_up_bad_arguments_fail_at_once_on_one_line(tmp_path, args, message):
+    import time
+
+    (tmp_path / "empty").mkdir()
+    args = [a.replace("{empty_dir}", str(tmp_path / "empty")) for a in args]
+    began = time.monotonic()
+    done = kvmesh("up", "--port", "0", "--workdir", str(tmp_path / "w"), *args)
+    took = time.monotonic() - began
+    assert done.returncode == 2, done.stderr
+    assert done.stderr.startswith(message.replace("{empty_dir}", str(tmp_path / "empty"))), done.stderr
+    assert done.stderr.count("\n") == 1 and done.stdout == ""
+    assert took < 1.0, took
+    assert not (tmp_path / "w" / "logs").exists()

@@ -11,6 +11,27 @@ import uuid
 logger = logging.getLogger("kvmesh")
 
 
+class _Parser(argparse.ArgumentParser):
+    """Argument errors on one line (``kvmesh up: error: ...``), exit code 2."""
+
+    def error(self, message: str) -> None:  # type: ignore[override]
+        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+
+def _port(text: str) -> int:
+    value = int(text)
+    if not 0 <= value <= 65535:
+        raise argparse.ArgumentTypeError(f"must be a port number in 0..65535, got {text}")
+    return value
+
+
+def _non_negative_int(text: str) -> int:
+    value = int(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0, got {text}")
+    return value
+
+
 def _positive_int(text: str) -> int:
     value = int(text)
     if value < 1:
@@ -33,7 +54,7 @@ def _positive_float(text: str) -> float:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="kvmesh", description="LLM serving with a cluster-wide KV cache")
+    parser = _Parser(prog="kvmesh", description="LLM serving with a cluster-wide KV cache")
     parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
     commands = parser.add_subparsers(dest="command", required=True)
 
@@ -54,10 +75,10 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--json", action="store_true", help='print {"token_ids": [...], "text": "..."}')
 
     up = commands.add_parser("up", help="run the whole mesh on this machine: nats, etcd, router, workers")
-    up.add_argument("--prefill", type=int, default=1, help="prefill workers (0: decode workers prefill themselves)")
+    up.add_argument("--prefill", type=_non_negative_int, default=1, help="prefill workers (0: decode workers prefill themselves)")
     up.add_argument("--decode", type=_positive_int, default=1, help="decode workers")
     up.add_argument("--host", default="127.0.0.1")
-    up.add_argument("--port", type=int, default=8000, help="the router's port (0 picks a free one)")
+    up.add_argument("--port", type=_port, default=8000, help="the router's port (0 picks a free one)")
     up.add_argument("--model", help="model directory or .gguf file (default: SmolLM2-135M-Instruct)")
     up.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
     up.add_argument("--kv-cache-mib", type=_positive_int, default=256, help="KV pool per worker")
@@ -89,55 +110,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _up(args: argparse.Namespace) -> int:
-    import signal
-    import tempfile
-    import time
-    from pathlib import Path
+    from kvmesh.infra.up import run_up
 
-    from kvmesh.infra.local_mesh import LocalMesh, MeshOptions
-
-    if args.prefill < 0:
-        raise SystemExit("kvmesh up: error: --prefill must be >= 0")
-    workdir = Path(args.workdir or tempfile.mkdtemp(prefix="kvmesh-up-"))
-    options = MeshOptions(
-        prefill=args.prefill,
-        decode=args.decode,
-        host=args.host,
-        port=args.port,
-        model=args.model,
-        dtype=args.dtype,
-        kv_cache_mib=args.kv_cache_mib,
-        api_key=args.api_key,
-    )
-    mesh = LocalMesh(options, workdir)
-
-    def progress(message: str) -> None:
-        sys.stderr.write(f"kvmesh up: {message}\n")
-        sys.stderr.flush()
-
-    def terminate(signum: int, frame: object) -> None:
-        raise KeyboardInterrupt
-
-    signal.signal(signal.SIGTERM, terminate)
-    try:
-        mesh.start(progress)
-        print(f"kvmesh is serving at {mesh.base_url}/v1   (logs: {workdir / 'logs'}; Ctrl-C stops)", flush=True)
-        while True:
-            processes = [mesh.router, mesh.kv_metadata, *mesh.workers.values()]
-            dead = [p.name for p in processes if p is not None and not p.is_running()]
-            if dead:
-                progress(f"{', '.join(dead)} exited; see {workdir / 'logs'}")
-                return 1
-            time.sleep(1.0)
-    except KeyboardInterrupt:
-        return 0
-    finally:
-        # A second Ctrl-C must not cut the shutdown short and orphan the services.
-        signal.signal(signal.SIGINT, signal.SIG_IGN)
-        signal.signal(signal.SIGTERM, signal.SIG_IGN)
-        progress("stopping")
-        mesh.stop()
-        progress("stopped")
+    return run_up(args)
 
 
 def _generate(args: argparse.Namespace) -> int:
@@ -297,6 +272,7 @@ def main(argv: list[str] | None = None) -> int:
         stream=sys.stderr,
     )
     from kvmesh.errors import KvmeshError
+    from kvmesh.infra.up import UpUsageError
 
     try:
         if args.command == "generate":
@@ -305,6 +281,9 @@ def main(argv: list[str] | None = None) -> int:
             return _up(args)
         if args.command == "replay":
             return _replay(args)
+    except UpUsageError as exc:
+        sys.stderr.write(f"kvmesh {args.command}: error: {exc}\n")
+        return 2
     except (KvmeshError, ValueError) as exc:
         raise SystemExit(f"kvmesh {args.command}: error: {exc}") from None
     return 2

@@ -1,5 +1,12 @@
 """A whole mesh on one machine: nats-server, etcd, the router and the workers, each its own
-process. ``kvmesh up`` runs one; the end-to-end tests run one per module."""
+process. ``kvmesh up`` runs one; the end-to-end tests run one per module.
+
+With ``MeshOptions.supervise`` (``kvmesh up`` sets it) a child that dies is started again
+with backoff (``supervisor``): a worker keeps its id, nats-server and etcd their ports and
+data, the router its port; a dead worker's etcd record is deleted at once. Without it (the
+default, for fault tests) a killed child stays dead. Every child gets ``PR_SET_PDEATHSIG``,
+and ``pids.json`` in the workdir names them all while the mesh runs.
+"""
 
 from __future__ import annotations
 
@@ -7,7 +14,9 @@ import json
 import logging
 import os
 import re
+import signal
 import sys
+import threading
 import time
 import urllib.error
 import urllib.request
@@ -15,12 +24,14 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from kvmesh.infra.processes import ManagedProcess, ProcessStartError
-from kvmesh.infra.servers import EtcdServer, NatsServer, start_etcd, start_nats
+from kvmesh.infra.processes import ManagedProcess, ProcessStartError, stop_all
+from kvmesh.infra.servers import ETCD_READY, NATS_READY, EtcdServer, NatsServer, start_etcd, start_nats
+from kvmesh.infra.supervisor import RestartPolicy, Supervised, Supervisor
 
 logger = logging.getLogger(__name__)
 
 ROUTER_READY = re.compile(r"router listening on (http://\S+)")
+KV_METADATA_READY = "kv-metadata kv-metadata ready"
 
 
 @dataclass
@@ -44,6 +55,13 @@ class MeshOptions:
     api_key: str | None = None
     env: dict[str, str] = field(default_factory=dict)  # extra environment for every service
     ready_timeout: float = 300.0
+    supervise: bool = False  # restart children that die (kvmesh up); off: a killed child stays dead
+    restart: RestartPolicy = field(default_factory=RestartPolicy)
+    stop_grace: float = 5.0  # seconds each stage of stop() waits after SIGTERM before SIGKILL
+
+
+SERVICE_DEATH_SIGNAL = signal.SIGTERM  # a service whose parent died drains and exits
+SERVER_DEATH_SIGNAL = signal.SIGKILL  # nats-server and etcd have nothing to drain
 
 
 class LocalMesh:
@@ -57,11 +75,25 @@ class LocalMesh:
         self.workers: dict[str, ManagedProcess] = {}  # by worker id
         self.base_url = ""
         self._count = 0
+        self._roles: dict[str, str] = {}  # worker id -> role
+        self._supervisor: Supervisor | None = None
+        self._report: Callable[[str], None] = lambda message: None
+        self._pids_lock = threading.Lock()
+        self._hurry = False
+
+    @property
+    def pids_path(self) -> Path:
+        return self.workdir / "pids.json"
 
     # -- start ---------------------------------------------------------------------------
     def start(self, progress: Callable[[str], None] = lambda message: None) -> None:
+        """Start everything and wait until the router is healthy; ``progress`` gets a line
+        per step (and, when supervised, one per exit, restart and recovery)."""
+        self._report = progress
         try:
             self._start(progress)
+            if self.options.supervise:
+                self._supervise()
         except BaseException:
             self.stop()
             raise
@@ -73,14 +105,17 @@ class LocalMesh:
 
         resolve_model(opts.model)  # convert once here, not in every worker at the same time
         progress("starting nats-server and etcd")
-        self.nats = start_nats(self.workdir)
-        self.etcd = start_etcd(self.workdir)
+        self.nats = start_nats(self.workdir, parent_death_signal=SERVER_DEATH_SIGNAL)
+        self._write_pids()
+        self.etcd = start_etcd(self.workdir, parent_death_signal=SERVER_DEATH_SIGNAL)
+        self._write_pids()
         if opts.kv_metadata:
             progress("starting kv-metadata")
             self.kv_metadata = self._spawn(
                 "kv-metadata", [sys.executable, "-m", "kvmesh.services.kv_metadata", *self._mesh_args(), "--service-id", "kv-metadata"]
             )
-            self.kv_metadata.wait_for_line(lambda text: "kv-metadata kv-metadata ready" in text, opts.ready_timeout)
+            self._write_pids()
+            self.kv_metadata.wait_for_line(lambda text: KV_METADATA_READY in text, opts.ready_timeout)
         progress(f"starting {opts.prefill} prefill and {opts.decode} decode worker(s); loading the model")
         pending = [self.start_worker("prefill") for _ in range(opts.prefill)]
         pending += [self.start_worker("decode") for _ in range(opts.decode)]
@@ -88,13 +123,90 @@ class LocalMesh:
             self.wait_worker_ready(worker_id)
             progress(f"worker {worker_id} ready")
         progress("starting the router")
-        self.router = self._spawn("router", self._router_argv())
+        self.router = self._spawn("router", self._router_argv(opts.port))
+        self._write_pids()
         line = self.router.wait_for_line(lambda text: ROUTER_READY.search(text) is not None, opts.ready_timeout)
         match = ROUTER_READY.search(line)
         assert match is not None
         self.base_url = match.group(1)
         self._wait_healthy(opts.ready_timeout)
+        self._write_pids()
         progress(f"ready at {self.base_url}/v1")
+
+    # -- supervision ---------------------------------------------------------------------
+    def _supervise(self) -> None:
+        assert self.nats is not None and self.etcd is not None and self.router is not None
+        supervisor = Supervisor(self.options.restart, report=self._report, on_change=self._write_pids)
+        nats, etcd = self.nats, self.etcd
+        supervisor.watch("nats-server", nats.process, nats.respawn, tier=2, ready=lambda t: NATS_READY.search(t) is not None)
+        supervisor.watch("etcd", etcd.process, etcd.respawn, tier=2, ready=lambda text: ETCD_READY in text)
+        if self.kv_metadata is not None:
+            supervisor.watch(
+                "kv-metadata", self.kv_metadata, self._respawn_kv_metadata, tier=1,
+                ready=lambda text: KV_METADATA_READY in text, on_exit=self._deregister,
+            )  # fmt: skip
+        for worker_id in self.workers:
+            supervisor.watch(
+                worker_id, self.workers[worker_id], lambda w=worker_id: self._respawn_worker(w), tier=1,
+                ready=lambda text, w=worker_id: f"worker {w} ready" in text, on_exit=self._deregister,
+            )  # fmt: skip
+        port = int(self.base_url.rsplit(":", 1)[1])  # a restarted router keeps the URL
+        supervisor.watch(
+            "router", self.router, lambda: self._respawn_router(port), tier=0,
+            ready=lambda text: ROUTER_READY.search(text) is not None,
+        )  # fmt: skip
+        self._supervisor = supervisor
+        supervisor.start()
+
+    def _respawn_worker(self, worker_id: str) -> ManagedProcess:
+        self.workers[worker_id] = self.workers[worker_id].respawn()
+        return self.workers[worker_id]
+
+    def _respawn_kv_metadata(self) -> ManagedProcess:
+        assert self.kv_metadata is not None
+        self.kv_metadata = self.kv_metadata.respawn()
+        return self.kv_metadata
+
+    def _respawn_router(self, port: int) -> ManagedProcess:
+        assert self.router is not None
+        self.router = self.router.respawn(self._router_argv(port))
+        return self.router
+
+    def _deregister(self, child: Supervised) -> None:
+        """Delete a dead worker's etcd record now, so nobody waits out its lease."""
+        from kvmesh.protocol import Keys  # imports torch: not needed before a death
+
+        if self.etcd is None:
+            return
+        role = "kv-metadata" if child.name == "kv-metadata" else self._roles[child.name]
+        if self.etcd.delete_key(Keys(self.options.namespace).worker(role, child.name)):
+            logger.info("deleted the etcd record of %s", child.name)
+
+    def pids(self) -> dict[str, int]:
+        """The PID of every child now running, by name."""
+        processes = {
+            "nats-server": self.nats.process if self.nats else None,
+            "etcd": self.etcd.process if self.etcd else None,
+            "kv-metadata": self.kv_metadata,
+            **self.workers,
+            "router": self.router,
+        }
+        return {name: p.pid for name, p in processes.items() if p is not None and p.is_running()}
+
+    def _write_pids(self) -> None:
+        """``pids.json``: this process, its children and the URLs, replaced atomically."""
+        info = {
+            "pid": os.getpid(),
+            "processes": self.pids(),
+            "base_url": self.base_url or None,
+            "nats_url": self.nats.url if self.nats else None,
+            "etcd": self.etcd.endpoint if self.etcd else None,
+        }
+        with self._pids_lock:
+            self.workdir.mkdir(parents=True, exist_ok=True)
+            temporary = self.pids_path.with_suffix(".json.tmp")
+            temporary.write_text(json.dumps(info, indent=2) + "\n")
+            os.replace(temporary, self.pids_path)
 
     def _env(self) -> dict[str, str]:
         env = dict(os.environ)
@@ -112,11 +224,17 @@ class LocalMesh:
         ]  # fmt: skip
 
     def _spawn(self, name: str, argv: list[str]) -> ManagedProcess:
-        return ManagedProcess(name, argv, log_path=self.workdir / "logs" / f"{name}.log", env=self._env())
+        return ManagedProcess(
+            name,
+            argv,
+            log_path=self.workdir / "logs" / f"{name}.log",
+            env=self._env(),
+            parent_death_signal=SERVICE_DEATH_SIGNAL,
+        )
 
-    def _router_argv(self) -> list[str]:
+    def _router_argv(self, port: int) -> list[str]:
         opts = self.options
-        argv = [sys.executable, "-m", "kvmesh.services.router", *self._mesh_args(), "--host", opts.host, "--port", str(opts.port)]
+        argv = [sys.executable, "-m", "kvmesh.services.router", *self._mesh_args(), "--host", opts.host, "--port", str(port)]
         if opts.model:
             argv += ["--model", opts.model]
         if opts.api_key:
@@ -130,6 +248,7 @@ class LocalMesh:
         opts = self.options
         self._count += 1
         worker_id = f"{role}-{self._count}"
+        self._roles[worker_id] = role
         threads = opts.num_threads or max(1, (os.cpu_count() or 2) // max(1, opts.prefill + opts.decode))
         argv = [
             sys.executable, "-m", f"kvmesh.services.{role}_worker", *self._mesh_args(),
@@ -146,6 +265,7 @@ class LocalMesh:
         if not opts.prefix_caching:
             argv.append("--no-prefix-caching")
         self.workers[worker_id] = self._spawn(worker_id, argv)
+        self._write_pids()
         return worker_id
 
     def wait_worker_ready(self, worker_id: str) -> None:
@@ -170,13 +290,20 @@ class LocalMesh:
 
     # -- stop ----------------------------------------------------------------------------
     def stop(self) -> None:
-        """Stop everything this mesh started, by PID: router, workers, then the servers."""
-        if self.router is not None:
-            self.router.stop()
-        for process in self.workers.values():
-            process.stop(grace=15)
-        if self.kv_metadata is not None:
-            self.kv_metadata.stop()
-        for server in (self.etcd, self.nats):
-            if server is not None:
-                server.stop()
+        """Stop everything this mesh started, by PID, each stage all at once: the router
+        first (it ends open streams with an error event and ``[DONE]``), then the workers
+        and kv-metadata, then etcd and nats-server. Nothing is restarted from here on."""
+        if self._supervisor is not None:
+            self._supervisor.close()
+        grace = self.options.stop_grace
+        hurry = lambda: self._hurry  # noqa: E731
+        stop_all([self.router] if self.router is not None else [], grace, hurry=hurry)
+        stop_all([*self.workers.values(), *([self.kv_metadata] if self.kv_metadata else [])], grace, hurry=hurry)
+        stop_all([s.process for s in (self.etcd, self.nats) if s is not None], grace, hurry=hurry)
+        if self._supervisor is not None:
+            self._supervisor.join()  # only now: its restarted children were tied to its thread
+        self.pids_path.unlink(missing_ok=True)
+
+    def hurry(self) -> None:
+        """Make a stop in progress SIGKILL what is left now (a second Ctrl-C)."""
+        self._hurry = True

@@ -6,6 +6,7 @@ waited for with a readiness check (never a fixed sleep) and stopped by PID.
 
 from __future__ import annotations
 
+import base64
 import json
 import logging
 import re
@@ -22,6 +23,7 @@ from kvmesh.infra.processes import ManagedProcess, ProcessStartError, free_port
 logger = logging.getLogger(__name__)
 
 NATS_READY = re.compile(r"Listening for client connections on (\S+):(\d+)")
+ETCD_READY = "ready to serve client requests"
 
 
 def find_binary(name: str) -> Path:
@@ -65,6 +67,13 @@ class NatsServer:
     def url(self) -> str:
         return f"nats://{self.host}:{self.port}"
 
+    def respawn(self) -> ManagedProcess:
+        """Start nats-server again on the same port and store (clients reconnect by themselves)."""
+        argv = list(self.process.argv)
+        argv[argv.index("-p") + 1] = str(self.port)
+        self.process = self.process.respawn(argv)
+        return self.process
+
     def stop(self) -> None:
         self.process.stop()
 
@@ -79,16 +88,54 @@ class EtcdServer:
     def endpoint(self) -> str:
         return f"{self.host}:{self.port}"
 
+    @property
+    def url(self) -> str:
+        return f"http://{self.host}:{self.port}"
+
+    def respawn(self) -> ManagedProcess:
+        """Start etcd again on the same ports and data dir: the keys and leases survive."""
+        self.process = self.process.respawn()
+        return self.process
+
+    def delete_key(self, key: str, *, timeout: float = 2.0) -> bool:
+        """Delete ``key`` now and revoke the lease it was under (with everything else under
+        that lease), through etcd's HTTP gateway; best effort. True if the key was there."""
+        try:
+            deleted = self._post("/v3/kv/deleterange", {"key": _b64(key), "prev_kv": True}, timeout)
+            previous = deleted.get("prev_kvs") or []
+            lease = int(previous[0].get("lease", 0)) if previous else 0
+            if lease:
+                self._post("/v3/lease/revoke", {"ID": lease}, timeout)
+        except (urllib.error.URLError, OSError, ValueError) as exc:
+            logger.warning("could not delete %s from etcd at %s: %s", key, self.endpoint, exc)
+            return False
+        return bool(previous)
+
+    def _post(self, path: str, body: dict, timeout: float) -> dict:
+        request = urllib.request.Request(
+            self.url + path, data=json.dumps(body).encode(), headers={"Content-Type": "application/json"}
+        )
+        with urllib.request.urlopen(request, timeout=timeout) as response:
+            return json.loads(response.read() or b"{}")
+
     def stop(self) -> None:
         self.process.stop()
 
 
-def start_nats(workdir: Path, *, port: int = -1, timeout: float = 20.0) -> NatsServer:
+def _b64(text: str) -> str:
+    return base64.b64encode(text.encode()).decode()
+
+
+def start_nats(
+    workdir: Path, *, port: int = -1, timeout: float = 20.0, parent_death_signal: int | None = None
+) -> NatsServer:
     """nats-server with JetStream, on a port it picks itself (``-p -1``) unless told."""
     store = workdir / "nats"
     store.mkdir(parents=True, exist_ok=True)
     argv = [str(find_binary("nats-server")), "-a", "127.0.0.1", "-p", str(port), "-js", "-sd", str(store)]
-    process = ManagedProcess("nats-server", argv, log_path=workdir / "logs" / "nats-server.log")
+    process = ManagedProcess(
+        "nats-server", argv, log_path=workdir / "logs" / "nats-server.log", parent_death_signal=parent_death_signal
+    )
     try:
         line = process.wait_for_line(lambda text: NATS_READY.search(text) is not None, timeout)
     except ProcessStartError:
@@ -102,7 +149,14 @@ def start_nats(workdir: Path, *, port: int = -1, timeout: float = 20.0) -> NatsS
     return server
 
 
-def start_etcd(workdir: Path, *, port: int | None = None, timeout: float = 30.0, attempts: int = 3) -> EtcdServer:
+def start_etcd(
+    workdir: Path,
+    *,
+    port: int | None = None,
+    timeout: float = 30.0,
+    attempts: int = 3,
+    parent_death_signal: int | None = None,
+) -> EtcdServer:
     """A one-member etcd cluster on free loopback ports with its own data dir."""
     binary = find_etcd()
     last_error: Exception | None = None
@@ -123,7 +177,9 @@ def start_etcd(workdir: Path, *, port: int | None = None, timeout: float = 30.0,
             "--initial-cluster", f"kvmesh={peer_url}",
             "--initial-cluster-state", "new",
         ]  # fmt: skip
-        process = ManagedProcess("etcd", argv, log_path=workdir / "logs" / f"etcd-{client_port}.log")
+        process = ManagedProcess(
+            "etcd", argv, log_path=workdir / "logs" / f"etcd-{client_port}.log", parent_death_signal=parent_death_signal
+        )
         try:
             _wait_etcd_healthy(process, client_url, timeout)
         except ProcessStartError as exc:

@@ -1,0 +1,354 @@
+"""``kvmesh up`` as a user runs it: it supervises its children and stops them all.
+
+One ``kvmesh up --prefill 2 --decode 2`` serves the first stories: 16 greedy streams run
+while a decode worker, then a prefill worker, is SIGKILLed; every stream still ends with
+``[DONE]`` and the same text as before the fault, and the worker comes back (new PID, same
+id) and serves again; etcd, nats-server, kv-metadata and the router killed together come
+back where they were. A Ctrl-C on that idle mesh stops everything within 5 s. Smaller
+meshes show a Ctrl-C mid-stream (the client gets an error event and ``[DONE]``), SIGHUP and
+SIGTERM, and a SIGKILLed ``kvmesh up`` (PR_SET_PDEATHSIG): no process is left behind.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import httpx
+import pytest
+
+from tests.mesh.client import post, stream, streamed_text, worker_stats
+
+pytestmark = pytest.mark.slow
+
+MODEL = "SmolLM2-135M-Instruct"
+STREAMS = 16
+TOKENS = 48
+
+
+def process_gone(pid: int) -> bool:
+    """No such process, or only its zombie (reparented, not ours to reap)."""
+    try:
+        with open(f"/proc/{pid}/stat") as stat:
+            return stat.read().rsplit(")", 1)[1].split()[0] == "Z"
+    except (FileNotFoundError, ProcessLookupError):  # gone, or going while read
+        return True
+
+
+def wait_all_gone(pids: list[int], timeout: float) -> list[int]:
+    """The PIDs still alive after ``timeout`` seconds (none, hopefully)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        alive = [pid for pid in pids if not process_gone(pid)]
+        if not alive:
+            return []
+        time.sleep(0.05)
+    return [pid for pid in pids if not process_gone(pid)]
+
+
+class Up:
+    """A running ``kvmesh up``: its output lines as they come, and its ``pids.json``."""
+
+    def __init__(self, workdir: Path, cache_root: Path, *args: str, kv_cache_mib: int = 32) -> None:
+        self.workdir = workdir
+        self.lines: list[str] = []  # stdout and stderr, in arrival order
+        self.children_seen: set[int] = set()
+        self._cond = threading.Condition()
+        self.popen = subprocess.Popen(
+            [sys.executable, "-m", "kvmesh.cli", "up", "--port", "0", "--kv-cache-mib", str(kv_cache_mib), "--workdir", str(workdir), *args],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            stdin=subprocess.DEVNULL,
+            text=True,
+            env={**os.environ, "KVMESH_CACHE_DIR": str(cache_root)},
+        )
+        self._readers = [threading.Thread(target=self._read, args=(pipe,), daemon=True) for pipe in (self.popen.stdout, self.popen.stderr)]
+        for reader in self._readers:
+            reader.start()
+        try:
+            line = self.wait_line(lambda text: "kvmesh is serving at" in text, timeout=240)
+            self.base_url = re.search(r"serving at (http://\S+)/v1", line).group(1)
+            self.info = self.read_pids()
+        except BaseException:
+            self.cleanup()
+            raise
+
+    def _read(self, pipe) -> None:
+        for line in pipe:
+            with self._cond:
+                self.lines.append(line.rstrip("\n"))
+                self._cond.notify_all()
+
+    def wait_line(self, predicate: Callable[[str], bool], timeout: float, start: int = 0) -> str:
+        deadline = time.monotonic() + timeout
+        with self._cond:
+            while True:
+                for line in self.lines[start:]:
+                    if predicate(line):
+                        return line
+                remaining = deadline - time.monotonic()
+                if remaining <= 0 or (self.popen.poll() is not None and not any(r.is_alive() for r in self._readers)):
+                    raise AssertionError(f"no such line after {timeout}s; output:\n" + "\n".join(self.lines[-40:]))
+                self._cond.wait(min(remaining, 0.2))
+
+    def read_pids(self) -> dict:
+        info = json.loads((self.workdir / "pids.json").read_text())
+        self.children_seen |= set(info["processes"].values())
+        return info
+
+    def pid(self, name: str) -> int:
+        return self.read_pids()["processes"][name]
+
+    @property
+    def nats_url(self) -> str:
+        return self.info["nats_url"]
+
+    def stop(self, signum: int = signal.SIGINT, timeout: float = 30) -> tuple[int, float]:
+        """Send ``signum``; the exit code and the seconds it took to exit."""
+        began = time.monotonic()
+        self.popen.send_signal(signum)
+        code = self.popen.wait(timeout)
+        return code, time.monotonic() - began
+
+    def cleanup(self) -> None:
+        """Whatever a failed test left: kvmesh up SIGKILLed (its children follow), and
+        every child this test ever saw, by PID."""
+        if (self.workdir / "pids.json").exists():
+            self.read_pids()
+        if self.popen.poll() is None:
+            self.popen.kill()
+            self.popen.wait(10)
+        for pid in wait_all_gone(sorted(self.children_seen), timeout=15):
+            os.kill(pid, signal.SIGKILL)
+
+
+def start_up(tmp_path: Path, default_model_dir: Path, *args: str, kv_cache_mib: int = 32) -> Up:
+    return Up(tmp_path, default_model_dir.parent.parent, *args, kv_cache_mib=kv_cache_mib)
+
+
+# --------------------------------------------------------------------------------- 2 + 2
+PROMPTS = [
+    "Tell me a story about a lighthouse keeper:", "List some facts about the Moon:", "Write a poem about rivers:",
+    "Explain how bread is made:", "Describe a busy market in the morning:", "What do cats like to do?",
+    "Give advice to a new gardener:", "Describe the sound of rain:",
+]  # fmt: skip
+
+
+def bodies() -> list[tuple[str, dict]]:
+    """8 completions and 8 chat completions, greedy, each ``TOKENS`` tokens long."""
+    common = {"model": MODEL, "max_tokens": TOKENS, "temperature": 0, "ignore_eos": True}
+    out = [("/v1/completions", {**common, "prompt": p}) for p in PROMPTS]
+    out += [("/v1/chat/completions", {**common, "messages": [{"role": "user", "content": p}]}) for p in PROMPTS]
+    assert len(out) == STREAMS
+    return out
+
+
+def answer_text(path: str, response) -> str:
+    assert response.status_code == 200, response.text
+    choice = response.json()["choices"][0]
+    return choice["text"] if path == "/v1/completions" else choice["message"]["content"]
+
+
+@pytest.fixture(scope="module")
+def mesh22(tmp_path_factory, default_model_dir):
+    # 96 MiB (135 blocks): the survivor of a kill must hold all 16 streams (about 80 blocks);
+    # 32 MiB (45 blocks) would make the test one of capacity, not of redundancy.
+    up = start_up(tmp_path_factory.mktemp("up22"), default_model_dir, "--prefill", "2", "--decode", "2", kv_cache_mib=96)
+    yield up
+    up.cleanup()
+
+
+@pytest.fixture(scope="module")
+def references(mesh22) -> list[str]:
+    """Each request's answer, taken before any fault (all at once, as the streams will run)."""
+
+    async def answers() -> list[str]:
+        return list(await asyncio.gather(*(post_text(mesh22.base_url, path, body) for path, body in bodies())))
+
+    return asyncio.run(answers())
+
+
+async def post_text(base_url: str, path: str, body: dict) -> str:
+    return answer_text(path, await post(base_url, path, body))
+
+
+async def assert_restarted_and_serving(up: Up, name: str, old_pid: int, since: int) -> None:
+    """The restart was logged, the worker registered again (new PID, same id), and a
+    request through the router is served on it."""
+    up.wait_line(lambda text: f"{name} exited (signal 9); restarting in" in text, timeout=10, start=since)
+    up.wait_line(lambda text: f"deleted the etcd record of {name}" in text, timeout=10, start=since)
+    back = up.wait_line(lambda text: f"{name} is back (pid" in text, timeout=120, start=since)
+    new_pid = int(re.search(r"pid (\d+)", back).group(1))
+    assert new_pid != old_pid and up.pid(name) == new_pid
+    assert process_gone(old_pid)
+    before = await worker_stats(up.nats_url, "default", name)
+    assert before.transfers == 0 and before.bytes_served == 0  # a fresh process
+    for round_ in range(10):  # new prompts (cached nowhere), 4 at once: spread over the role's workers
+        prompts = [f"Request {i} of round {round_} after {name} came back: say hello" for i in range(4)]
+        body = {"model": MODEL, "max_tokens": 4, "temperature": 0}
+        await asyncio.gather(*(post_text(up.base_url, "/v1/completions", {**body, "prompt": p}) for p in prompts))
+        stats = await worker_stats(up.nats_url, "default", name)
+        if stats.transfers > 0 or stats.bytes_served > 0:
+            return
+    raise AssertionError(f"{name} restarted but served nothing: {stats}")
+
+
+async def run_streams_with_a_kill(up: Up, kill_when: Callable[[list[list[dict]]], object]) -> list[list[dict]]:
+    """Start all streams; ``kill_when(events so far per stream)`` is polled until it returns
+    true (it does the killing); then every stream is awaited."""
+    events: list[list[dict]] = [[] for _ in range(STREAMS)]
+
+    def collector(i: int):
+        async def on_event(so_far: list[dict]) -> None:
+            events[i] = list(so_far)
+
+        return on_event
+
+    tasks = [asyncio.create_task(stream(up.base_url, path, body, timeout=120, on_event=collector(i))) for i, (path, body) in enumerate(bodies())]
+    deadline = time.monotonic() + 60
+    while not await kill_when(events):
+        for task in tasks:
+            if task.done():
+                task.result()  # a stream that failed before the kill: its error
+        assert time.monotonic() < deadline, "the moment to kill never came"
+        assert not all(t.done() for t in tasks), "every stream finished before the kill"
+        await asyncio.sleep(0.02)
+    return list(await asyncio.wait_for(asyncio.gather(*tasks), 120))
+
+
+def assert_streams_unharmed(results: list[list[dict]], references: list[str]) -> None:
+    for (path, _), events, want in zip(bodies(), results, references):
+        assert not [e for e in events if "error" in e], (path, events[-1])
+        assert events[-1]["choices"][0]["finish_reason"] == "length"
+        assert streamed_text(events) == want, path
+
+
+async def test_a_killed_decode_worker_is_restarted_and_no_stream_is_cut(mesh22, references):
+    up, victim = mesh22, "decode-3"
+    old_pid, since = up.pid(victim), len(up.lines)
+
+    async def kill_once_decoding(events: list[list[dict]]) -> bool:
+        if min(len(e) for e in events) < 3:  # every stream past its first tokens: decoding
+            return False
+        if (await worker_stats(up.nats_url, "default", victim)).num_in_use == 0:
+            return False
+        os.kill(old_pid, signal.SIGKILL)
+        return True
+
+    results = await run_streams_with_a_kill(up, kill_once_decoding)
+    assert_streams_unharmed(results, references)
+    await assert_restarted_and_serving(up, victim, old_pid, since)
+
+
+async def test_a_killed_prefill_worker_is_restarted_and_no_stream_is_cut(mesh22, references):
+    up, victim = mesh22, "prefill-1"
+    old_pid, since = up.pid(victim), len(up.lines)
+
+    async def kill_while_prefilling(events: list[list[dict]]) -> bool:
+        stats = await worker_stats(up.nats_url, "default", victim)
+        if stats.num_in_use + stats.num_held + stats.pins == 0:  # holding no request's KV yet
+            return False
+        os.kill(old_pid, signal.SIGKILL)
+        return True
+
+    results = await run_streams_with_a_kill(up, kill_while_prefilling)
+    assert_streams_unharmed(results, references)
+    await assert_restarted_and_serving(up, victim, old_pid, since)
+
+
+async def test_killed_servers_and_router_come_back_where_they_were(mesh22):
+    """etcd, nats-server, kv-metadata and the router SIGKILLed at once: each is restarted
+    (etcd and nats on their ports, etcd with its data, the router on its URL), the services
+    reconnect, and the same URL serves the same answer again."""
+    up = mesh22
+    path, body = bodies()[0]
+    want = await post_text(up.base_url, path, body)
+    names = ["etcd", "nats-server", "kv-metadata", "router"]
+    old = {name: up.pid(name) for name in names}
+    since = len(up.lines)
+    for pid in old.values():
+        os.kill(pid, signal.SIGKILL)
+    for name in names:
+        back = up.wait_line(lambda text, n=name: text.startswith(f"kvmesh up: {n} is back (pid"), timeout=60, start=since)
+        assert int(re.search(r"pid (\d+)", back).group(1)) != old[name]
+    info = up.read_pids()
+    assert (info["base_url"], info["nats_url"], info["etcd"]) == (up.base_url, up.info["nats_url"], up.info["etcd"])
+    deadline, last = time.monotonic() + 60, None
+    while True:  # until the workers are registered and reachable again
+        try:
+            response = await post(up.base_url, path, body, timeout=30)
+            if response.status_code == 200:
+                break
+            last = response.text
+        except httpx.HTTPError as exc:
+            last = repr(exc)
+        assert time.monotonic() < deadline, last
+        await asyncio.sleep(0.2)
+    assert answer_text(path, response) == want
+
+
+async def test_ctrl_c_on_the_idle_mesh_stops_everything_within_5_s(mesh22):
+    """Run last in this module: it stops the shared mesh."""
+    up = mesh22
+    pids = [up.popen.pid, *up.read_pids()["processes"].values()]
+    code, took = up.stop(signal.SIGINT)
+    assert code == 0 and took < 5, (code, took)
+    assert wait_all_gone(pids, timeout=2) == []
+    assert "kvmesh up: stopped" in up.lines
+    assert not (up.workdir / "pids.json").exists()
+
+
+# ---------------------------------------------------------------------- smaller meshes
+async def test_ctrl_c_mid_stream_ends_the_stream_with_an_error_and_done(tmp_path, default_model_dir):
+    up = start_up(tmp_path, default_model_dir)  # the default: one prefill, one decode worker
+    try:
+        pids = [up.popen.pid, *up.info["processes"].values()]
+        body = {"model": MODEL, "prompt": "Count slowly:", "max_tokens": 400, "temperature": 0, "ignore_eos": True}
+        signalled = []
+
+        async def ctrl_c(events: list[dict]) -> None:
+            if len(events) == 5:
+                signalled.append(time.monotonic())
+                up.popen.send_signal(signal.SIGINT)
+
+        events = await stream(up.base_url, "/v1/completions", body, timeout=60, on_event=ctrl_c)  # asserts [DONE]
+        assert signalled and "error" in events[-1], events[-1]
+        assert await asyncio.to_thread(up.popen.wait, 30) == 0
+        took = time.monotonic() - signalled[0]
+        assert took < 8, took
+        assert wait_all_gone(pids, timeout=2) == []
+    finally:
+        up.cleanup()
+
+
+@pytest.mark.parametrize("signum", [signal.SIGHUP, signal.SIGTERM], ids=["SIGHUP", "SIGTERM"])
+def test_a_hangup_or_terminate_stops_every_child(tmp_path, default_model_dir, signum):
+    up = start_up(tmp_path, default_model_dir, "--prefill", "0", "--decode", "1")
+    try:
+        pids = list(up.info["processes"].values())
+        assert len(pids) == 5  # nats-server, etcd, kv-metadata, decode-1, router
+        code, took = up.stop(signum)
+        assert code == 0 and took < 5, (code, took)
+        assert wait_all_gone(pids, timeout=2) == []
+    finally:
+        up.cleanup()
+
+
+def test_a_sigkilled_kvmesh_up_takes_its_children_along(tmp_path, default_model_dir):
+    up = start_up(tmp_path, default_model_dir, "--prefill", "0", "--decode", "1")
+    try:
+        pids = list(up.info["processes"].values())
+        up.popen.kill()  # no handler runs: PR_SET_PDEATHSIG does the work
+        up.popen.wait(10)
+        assert wait_all_gone(pids, timeout=20) == []
+    finally:
+        up.cleanup()
