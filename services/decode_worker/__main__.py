@@ -1,7 +1,5 @@
-import asyncio
-import sys
-
+from kvmesh.service_main import run_service
 from kvmesh.services.decode_worker.main import main
 
 if __name__ == "__main__":
-    sys.exit(asyncio.run(main()))
+    run_service(main())

@@ -1,6 +1,5 @@
-import asyncio
-
+from kvmesh.service_main import run_service
 from kvmesh.services.router.main import main
 
 if __name__ == "__main__":
-    asyncio.run(main())
+    run_service(main())

@@ -53,12 +53,15 @@ from kvmesh.routing.plugins import Candidate, RouteRequest
 from kvmesh.routing.scorer import load_scorer_config
 from kvmesh.services.router.backend import HealthReport
 from kvmesh.services.router.progress import RequestProgress
-from kvmesh.services.router.worker_choice import Choice, LoadBoard, least_loaded
+from kvmesh.services.router.worker_choice import Choice, Excluded, LoadBoard, least_loaded
 from kvmesh.telemetry import inject_headers, tracer
 from kvmesh.worker.settings import MeshSettings
 
 logger = logging.getLogger(__name__)
 
+
+
+OVERLOADED_BACKOFF = 0.25  # seconds before retrying a request a worker had no room for
 
 
 @dataclass(slots=True, frozen=True)
@@ -92,9 +95,13 @@ class _Attempt:
 
 
 class _Retry(Exception):
-    def __init__(self, reason: str, bad_worker: str | None) -> None:
+    """Try again elsewhere; ``exclude``: give up on ``bad_worker`` for this request (not
+    when it was only too busy: then wait a moment instead)."""
+
+    def __init__(self, reason: str, bad_worker: str | None, *, exclude: bool = True) -> None:
         super().__init__(reason)
         self.bad_worker = bad_worker
+        self.exclude = exclude
 
 
 class MeshBackend:
@@ -220,7 +227,7 @@ class MeshBackend:
         span.set_attribute("kvmesh.prompt_tokens", len(prompt_token_ids))
         ctx = trace.set_span_in_context(span)
         progress = RequestProgress(request_id, self.tokenizer, sampling, self.eos_token_ids, len(prompt_token_ids))
-        excluded: set[str] = set()
+        excluded = Excluded(self.directory.workers)
         last_reason = "no attempt made"
         deadline = asyncio.get_running_loop().time() + self.mesh.request_deadline
         try:
@@ -252,8 +259,10 @@ class MeshBackend:
                 except _Retry as retry:
                     last_reason = str(retry)
                     span.add_event("retry", {"reason": last_reason, "tokens_sent": len(progress.emitted)})
-                    if retry.bad_worker:
+                    if retry.bad_worker and retry.exclude:
                         excluded.add(retry.bad_worker)
+                    elif not retry.exclude:
+                        await asyncio.sleep(OVERLOADED_BACKOFF)
                     logger.warning(
                         "request %s attempt %d failed after %d tokens (%s); retrying",
                         request_id,
@@ -273,7 +282,7 @@ class MeshBackend:
         attempt_id: str,
         prompt: list[int],
         sampling: SamplingSpec,
-        excluded: set[str],
+        excluded: Excluded,
         span: trace.Span,
         ctx,
         deadline: float,
@@ -335,7 +344,7 @@ class MeshBackend:
             if not finished:
                 await self._cancel(attempt_id)
 
-    async def _decode_worker(self, excluded: set[str], deadline: float) -> Choice:
+    async def _decode_worker(self, excluded: Excluded, deadline: float) -> Choice:
         """The least loaded ready decode worker; while there is none (one restarting, say),
         wait up to ``worker_wait`` seconds for one to join before answering unavailable."""
         loop = asyncio.get_running_loop()
@@ -355,7 +364,7 @@ class MeshBackend:
                 pass
 
     async def _choose_prefill(
-        self, attempt_id: str, prompt: list[int], excluded: set[str], session_id: str | None, span: trace.Span
+        self, attempt_id: str, prompt: list[int], excluded: Excluded, session_id: str | None, span: trace.Span
     ) -> tuple[Choice, PeerPrefix | None] | None:
         """The prefill worker with the best weighted score (prefix cached there, load,
         session affinity, ...), as the routing config says. The decision and every score
@@ -463,7 +472,8 @@ class MeshBackend:
         response = PrefillResponse.decode(msg.data)
         if response.error is not None:
             if is_retryable(response.error.code):
-                raise _Retry(f"prefill on {worker.worker_id}: {response.error.message}", worker.worker_id)
+                busy = response.error.code is ErrorCode.OVERLOADED
+                raise _Retry(f"prefill on {worker.worker_id}: {response.error.message}", worker.worker_id, exclude=not busy)
             raise MeshError(response.error.code, response.error.message)
         if response.first_token_id is None or response.kv is None:
             raise _Retry(f"prefill on {worker.worker_id} answered without a first token and KV", worker.worker_id)
@@ -533,7 +543,7 @@ class MeshBackend:
                     if code is ErrorCode.KV_LOST:  # the pull failed: the prefill side is gone
                         raise _Retry(event.error.message, attempt.prefill_worker)
                     if is_retryable(code):
-                        raise _Retry(event.error.message, attempt.decode_worker)
+                        raise _Retry(event.error.message, attempt.decode_worker, exclude=code is not ErrorCode.OVERLOADED)
                     raise MeshError(code, event.error.message)
                 yield event
                 if event.finished:

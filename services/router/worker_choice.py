@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import random
 import time
+from collections.abc import Container, Mapping
 from dataclasses import dataclass
 
 from kvmesh.protocol import LoadReport, WorkerRecord
@@ -60,7 +61,26 @@ class LoadBoard:
         return queued + self.in_flight.get(worker_id, 0)
 
 
-def least_loaded(candidates: list[WorkerRecord], board: LoadBoard, exclude: set[str]) -> Choice | None:
+class Excluded:
+    """The workers one request gave up on, by incarnation: a worker restarted under the same
+    id (a new ``started_at``) is a new worker, and may be tried again."""
+
+    def __init__(self, workers: Mapping[str, WorkerRecord]) -> None:
+        self._workers = workers  # the live directory
+        self._given_up: dict[str, float | None] = {}
+
+    def add(self, worker_id: str) -> None:
+        record = self._workers.get(worker_id)
+        self._given_up[worker_id] = record.started_at if record is not None else None
+
+    def __contains__(self, worker_id: object) -> bool:
+        if not isinstance(worker_id, str) or worker_id not in self._given_up:
+            return False
+        record = self._workers.get(worker_id)
+        return record is None or record.started_at == self._given_up[worker_id]
+
+
+def least_loaded(candidates: list[WorkerRecord], board: LoadBoard, exclude: Container[str]) -> Choice | None:
     usable = [w for w in candidates if w.worker_id not in exclude and board.usable(w.worker_id)]
     if not usable:
         return None

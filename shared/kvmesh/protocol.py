@@ -12,7 +12,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from kvmesh.engine.kv_cache import KVLayout
+from kvmesh.engine.kv_layout import KVLayout
 from kvmesh.errors import ErrorCode
 from kvmesh.engine.request import SamplingParams
 

@@ -14,41 +14,13 @@ from dataclasses import dataclass
 
 import torch
 
+from kvmesh.engine.kv_layout import KVLayout
+
 logger = logging.getLogger(__name__)
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
-
-@dataclass(slots=True, frozen=True)
-class KVLayout:
-    num_blocks: int
-    block_size: int
-    num_layers: int
-    num_kv_heads: int
-    head_dim: int
-    dtype: str
-
-    @property
-    def itemsize(self) -> int:
-        return DTYPES[self.dtype].itemsize
-
-    @property
-    def block_bytes(self) -> int:
-        return self.num_layers * 2 * self.block_size * self.num_kv_heads * self.head_dim * self.itemsize
-
-    @property
-    def shape(self) -> tuple[int, ...]:
-        return (self.num_blocks, self.num_layers, 2, self.block_size, self.num_kv_heads, self.head_dim)
-
-    def compatible_with(self, other: KVLayout) -> bool:
-        """Blocks can be copied byte for byte between two pools of these layouts."""
-        return (self.block_size, self.num_layers, self.num_kv_heads, self.head_dim, self.dtype) == (
-            other.block_size,
-            other.num_layers,
-            other.num_kv_heads,
-            other.head_dim,
-            other.dtype,
-        )
+__all__ = ["DTYPES", "KVCachePool", "KVLayout", "num_blocks_for_budget"]
 
 
 def num_blocks_for_budget(budget_bytes: int, block_bytes: int) -> int:

@@ -6,9 +6,12 @@ import enum
 import time
 from dataclasses import dataclass, field
 
-import torch
+from typing import TYPE_CHECKING
 
 from kvmesh.hashing import BlockHash
+
+if TYPE_CHECKING:
+    import torch
 
 # Below this a temperature means greedy (vLLM's ``_SAMPLING_EPS``).
 SAMPLING_EPS = 1e-5
@@ -83,6 +86,8 @@ class Request:
         if not self.token_ids:
             self.token_ids = list(self.prompt_token_ids)
         if self.sampling.seed is not None:
+            import torch  # here, so that the protocol (which imports SamplingParams) does not load it
+
             self.generator = torch.Generator().manual_seed(self.sampling.seed)
 
     @property

@@ -1,0 +1,56 @@
+"""Choosing a worker: the least loaded usable one, never one this request gave up on, unless
+it has restarted since."""
+
+from __future__ import annotations
+
+import time
+
+from kvmesh.protocol import LoadReport, WorkerRecord
+from kvmesh.services.router.worker_choice import Excluded, LoadBoard, least_loaded
+
+
+def record(worker_id: str, started_at: float = 1.0) -> WorkerRecord:
+    return WorkerRecord(
+        worker_id=worker_id, role="decode", model="m", max_model_len=64, subject=f"s.{worker_id}",
+        host="127.0.0.1", pid=1, started_at=started_at,
+    )  # fmt: skip
+
+
+def report(worker_id: str, running: int, *, ready: bool = True, draining: bool = False) -> LoadReport:
+    return LoadReport(worker_id=worker_id, role="decode", running=running, waiting=0, free_blocks=10, total_blocks=10,
+                      ready=ready, draining=draining, timestamp=time.time())  # fmt: skip
+
+
+def test_an_excluded_worker_is_skipped_until_it_restarts():
+    workers = {"d1": record("d1"), "d2": record("d2")}
+    board = LoadBoard()
+    board.update(report("d1", 0))
+    board.update(report("d2", 5))
+    excluded = Excluded(workers)
+    assert least_loaded(list(workers.values()), board, excluded).worker.worker_id == "d1"
+    excluded.add("d1")
+    assert "d1" in excluded
+    assert least_loaded(list(workers.values()), board, excluded).worker.worker_id == "d2"
+    workers["d1"] = record("d1", started_at=2.0)  # restarted under the same id
+    assert "d1" not in excluded
+    assert least_loaded(list(workers.values()), board, excluded).worker.worker_id == "d1"
+
+
+def test_a_worker_gone_when_excluded_is_new_when_it_comes_back():
+    workers: dict[str, WorkerRecord] = {}
+    excluded = Excluded(workers)
+    excluded.add("d1")  # already gone from the directory
+    assert "d1" in excluded
+    workers["d1"] = record("d1", started_at=3.0)
+    assert "d1" not in excluded
+
+
+def test_unready_draining_or_silent_workers_are_not_usable():
+    board = LoadBoard(stale_after=0.2)
+    assert board.usable("new") and not board.ready("new")  # not heard from yet: usable, not ready
+    board.update(report("a", 0, ready=False))
+    board.update(report("b", 0, draining=True))
+    board.update(report("c", 0))
+    assert [board.usable(w) for w in "abc"] == [False, False, True]
+    time.sleep(0.25)
+    assert not board.usable("c") and not board.ready("c")
