@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.kvmesh-installed
 
-.PHONY: install system-deps up demo test bench
+.PHONY: install system-deps up demo test lint bench
 
 # The Mooncake transfer engine wheel links libibverbs even without RDMA hardware.
 system-deps:
@@ -33,6 +33,10 @@ demo: $(STAMP)
 
 test: $(STAMP)
 	$(BIN)/python -m pytest -q
+
+lint: $(STAMP)
+	$(BIN)/ruff check shared services tests benchmarks
+	$(BIN)/mypy
 
 bench: $(STAMP)
 	$(BIN)/python benchmarks/engine_bench.py --out docs/benchmarks-engine.json --markdown docs/benchmarks.md

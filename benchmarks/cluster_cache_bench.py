@@ -20,7 +20,7 @@ import statistics
 import sys
 import tempfile
 import time
-from datetime import datetime, timezone
+from datetime import datetime, UTC
 from pathlib import Path
 
 import httpx
@@ -160,7 +160,7 @@ async def peer_pull(args: argparse.Namespace) -> dict:
 
 
 def markdown(args: argparse.Namespace, on: dict | None, off: dict | None, pull: dict | None) -> str:
-    lines = [f"## Cluster KV cache on the real mesh ({datetime.now(timezone.utc):%Y-%m-%d %H:%M} UTC)", "",
+    lines = [f"## Cluster KV cache on the real mesh ({datetime.now(UTC):%Y-%m-%d %H:%M} UTC)", "",
              f"Command: `{' '.join(sys.argv)}`  ", "Machine: AMD EPYC, 2 cores (the same machine as above), " + args.dtype, ""]
     if on and off:
         lines += [

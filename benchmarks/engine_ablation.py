@@ -13,7 +13,7 @@ import gc
 import statistics
 import sys
 import time
-from datetime import datetime, timezone
+from datetime import datetime, UTC
 from pathlib import Path
 
 import torch
@@ -62,7 +62,7 @@ def main() -> None:
     parser.add_argument("--markdown", type=Path)
     args = parser.parse_args()
     torch.set_num_threads(2)
-    lines = [f"## Engine ablations ({datetime.now(timezone.utc):%Y-%m-%d %H:%M} UTC)", "",
+    lines = [f"## Engine ablations ({datetime.now(UTC):%Y-%m-%d %H:%M} UTC)", "",
              f"Command: `{' '.join(sys.argv)}`  ", f"Machine: {cpu_name()}, 2 cores, torch {torch.__version__}; "
              f"median of {args.rounds} interleaved rounds", "",
              "| optimization | workload | off | on | on / off |", "|---|---|---:|---:|---:|"]

@@ -626,9 +626,9 @@ def measure_machine(sizes: Sizes, repeats: int) -> dict[str, Any]:
     src = torch.rand(numel, dtype=torch.float32)
     dst = torch.empty_like(src)
     nbytes = src.numel() * src.element_size()
-    t = _best_time(lambda: dst.copy_(src), repeats)
+    t = _best_time(lambda dst=dst, src=src: dst.copy_(src), repeats)
     result["copy_gb_s"] = 2 * nbytes / t / 1e9  # read + write
-    t = _best_time(lambda: src.sum(), repeats)
+    t = _best_time(lambda src=src: src.sum(), repeats)
     result["read_gb_s"] = nbytes / t / 1e9
     del src, dst
     n = sizes.matmul_n
@@ -636,7 +636,7 @@ def measure_machine(sizes: Sizes, repeats: int) -> dict[str, Any]:
     for name, dtype in TORCH_DTYPES.items():
         a = torch.randn(n, n, dtype=dtype)
         b = torch.randn(n, n, dtype=dtype)
-        t = _best_time(lambda: torch.mm(a, b), repeats)
+        t = _best_time(lambda a=a, b=b: torch.mm(a, b), repeats)
         result[f"matmul_{name}_gflop_s"] = 2 * n**3 / t / 1e9
         del a, b
         # What a batch-1 decode step does: one token times a weight matrix far larger than
@@ -645,7 +645,7 @@ def measure_machine(sizes: Sizes, repeats: int) -> dict[str, Any]:
         rows = sizes.bandwidth_mib * 2**20 // (4 * cols)
         weight = torch.randn(rows, cols, dtype=dtype)
         x = torch.randn(1, cols, dtype=dtype)
-        t = _best_time(lambda: F.linear(x, weight), repeats)
+        t = _best_time(lambda x=x, weight=weight: F.linear(x, weight), repeats)
         result[f"matvec_{name}_gb_s"] = weight.numel() * weight.element_size() / t / 1e9
         del weight, x
     result["matvec_shape"] = f"1x{cols} @ ({rows}x{cols})^T"
@@ -675,7 +675,7 @@ def metadata(args: argparse.Namespace, argv: list[str]) -> dict[str, Any]:
         tf_version = None
     return {
         "command": shlex.join([sys.executable, *argv]),
-        "date_utc": dt.datetime.now(dt.timezone.utc).strftime("%Y-%m-%d %H:%M:%S UTC"),
+        "date_utc": dt.datetime.now(dt.UTC).strftime("%Y-%m-%d %H:%M:%S UTC"),
         "cpu_model": cpu_model(),
         "cpu_count": os.cpu_count(),
         "cpu_affinity": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None,

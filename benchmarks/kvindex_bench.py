@@ -362,7 +362,7 @@ def main() -> None:
     args = parser.parse_args()
 
     meta: dict[str, Any] = {
-        "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+        "date": datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC"),
         "command": " ".join([".venv/bin/python", *sys.argv]),
         "machine": machine(),
         "load_start": os.getloadavg(),

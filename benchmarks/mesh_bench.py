@@ -24,7 +24,7 @@ import sys
 import tempfile
 import threading
 import time
-from datetime import datetime, timezone
+from datetime import datetime, UTC
 from pathlib import Path
 
 import httpx
@@ -200,7 +200,7 @@ def machine() -> dict:
 def markdown(args: argparse.Namespace, transfer: list[dict], latency: dict | None) -> str:
     meta = machine()
     lines = [
-        f"## Mesh benchmarks ({datetime.now(timezone.utc):%Y-%m-%d %H:%M} UTC)",
+        f"## Mesh benchmarks ({datetime.now(UTC):%Y-%m-%d %H:%M} UTC)",
         "",
         f"Command: `{' '.join(sys.argv)}`  ",
         f"Machine: {meta['cpu']}, {meta['cores']} cores, Python {meta['python']}, torch {meta['torch']}",

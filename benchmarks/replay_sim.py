@@ -105,7 +105,7 @@ def main(argv: list[str] | None = None) -> int:
     digest = hashlib.sha256(Path(args.trace).read_bytes()).hexdigest()
     report: dict[str, Any] = {
         "command": "python " + " ".join(shlex.quote(a) for a in sys.argv),
-        "date_utc": dt.datetime.now(dt.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+        "date_utc": dt.datetime.now(dt.UTC).strftime("%Y-%m-%d %H:%M UTC"),
         "machine": machine(),
         "trace": {"path": args.trace, "sha256": digest},
         "config": {"workers": args.workers, "cache_blocks": args.cache_blocks, "prefill_rate": args.prefill_rate, "pull_ms": args.pull_ms},

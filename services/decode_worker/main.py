@@ -24,6 +24,8 @@ from kvmesh.worker.settings import worker_settings
 
 logger = logging.getLogger(__name__)
 
+IMPORT_RETRY_INTERVAL = 0.05  # seconds between tries for blocks while the pool is full
+
 
 class DecodeWorker:
     def __init__(self, runtime: WorkerRuntime) -> None:
@@ -136,9 +138,7 @@ class DecodeWorker:
             if rt.settings.fault_pull_delay:
                 await asyncio.sleep(rt.settings.fault_pull_delay)
             with rt.tracer.start_as_current_span("kv_transfer") as span:
-                block_ids = await rt.engine.allocate_import(request.request_id, kv.num_tokens)
-                if block_ids is None:
-                    raise MeshError(ErrorCode.OVERLOADED, f"no room for {len(kv.block_ids)} KV blocks")
+                block_ids = await self._allocate_import(request.request_id, kv.num_tokens)
                 try:
                     runs = coalesce(kv.block_ids, block_ids)
                     stats = await rt.agent.read_blocks_async(
@@ -166,6 +166,21 @@ class DecodeWorker:
                 await rt.nc.publish(rt.subjects.release(kv.prefill_worker_id), release.encode())
             except Exception as exc:  # noqa: BLE001 - the pin's lease frees the blocks anyway
                 logger.warning("could not release the pin of %s: %s", request.request_id, exc)
+
+
+    async def _allocate_import(self, request_id: str, num_tokens: int) -> list[int]:
+        """Blocks for an import; while the pool is full, wait up to ``import_wait`` seconds
+        for running requests to give some back (the router hears heartbeats meanwhile)."""
+        rt = self.runtime
+        loop = asyncio.get_running_loop()
+        give_up = loop.time() + rt.settings.import_wait
+        while True:
+            block_ids = await rt.engine.allocate_import(request_id, num_tokens)
+            if block_ids is not None:
+                return block_ids
+            if loop.time() >= give_up:
+                raise MeshError(ErrorCode.OVERLOADED, f"no room for the KV of {num_tokens} tokens")
+            await asyncio.sleep(IMPORT_RETRY_INTERVAL)
 
 
 def error_code(exc: BaseException) -> ErrorCode:

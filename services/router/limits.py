@@ -76,7 +76,7 @@ async def read_body(receive: Receive, *, limit: int, timeout: float) -> tuple[by
     while True:
         try:
             message = await asyncio.wait_for(receive(), max(deadline - loop.time(), 0.0))
-        except asyncio.TimeoutError:
+        except TimeoutError:
             raise body_timed_out(timeout) from None
         if message["type"] != "http.request":
             return b"", message  # gone mid-body

@@ -62,6 +62,7 @@ logger = logging.getLogger(__name__)
 
 
 OVERLOADED_BACKOFF = 0.25  # seconds before retrying a request a worker had no room for
+LOST_EVENT_TIMEOUT = 2.0  # seconds a missing token event is waited for once later ones came
 
 
 @dataclass(slots=True, frozen=True)
@@ -424,7 +425,7 @@ class MeshBackend:
         try:
             reply = await self.nc.request(self.subjects.kv_query, KVQuery(block_hashes=chain).encode(), timeout=self.kv_query_timeout)
             return KVQueryReply.decode(reply.data).matches
-        except (NatsTimeoutError, NoRespondersError, asyncio.TimeoutError, ValidationError) as exc:
+        except (TimeoutError, NatsTimeoutError, NoRespondersError, ValidationError) as exc:
             logger.debug("kv-metadata did not answer: %r", exc)
             return {}
 
@@ -463,7 +464,7 @@ class MeshBackend:
                         if item is reply:
                             msg = reply.result()
                             break
-                except (nats.errors.Error, asyncio.TimeoutError) as exc:
+                except (TimeoutError, nats.errors.Error) as exc:
                     raise _Retry(f"prefill on {worker.worker_id}: {type(exc).__name__}", worker.worker_id) from None
                 finally:
                     reply.cancel()
@@ -486,7 +487,7 @@ class MeshBackend:
             msg = await self.nc.request(
                 worker.subject, payload, timeout=min(5.0, self.mesh.request_timeout), headers=inject_headers(ctx)
             )
-        except (nats.errors.Error, asyncio.TimeoutError) as exc:
+        except (TimeoutError, nats.errors.Error) as exc:
             raise _Retry(f"decode on {worker.worker_id}: {type(exc).__name__}", worker.worker_id) from None
         ack = DecodeAck.decode(msg.data)
         if not ack.accepted:
@@ -503,22 +504,27 @@ class MeshBackend:
                 ErrorCode.TOO_LARGE, f"{what} is {len(payload)} bytes; the mesh carries at most {limit} bytes a message"
             )
 
-    async def _next(self, attempt: _Attempt, waiting_on: str) -> object:
-        """The attempt's next item. Raises ``_Retry`` when the worker it waits on left the
-        directory or has been silent (no event, no heartbeat) for ``silence_timeout``, and
-        ``MeshError(timeout)`` when the request's deadline passes."""
+    async def _next(self, attempt: _Attempt, waiting_on: str, until: float | None = None) -> object:
+        """The attempt's next item (``None`` once the loop's clock passes ``until``). Raises
+        ``_Retry`` when the worker it waits on left the directory or has been silent (no
+        event, no heartbeat) for ``silence_timeout``, and ``MeshError(timeout)`` when the
+        request's deadline passes."""
         loop = asyncio.get_running_loop()
         while True:
             now = loop.time()
+            if until is not None and now >= until:
+                return None
             if now >= attempt.deadline:
                 raise MeshError(ErrorCode.TIMEOUT, f"the request took longer than {self.mesh.request_deadline:g}s")
             silent = now - attempt.last_heard
             if silent >= self.mesh.silence_timeout:
                 raise _Retry(f"no word from {waiting_on} for {silent:.1f}s", waiting_on)
             wait = min(self.mesh.silence_timeout - silent, attempt.deadline - now)
+            if until is not None:
+                wait = min(wait, until - now)
             try:
                 item = await asyncio.wait_for(attempt.events.get(), wait)
-            except asyncio.TimeoutError:
+            except TimeoutError:
                 continue  # a heartbeat may have moved last_heard; look again
             if isinstance(item, _WorkerGone):
                 if attempt.waits_on(item.worker_id):
@@ -527,11 +533,17 @@ class MeshBackend:
             return item
 
     async def _events_in_order(self, attempt: _Attempt) -> AsyncIterator[TokenEvent]:
-        """The attempt's events by sequence number, until the last one."""
+        """The attempt's events by sequence number, until the last one. An event that does
+        not come while later ones have (lost in a NATS reconnect, say) ends the attempt
+        after ``LOST_EVENT_TIMEOUT``: the request resumes elsewhere instead of hanging."""
+        loop = asyncio.get_running_loop()
         expected = 0
         early: dict[int, TokenEvent] = {}
+        gap_deadline: float | None = None  # while a later event waits for an earlier one
         while True:
-            item = await self._next(attempt, attempt.decode_worker)
+            item = await self._next(attempt, attempt.decode_worker, gap_deadline)
+            if item is None:
+                raise _Retry(f"token event {expected} from {attempt.decode_worker} was lost", attempt.decode_worker, exclude=False)
             if not isinstance(item, TokenEvent):
                 continue  # a late prefill reply
             early[item.seq] = item
@@ -548,6 +560,10 @@ class MeshBackend:
                 yield event
                 if event.finished:
                     return
+            if not early:
+                gap_deadline = None
+            elif gap_deadline is None:
+                gap_deadline = loop.time() + LOST_EVENT_TIMEOUT
 
     async def _cancel(self, attempt_id: str) -> None:
         try:

@@ -151,7 +151,7 @@ def test_cascade_attention_for_a_shared_prefix(model_dir, reference, prompts, mo
 
 def test_cascade_decode_logits_match_plain(model_dir, prompts):
     """The cascade path and the plain path compute the same attention (float32)."""
-    from kvmesh.engine.model.attention import DecodeBatch, _decode_attention
+    from kvmesh.engine.model.attention import _decode_attention
 
     engine = make_engine(model_dir)
     prefix = prompts[5]

@@ -17,7 +17,7 @@ from collections.abc import Sequence
 
 import torch
 
-from kvmesh.engine.request import SAMPLING_EPS, Request
+from kvmesh.engine.request import Request
 
 logger = logging.getLogger(__name__)
 

@@ -34,6 +34,10 @@ class MeshSettings:
     request_deadline: float = 1800.0  # seconds a whole request may take, retries included
     silence_timeout: float = 5.0  # a worker working on a request says so at least this often
     heartbeat_interval: float = 0.5  # how often workers say so (``Progress``)
+    # Paths of credentials files (``kvmesh.security.credentials``; one file may hold both);
+    # None: connect anonymously, as to a mesh without auth.
+    nats_credentials: str | None = None
+    etcd_credentials: str | None = None
 
     def __post_init__(self) -> None:
         if not 0 < self.heartbeat_interval < self.silence_timeout:
@@ -58,6 +62,7 @@ class WorkerSettings:
     advertise_host: str = "127.0.0.1"  # the address peers reach this worker's transfer engine at
     lease_ttl: int = 5  # seconds: a dead worker leaves etcd within this
     pin_ttl: int = 30  # seconds a prefill's blocks wait for the decode side's pull
+    import_wait: float = 10.0  # seconds a decode worker waits for room for a pull (less than pin_ttl)
     load_interval: float = 0.5  # seconds between load reports
     drain_timeout: float = 60.0
     health_host: str = "127.0.0.1"  # where the liveness / readiness endpoint listens
@@ -94,6 +99,14 @@ def add_mesh_args(parser: argparse.ArgumentParser) -> None:
         "--heartbeat-interval", type=float, default=float(_env("HEARTBEAT_INTERVAL", "0.5")),
         help="seconds between a worker's progress messages for a request (KVMESH_HEARTBEAT_INTERVAL)",
     )
+    parser.add_argument(
+        "--nats-credentials", default=_env("NATS_CREDENTIALS"), metavar="FILE",
+        help="credentials file (mode 0600) with the NATS user and password (KVMESH_NATS_CREDENTIALS)",
+    )
+    parser.add_argument(
+        "--etcd-credentials", default=_env("ETCD_CREDENTIALS"), metavar="FILE",
+        help="credentials file (mode 0600) with the etcd user and password (KVMESH_ETCD_CREDENTIALS)",
+    )
 
 
 def mesh_settings(args: argparse.Namespace, parser: argparse.ArgumentParser) -> MeshSettings:
@@ -109,7 +122,21 @@ def mesh_settings(args: argparse.Namespace, parser: argparse.ArgumentParser) -> 
         request_deadline=args.request_deadline,
         silence_timeout=args.silence_timeout,
         heartbeat_interval=args.heartbeat_interval,
+        nats_credentials=_checked_credentials(args.nats_credentials, "nats", parser),
+        etcd_credentials=_checked_credentials(args.etcd_credentials, "etcd", parser),
     )
+
+
+def _checked_credentials(path: str | None, section: str, parser: argparse.ArgumentParser) -> str | None:
+    """A credentials file that is there, private and has ``section``: fail at start, not later."""
+    from kvmesh.security.credentials import CredentialsError, load_credentials
+
+    if path:
+        try:
+            load_credentials(path, section)
+        except CredentialsError as exc:
+            parser.error(str(exc))
+    return path or None
 
 
 def worker_parser(role: Role) -> argparse.ArgumentParser:
