@@ -4,7 +4,9 @@
 (``openai_api``), tokenized off the event loop (``prompts``), checked against the model's context,
 handed to the backend, and its token events are returned as one JSON object or as server-sent
 events (``streaming``). Errors become OpenAI error bodies; metrics go to a registry owned by the
-app (``metrics``); ``auth`` guards ``/v1/*``; ``app.state.shutdown`` ends what is in flight.
+app (``metrics``); ``auth`` guards ``/v1/*`` (and, when asked, ``/metrics`` and the docs) with named
+API keys (``api_keys``); ``rate_limit`` admits each request against its key's limits once its
+prompt is tokenized; ``app.state.shutdown`` ends what is in flight.
 """
 
 from __future__ import annotations
@@ -26,7 +28,8 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from kvmesh.protocol import TokenEvent
-from kvmesh.services.router.auth import BearerAuth
+from kvmesh.services.router.api_keys import DEFAULT_NAME, ApiKeys
+from kvmesh.services.router.auth import BearerAuth, key_name
 from kvmesh.services.router.backend import GenerationBackend, HealthReport
 from kvmesh.services.router.limits import BodyLimit, Limits
 from kvmesh.services.router.metrics import RequestTracker, RouterMetrics
@@ -39,6 +42,9 @@ from kvmesh.services.router.openai_api import (
     error_json,
 )
 from kvmesh.services.router.prompts import chat_prompt_ids, completion_prompt_ids, resolve_max_tokens
+from kvmesh.services.router.rate_limit import RateLimited, RateLimiter
+from kvmesh.services.router.rate_limits import RateLimitConfig
+from kvmesh.services.router.rate_store import CounterStore
 from kvmesh.services.router.shutdown import Shutdown
 from kvmesh.services.router.streaming import (
     CLIENT_CLOSED,
@@ -83,7 +89,10 @@ class ErrorResponse(Response):
 
 
 def _error_response(error: APIError) -> Response:
-    return ErrorResponse(error)
+    response = ErrorResponse(error)
+    if isinstance(error, RateLimited):
+        response.headers.update(error.headers)
+    return response
 
 
 def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
@@ -120,10 +129,13 @@ def _failed(tracker: RequestTracker, exc: BaseException) -> APIError | None:
 class _Generation:
     """Runs one validated request against the backend and shapes its answer."""
 
-    def __init__(self, backend: GenerationBackend, metrics: RouterMetrics, shutdown: Shutdown) -> None:
+    def __init__(
+        self, backend: GenerationBackend, metrics: RouterMetrics, shutdown: Shutdown, limiter: RateLimiter | None
+    ) -> None:
         self.backend = backend
         self.metrics = metrics
         self.shutdown = shutdown
+        self.limiter = limiter
 
     async def serve(
         self,
@@ -139,6 +151,8 @@ class _Generation:
         request_id = uuid.uuid4().hex
         fmt_cls = CompletionFormat if endpoint == COMPLETIONS else ChatFormat
         fmt = fmt_cls(request_id, self.backend.model_name, include_usage=body.include_usage)
+        key = key_name(request.scope)
+        admission = await self.limiter.admit(key, len(prompt_ids)) if self.limiter is not None else None
         try:
             events = self.backend.generate(
                 request_id,
@@ -146,9 +160,13 @@ class _Generation:
                 body.sampling_spec(max_tokens),
                 session_id=request.headers.get(SESSION_HEADER),
             )
-        except Exception as exc:
+        except BaseException as exc:
+            if admission is not None:
+                admission.release()
+            if not isinstance(exc, Exception):
+                raise
             raise as_api_error(exc, request_id) from exc
-        tracker = RequestTracker(self.metrics, endpoint, request_id, len(prompt_ids))
+        tracker = RequestTracker(self.metrics, endpoint, request_id, len(prompt_ids), key=key, admission=admission)
         if body.stream:
             return await self._stream(request, events, fmt, tracker)
         return await self._complete(request, events, fmt, tracker)
@@ -204,16 +222,40 @@ class _Generation:
 
 # --------------------------------------------------------------------------- the app
 def create_app(
-    backend: GenerationBackend, *, api_key: str | None = None, limits: Limits | None = None
+    backend: GenerationBackend,
+    *,
+    api_keys: ApiKeys | None = None,
+    api_key: str | None = None,
+    auth_metrics: bool = False,
+    auth_docs: bool = False,
+    rate_limits: RateLimitConfig | None = None,
+    rate_store: CounterStore | None = None,
+    shared_rate_store: bool = False,
+    clock: Callable[[], float] = time.time,
+    limits: Limits | None = None,
 ) -> FastAPI:
-    """The router's FastAPI app serving ``backend``'s model; ``api_key`` guards ``/v1/*``.
+    """The router's FastAPI app serving ``backend``'s model.
 
-    ``app.state.shutdown`` is the app's ``Shutdown``: the server begins it on SIGTERM / SIGINT.
+    ``api_keys`` (or one ``api_key``, named ``default``) guard ``/v1/*``, and ``/metrics`` with
+    ``auth_metrics``, ``/docs``, ``/redoc`` and ``/openapi.json`` with ``auth_docs``; ``/health*``
+    is always open. ``rate_limits`` are enforced per key name (``anonymous`` without keys), with
+    counters in ``rate_store`` (default: this process; ``shared_rate_store``: batch output charges)
+    and windows by ``clock`` (epoch seconds). ``app.state.shutdown`` is the app's ``Shutdown``:
+    the server begins it on SIGTERM / SIGINT.
     """
+    if api_key is not None:
+        if api_keys is not None:
+            raise ValueError("give api_keys or api_key, not both")
+        api_keys = ApiKeys({DEFAULT_NAME: api_key})
+    if (auth_metrics or auth_docs) and api_keys is None:
+        raise ValueError("auth on /metrics or the docs needs API keys (--api-key-file or KVMESH_API_KEY)")
     limits = limits or Limits()
     metrics = RouterMetrics()
     shutdown = Shutdown()
-    generation = _Generation(backend, metrics, shutdown)
+    limiter = None
+    if rate_limits is not None and not rate_limits.empty:
+        limiter = RateLimiter(rate_limits, rate_store, clock=clock, on_reject=metrics.reject, shared=shared_rate_store)
+    generation = _Generation(backend, metrics, shutdown, limiter)
     created = int(time.time())
     tokenizing = ThreadPoolExecutor(TOKENIZER_THREADS, thread_name_prefix="kvmesh-tokenize")
 
@@ -229,8 +271,16 @@ def create_app(
     app.state.metrics = metrics
     app.state.shutdown = shutdown
     app.state.limits = limits
-    if api_key is not None:
-        app.add_middleware(BearerAuth, api_key=api_key, metrics=metrics, counted_paths=GENERATION_PATHS)
+    app.state.rate_limiter = limiter
+    if api_keys is not None:
+        app.add_middleware(
+            BearerAuth,
+            keys=api_keys,
+            metrics=metrics,
+            counted_paths=GENERATION_PATHS,
+            protect_metrics=auth_metrics,
+            protect_docs=auth_docs,
+        )
     # outermost: a body is bounded before anything reads it
     app.add_middleware(BodyLimit, limits=limits, metrics=metrics, counted_paths=GENERATION_PATHS)
 

@@ -1,14 +1,25 @@
-"""The router's Prometheus metrics, and the tracker that records one request into them."""
+"""The router's Prometheus metrics, and the tracker that records one request into them.
+
+Per API key (its name, never the key): ``kvmesh_router_key_requests_total{key,status}`` (requests
+that reached the mesh, by outcome), ``kvmesh_router_key_prompt_tokens_total{key}``,
+``kvmesh_router_key_generation_tokens_total{key}``, and
+``kvmesh_router_rate_limit_rejections_total{key,limit}`` (limit: input_tokens, output_tokens,
+concurrent). Without keys the name is ``anonymous``.
+"""
 
 from __future__ import annotations
 
 import logging
 import time
+from typing import TYPE_CHECKING
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
 from kvmesh.protocol import TokenEvent
 from kvmesh.services.router.openai_api import Usage
+
+if TYPE_CHECKING:
+    from kvmesh.services.router.rate_limit import Admission
 
 __all__ = ["RequestTracker", "RouterMetrics"]
 
@@ -53,9 +64,27 @@ class RouterMetrics:
             registry=r,
         )
         self.in_flight = Gauge("kvmesh_router_requests_in_flight", "Requests being generated", registry=r)
+        self.key_requests = Counter(
+            "kvmesh_router_key_requests", "Requests that reached the mesh, by API key name and HTTP status",
+            ["key", "status"], registry=r,
+        )  # fmt: skip
+        self.key_prompt_tokens = Counter(
+            "kvmesh_router_key_prompt_tokens", "Prompt tokens sent to the mesh, by API key name", ["key"], registry=r
+        )
+        self.key_generation_tokens = Counter(
+            "kvmesh_router_key_generation_tokens", "Tokens generated, by API key name", ["key"], registry=r
+        )
+        self.rate_limit_rejections = Counter(
+            "kvmesh_router_rate_limit_rejections",
+            "Requests refused with a 429, by API key name and limit (input_tokens, output_tokens, concurrent)",
+            ["key", "limit"], registry=r,
+        )  # fmt: skip
 
     def count(self, endpoint: str, status: int) -> None:
         self.requests.labels(endpoint=endpoint, status=str(status)).inc()
+
+    def reject(self, key: str, limit: str) -> None:
+        self.rate_limit_rejections.labels(key=key, limit=limit).inc()
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
@@ -64,8 +93,19 @@ class RouterMetrics:
 class RequestTracker:
     """One request from the backend call to its end: metrics, usage and the log line."""
 
-    def __init__(self, metrics: RouterMetrics, endpoint: str, request_id: str, prompt_tokens: int) -> None:
+    def __init__(
+        self,
+        metrics: RouterMetrics,
+        endpoint: str,
+        request_id: str,
+        prompt_tokens: int,
+        *,
+        key: str = "anonymous",
+        admission: Admission | None = None,
+    ) -> None:
         self.metrics = metrics
+        self.key = key  # the API key's name
+        self.admission = admission  # its rate-limit share: charged output tokens, released at the end
         self.endpoint = endpoint
         self.request_id = request_id
         self.prompt_tokens = prompt_tokens
@@ -86,6 +126,8 @@ class RequestTracker:
                 self.metrics.inter_token_latency.observe(now - self._last_token_at)
             self._last_token_at = now
             self.output_tokens += len(event.token_ids)
+            if self.admission is not None:
+                self.admission.add_output(len(event.token_ids))
         if event.finished:
             self.finish_reason = event.finish_reason
             self.cached_tokens = event.num_cached_tokens
@@ -98,18 +140,24 @@ class RequestTracker:
         if self._done:
             return
         self._done = True
+        if self.admission is not None:
+            self.admission.release()
         seconds = time.perf_counter() - self._start
         m = self.metrics
         m.in_flight.dec()
+        m.key_requests.labels(key=self.key, status=str(status)).inc()
+        m.key_prompt_tokens.labels(key=self.key).inc(self.prompt_tokens)
+        m.key_generation_tokens.labels(key=self.key).inc(self.output_tokens)
         m.prompt_tokens.inc(self.prompt_tokens)
         m.generation_tokens.inc(self.output_tokens)
         m.cached_prompt_tokens.inc(self.cached_tokens)
         if status == 200:
             m.e2e_latency.observe(seconds)
         logger.info(
-            "request %s %s status=%d prompt_tokens=%d cached_tokens=%d output_tokens=%d finish_reason=%s seconds=%.3f",
+            "request %s %s key=%s status=%d prompt_tokens=%d cached_tokens=%d output_tokens=%d finish_reason=%s seconds=%.3f",
             self.request_id,
             self.endpoint,
+            self.key,
             status,
             self.prompt_tokens,
             self.cached_tokens,

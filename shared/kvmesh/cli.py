@@ -18,6 +18,13 @@ class _Parser(argparse.ArgumentParser):
         self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
 
 
+class _NoKeyInArgv(argparse.Action):
+    """``--api-key`` is refused: a key in argv is visible to every user of the machine (ps)."""
+
+    def __call__(self, parser: argparse.ArgumentParser, *args: object, **kwargs: object) -> None:
+        parser.error("--api-key is gone (ps shows argv to everyone): use --api-key-file PATH or the environment variable KVMESH_API_KEY")
+
+
 def _port(text: str) -> int:
     value = int(text)
     if not 0 <= value <= 65535:
@@ -82,7 +89,12 @@ def build_parser() -> argparse.ArgumentParser:
     up.add_argument("--model", help="model directory or .gguf file (default: SmolLM2-135M-Instruct)")
     up.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
     up.add_argument("--kv-cache-mib", type=_positive_int, default=256, help="KV pool per worker")
-    up.add_argument("--api-key", help="require this Bearer token on /v1")
+    up.add_argument("--api-key", nargs="?", action=_NoKeyInArgv, help=argparse.SUPPRESS)
+    up.add_argument(
+        "--api-key-file",
+        help="require a Bearer token on /v1: a file of keys, one a line as name:key (a bare key is named default); "
+        "KVMESH_API_KEY in the environment adds one key named default",
+    )
     up.add_argument("--workdir", help="logs and server data (default: a new temporary folder)")
 
     replay = commands.add_parser("replay", help="replay a Mooncake-format trace (--simulate: simulated prefill workers, no model)")

@@ -490,7 +490,7 @@ async def test_one_log_line_per_request(
     lines = [r.getMessage() for r in caplog.records if r.name == "kvmesh.services.router.metrics"]
     assert len(lines) == 1
     assert re.fullmatch(
-        rf"request {fake.calls[0].request_id} /v1/completions status=200 prompt_tokens=3 cached_tokens=1 "
+        rf"request {fake.calls[0].request_id} /v1/completions key=anonymous status=200 prompt_tokens=3 cached_tokens=1 "
         r"output_tokens=2 finish_reason=length seconds=\d+\.\d{3}",
         lines[0],
     )

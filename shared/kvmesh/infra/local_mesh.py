@@ -52,7 +52,8 @@ class MeshOptions:
     pin_ttl: int = 30
     num_threads: int | None = None  # per worker; None: the cores split between workers
     request_timeout: float = 30.0
-    api_key: str | None = None
+    api_key: str | None = None  # written to a 0600 file in the workdir; the router gets its path, never the key
+    api_key_file: str | None = None  # the router's --api-key-file (KVMESH_API_KEY passes through the environment)
     env: dict[str, str] = field(default_factory=dict)  # extra environment for every service
     ready_timeout: float = 300.0
     supervise: bool = False  # restart children that die (kvmesh up); off: a killed child stays dead
@@ -237,11 +238,21 @@ class LocalMesh:
         argv = [sys.executable, "-m", "kvmesh.services.router", *self._mesh_args(), "--host", opts.host, "--port", str(port)]
         if opts.model:
             argv += ["--model", opts.model]
-        if opts.api_key:
-            argv += ["--api-key", opts.api_key]
+        if opts.api_key or opts.api_key_file:
+            argv += ["--api-key-file", self._api_key_file()]
         if opts.routing_config:
             argv += ["--routing-config", opts.routing_config]
         return argv
+
+    def _api_key_file(self) -> str:
+        if self.options.api_key_file:
+            return self.options.api_key_file
+        path = self.workdir / "api_keys"
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        with os.fdopen(fd, "w") as file:
+            file.write(f"default:{self.options.api_key}\n")
+        os.chmod(path, 0o600)
+        return str(path)
 
     def start_worker(self, role: str) -> str:
         """Start one more worker process; returns its id (wait with ``wait_worker_ready``)."""

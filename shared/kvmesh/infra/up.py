@@ -77,11 +77,24 @@ def check_workdir(workdir: str | None) -> Path:
     return path
 
 
+def check_api_key_file(path: str | None) -> None:
+    if path is None:
+        return
+    from kvmesh.services.router.api_keys import ApiKeyError, load_api_keys
+
+    try:
+        if load_api_keys(path, env={}) is None:
+            raise UpUsageError(f"--api-key-file {path} holds no key")
+    except ApiKeyError as exc:
+        raise UpUsageError(f"--api-key-file: {exc}") from None
+
+
 def check_args(args: argparse.Namespace) -> Path:
     """Everything that can be checked without starting anything; returns the workdir."""
     check_model(args.model)
     check_port(args.host, args.port)
     workdir = check_workdir(args.workdir)
+    check_api_key_file(args.api_key_file)
     from kvmesh.infra.servers import find_binary, find_etcd
 
     find_binary("nats-server")  # missing binaries fail now, not after the model loaded
@@ -103,7 +116,7 @@ def run_up(args: argparse.Namespace) -> int:
             model=args.model,
             dtype=args.dtype,
             kv_cache_mib=args.kv_cache_mib,
-            api_key=args.api_key,
+            api_key_file=str(Path(args.api_key_file).expanduser().resolve()) if args.api_key_file else None,
             supervise=True,
         ),
         workdir,
