@@ -494,3 +494,13 @@ def test_engine_import_with_duplicate_waiting_id_changes_nothing() -> None:
     # A call that raised should leave the import held (releasable) and "x" without blocks.
     assert [b.block_id for b in kv.held.get("h", [])] == [0, 1], (kv.held, kv.block_ids("x"))
     assert "x" not in kv.req_blocks
+
+
+def test_a_resumed_request_is_queued_first() -> None:
+    sched = make(max_num_seqs=1)
+    for rid in ("a", "b"):
+        sched.add_request(new_req(rid, [1, 2], max_tokens=2))
+    sched.add_request(new_req("resumed", [3, 4], max_tokens=2), first=True)
+    assert waiting(sched) == ["resumed", "a", "b"]
+    _, plan = step(sched)
+    assert plan == [("resumed", 2, True)]

@@ -158,11 +158,15 @@ class AsyncEngine:
         params: SamplingParams | None = None,
         *,
         export_kv: bool = False,
+        first: bool = False,
     ) -> AsyncIterator[RequestOutput]:
-        """Submit a request and iterate its outputs; leaving early aborts it."""
+        """Submit a request (``first``: ahead of those waiting) and iterate its outputs;
+        leaving early aborts it."""
         q = self._open_stream(request_id)
         try:
-            await self._call(lambda: self.engine.add_request(request_id, prompt_token_ids, params, export_kv=export_kv))
+            await self._call(
+                lambda: self.engine.add_request(request_id, prompt_token_ids, params, export_kv=export_kv, first=first)
+            )
         except BaseException as exc:
             self._forget_stream(request_id, exc)
             raise
@@ -222,12 +226,12 @@ class AsyncEngine:
                 self._commands.put((lambda: self.engine.abort_request(request_id), None))
 
     async def prefill_export(
-        self, request_id: str, prompt_token_ids: list[int], params: SamplingParams | None = None
+        self, request_id: str, prompt_token_ids: list[int], params: SamplingParams | None = None, *, first: bool = False
     ) -> RequestOutput:
         """Prefill and sample the first token; the blocks stay held (``out.kv_export``)
         until ``release_export``."""
         last: RequestOutput | None = None
-        async for out in self.generate(request_id, prompt_token_ids, params, export_kv=True):
+        async for out in self.generate(request_id, prompt_token_ids, params, export_kv=True, first=first):
             last = out
         assert last is not None and last.finished
         return last

@@ -140,11 +140,13 @@ class LLMEngine:
         params: SamplingParams | None = None,
         *,
         export_kv: bool = False,
+        first: bool = False,
     ) -> Request:
-        """Queue a request. With ``export_kv`` it stops after its first token and its blocks
-        stay held (see ``release_export``) for another worker to pull."""
+        """Queue a request (``first``: ahead of those waiting). With ``export_kv`` it stops
+        after its first token and its blocks stay held (see ``release_export``) for another
+        worker to pull."""
         req = self._new_request(request_id, prompt_token_ids, params or SamplingParams(), export_kv)
-        self.scheduler.add_request(req)
+        self.scheduler.add_request(req, first=first)
         self._texts[request_id] = OutputText(self.tokenizer, req.sampling.stop)
         return req
 

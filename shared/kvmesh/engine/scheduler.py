@@ -63,7 +63,9 @@ class Scheduler:
         if request_id in self.kv.held:
             raise ValueError(f"request id {request_id!r} still has exported KV blocks held")
 
-    def add_request(self, req: Request) -> None:
+    def add_request(self, req: Request, *, first: bool = False) -> None:
+        """Queue a request; with ``first`` ahead of those waiting (a stream already under way
+        whose worker died: its client is mid-answer)."""
         self.check_new_id(req.request_id)
         if req.num_tokens >= self.config.max_model_len:
             raise ValueError(
@@ -71,7 +73,10 @@ class Scheduler:
                 f"{self.config.max_model_len - 1} prompt tokens"
             )
         self.requests[req.request_id] = req
-        self.waiting.append(req)
+        if first:
+            self.waiting.appendleft(req)
+        else:
+            self.waiting.append(req)
 
     def add_running(self, req: Request) -> None:
         """Admit a request whose KV is already in its blocks (a disaggregated decode)."""
