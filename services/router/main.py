@@ -154,13 +154,16 @@ async def main(argv: list[str] | None = None) -> None:
     )
     await backend.start()
     shared = args.rate_limit_store == "nats"
+    store = NatsCounters(backend.nc, mesh.namespace) if shared and rate_limits else None
+    if store is not None and await store.connect():
+        logger.info("rate limits: token budgets shared through the NATS KV bucket %s", store.bucket)
     app = create_app(
         backend,
         api_keys=keys,
         auth_metrics=args.auth_metrics,
         auth_docs=args.auth_docs,
         rate_limits=rate_limits,
-        rate_store=NatsCounters(backend.nc, mesh.namespace) if shared and rate_limits else None,
+        rate_store=store,
         shared_rate_store=shared,
         limits=limits,
     )

@@ -102,9 +102,11 @@ class NatsCounters:
 
     async def _shared(self, work: Any) -> Any:
         """``work(kv)`` against the bucket; raises ``LookupError`` when the local fallback must serve."""
-        if self.clock() < self._down_until or not getattr(self.nc, "is_connected", False):
-            raise LookupError("NATS is not connected")
+        if self.clock() < self._down_until:
+            raise LookupError("NATS did not answer a moment ago")
         try:
+            if not getattr(self.nc, "is_connected", False):
+                raise ConnectionError("not connected to NATS")
             result = await asyncio.wait_for(self._run(work), self.timeout)
         except Exception as exc:
             self._down_until = self.clock() + self.retry_after
@@ -120,6 +122,14 @@ class NatsCounters:
             logger.warning("rate limits: the NATS KV bucket %s answers again; budgets are shared again", self.bucket)
             self._down = False
         return result
+
+    async def connect(self) -> bool:
+        """Open (or create) the bucket now, so a store out of reach is reported at start."""
+        try:
+            await self._shared(lambda kv: kv.status())
+        except LookupError:
+            return False
+        return True
 
     async def _run(self, work: Any) -> Any:
         return await work(await self._bucket())

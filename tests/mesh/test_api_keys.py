@@ -37,6 +37,42 @@ def test_a_key_given_to_mesh_options_goes_to_a_private_file(tmp_path: Path) -> N
     assert stat.S_IMODE(path.stat().st_mode) == 0o600
 
 
+def test_kvmesh_up_checks_the_key_file_before_starting(tmp_path: Path) -> None:
+    from kvmesh.infra.up import UpUsageError, check_api_key_file
+
+    with pytest.raises(UpUsageError, match="cannot read the API key file"):
+        check_api_key_file(str(tmp_path / "absent"))
+    (tmp_path / "empty").write_text("# nothing yet\n")
+    with pytest.raises(UpUsageError, match="holds no key"):
+        check_api_key_file(str(tmp_path / "empty"))
+    (tmp_path / "keys").write_text("a:sk-a\n")
+    check_api_key_file(str(tmp_path / "keys"))
+
+
+@pytest.mark.slow
+async def test_kvmesh_up_passes_the_key_file_and_the_environment_not_the_key(
+    tmp_path: Path, default_model_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from tests.mesh.test_up import start_up
+
+    (tmp_path / "keys").write_text(f"quick:{QUICK_KEY}\n")
+    monkeypatch.setenv("KVMESH_API_KEY", SHARED_KEY)  # one more key, named default, by the environment
+    monkeypatch.chdir(tmp_path)
+    up = start_up(tmp_path / "work", default_model_dir, "--prefill", "0", "--api-key-file", "keys")
+    try:
+        info = up.read_pids()
+        for pid in [info["pid"], *info["processes"].values()]:
+            assert SHARED_KEY not in cmdline(pid) and QUICK_KEY not in cmdline(pid)
+        assert f"--api-key-file {tmp_path / 'keys'} " in cmdline(info["processes"]["router"])
+        async with httpx.AsyncClient(base_url=up.base_url, timeout=60) as client:
+            assert (await client.post("/v1/completions", json=BODY)).status_code == 401
+            for key in (QUICK_KEY, SHARED_KEY):
+                assert (await client.post("/v1/completions", json=BODY, headers=bearer(key))).status_code == 200
+        assert up.stop()[0] == 0
+    finally:
+        up.cleanup()
+
+
 def mesh_options(**fields: object) -> MeshOptions:
     names = {f.name for f in dataclasses.fields(MeshOptions)}
     if "auth" in names:

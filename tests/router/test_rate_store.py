@@ -97,3 +97,28 @@ async def test_nats_gone_falls_back_to_local_counting_and_back(nats_server, conn
         now[0] = 6.0
         assert await counters.read(COUNTER, 1) == 3  # the shared count, kept by JetStream's file store
         assert "answers again" in [r.getMessage() for r in caplog.records if r.name == STORE_LOGGER][-1]
+
+
+async def test_connect_reports_whether_the_bucket_answers(nats_server, connect) -> None:
+    counters = NatsCounters(await connect(), "ns", timeout=0.3)
+    assert await counters.connect()
+    nats_server.stop()
+    assert not await asyncio.wait_for(counters.connect(), 2)
+
+
+class Disconnected:
+    is_connected = False  # a NATS connection that is reconnecting
+
+
+async def test_requests_are_served_and_limited_while_nats_is_away(tokenizer, caplog) -> None:
+    config = parse_rate_limits({"default": {"input_tokens_per_hour": 6}})
+    app = create_app(FakeBackend(tokenizer), rate_limits=config, rate_store=NatsCounters(Disconnected(), "ns"), shared_rate_store=True)
+    with caplog.at_level(logging.WARNING, logger=STORE_LOGGER):
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://test") as client:
+            statuses = [(await client.post("/v1/completions", json=RIVER)).status_code for _ in range(3)]
+    assert statuses == [200, 200, 429]  # counted in this router alone
+    warnings = [r.getMessage() for r in caplog.records if r.name == STORE_LOGGER]
+    assert warnings == [
+        "rate limits: the NATS KV bucket kvmesh_ns_ratelimits did not answer (not connected to NATS); "
+        "counting in this router alone until it does"
+    ]
