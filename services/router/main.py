@@ -34,7 +34,7 @@ NO_KEY_IN_ARGV = "--api-key is gone: a key on the command line is visible to eve
 
 class _NoApiKeyFlag(argparse.Action):
     def __call__(self, parser: argparse.ArgumentParser, *args: object, **kwargs: object) -> NoReturn:
-        parser.error(NO_KEY_IN_ARGV)
+        parser.exit(2, f"{parser.prog}: error: {NO_KEY_IN_ARGV}\n")  # one line, no usage
 
 
 def _flag(name: str) -> bool:

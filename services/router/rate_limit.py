@@ -7,7 +7,7 @@ raises ``RateLimited`` (a 429 with OpenAI's body, code ``rate_limit_exceeded``, 
 until the budget allows it in ``retry_after``); a rejected request is charged nothing. The
 ``Admission`` it returns is charged the output tokens as they are produced (in batches when the
 counters are shared) and releases its concurrency slot at the end; an admitted request is never
-cut short. Limits come from ``rate_limits``, counters from ``rate_store``.
+cut short, and its input tokens stay charged however it ends. Limits come from ``rate_limits``, counters from ``rate_store``.
 """
 
 from __future__ import annotations

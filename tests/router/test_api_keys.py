@@ -101,7 +101,7 @@ def test_router_refuses_a_key_in_argv(argv: list[str], capsys: pytest.CaptureFix
     with pytest.raises(SystemExit) as exit_:
         build_parser().parse_args(argv)
     assert exit_.value.code == 2
-    assert NO_KEY_IN_ARGV in capsys.readouterr().err
+    assert capsys.readouterr().err == f"kvmesh-router: error: {NO_KEY_IN_ARGV}\n"
     assert "use --api-key-file PATH or KVMESH_API_KEY" in NO_KEY_IN_ARGV
 
 
