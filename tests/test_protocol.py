@@ -16,7 +16,8 @@ def test_subjects_of_a_namespace():
     assert s.prefill("w1") == "kvmesh.prod.prefill.w1"
     assert s.decode("w2") == "kvmesh.prod.decode.w2"
     assert s.release("w1") == "kvmesh.prod.release.w1"
-    assert (s.cancel, s.load) == ("kvmesh.prod.cancel", "kvmesh.prod.load")
+    assert (s.cancel, s.load, s.load_from("w1")) == ("kvmesh.prod.cancel", "kvmesh.prod.load.*", "kvmesh.prod.load.w1")
+    assert (s.kv_events, s.kv_events_from("w1")) == ("kvmesh.prod.kv.events.*", "kvmesh.prod.kv.events.w1")
     assert s.stream("r1", "abc-0") == "kvmesh.prod.stream.r1.abc-0"
     for bad in ("", "a.b", "a b", "*", ">"):
         with pytest.raises(ValueError):

@@ -66,6 +66,7 @@ class KVMetadataService:
         self.queries = 0
         self.blocks_ingested = 0
         self.resyncs = 0
+        self.forged_batches = 0  # batches whose worker id was not their subject's
         self._started = time.monotonic()
 
     async def start(self) -> None:
@@ -156,6 +157,11 @@ class KVMetadataService:
         except ValidationError:
             logger.warning("malformed KV event batch")
             return
+        sender = self.subjects.sender(msg.subject)
+        if sender != batch.worker_id:  # only a worker's own credentials may publish on its subject
+            self.forged_batches += 1
+            logger.warning("dropped a KV event batch for %s published on %s's subject", batch.worker_id, sender)
+            return
         held = self._resyncing.get(batch.worker_id)
         if held is not None:
             held.append(batch)
@@ -180,6 +186,8 @@ class KVMetadataService:
         try:
             reply = await self.nc.request(self.subjects.kv_snapshot(worker_id), b"", timeout=self.mesh.request_timeout)
             snapshot = KVSnapshot.decode(reply.data)
+            if snapshot.worker_id != worker_id:
+                raise ValueError(f"the snapshot names {snapshot.worker_id}")
         except Exception as exc:  # noqa: BLE001 - the next batch will try again
             logger.warning("snapshot of %s failed: %s", worker_id, exc)
             self._resyncing.pop(worker_id, None)

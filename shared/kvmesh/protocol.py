@@ -45,19 +45,33 @@ class Subjects:
         """Router -> all workers: stop a request."""
         return f"{self.root}.cancel"
 
+    def load_from(self, worker_id: str) -> str:
+        """Worker -> routers: its periodic load reports, on a subject of its own."""
+        return f"{self.root}.load.{worker_id}"
+
     @property
     def load(self) -> str:
-        """Workers -> routers: periodic load reports."""
-        return f"{self.root}.load"
+        """What routers subscribe to: every worker's load reports."""
+        return self.load_from("*")
 
     def stats(self, worker_id: str) -> str:
         """Request/reply: a worker's pool and transfer counters."""
         return f"{self.root}.stats.{worker_id}"
 
+    def kv_events_from(self, worker_id: str) -> str:
+        """Worker -> kv-metadata: its batches of KV cache events, on a subject of its own (the
+        subject's last token must equal ``KVEventBatch.worker_id``)."""
+        return f"{self.root}.kv.events.{worker_id}"
+
     @property
     def kv_events(self) -> str:
-        """Workers -> kv-metadata: batches of KV cache events."""
-        return f"{self.root}.kv.events"
+        """What kv-metadata subscribes to: every worker's KV event batches."""
+        return self.kv_events_from("*")
+
+    @staticmethod
+    def sender(subject: str) -> str:
+        """The worker id a per-worker subject (``load``, ``kv.events``) was published on."""
+        return subject.rsplit(".", 1)[-1]
 
     def kv_snapshot(self, worker_id: str) -> str:
         """Request/reply: every block a worker holds now, to resync after a gap."""

@@ -134,7 +134,7 @@ async def test_an_inconsistent_decode_request_is_refused_and_leaks_nothing(mesh)
             handle.kv.model_copy(update={"block_ids": (0, 1, 2, 10_000)}),
         ]
         for number, kv in enumerate(bad_handles):
-            inbox = f"test.forged.{number}"
+            inbox = subjects.stream("test", f"forged-{number}")  # the only subjects a worker may stream to
             events = await nc.subscribe(inbox)
             request = DecodeRequest(
                 request_id="forged-1",

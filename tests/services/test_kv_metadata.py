@@ -59,7 +59,7 @@ class StandInWorker:
             elif event.kind == "removed":
                 self.blocks = [h for h in self.blocks if h not in event.block_hashes]
         batch = KVEventBatch(worker_id=self.worker_id, epoch="e1", seq=self.seq, block_size=16, events=list(events))
-        await self.nc.publish(SUBJECTS.kv_events, batch.encode())
+        await self.nc.publish(SUBJECTS.kv_events_from(self.worker_id), batch.encode())
 
 
 def stored(hashes: list[str]) -> KVEventSpec:

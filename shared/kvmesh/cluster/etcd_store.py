@@ -6,17 +6,19 @@ Built on ``etcd3aio`` (asyncio, grpc.aio): ``etcd3`` 0.12 no longer imports besi
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 
 import grpc
-from etcd3aio import Etcd3Client, EtcdError, prefix_range_end
+from etcd3aio import Etcd3Client, EtcdError, EtcdUnauthenticatedError, prefix_range_end
 from etcd3aio.kv import KVService
 from etcd3aio.lease import LeaseService
 from etcd3aio.watch import WatchService
 
 from kvmesh.errors import KvmeshError
+from kvmesh.security.credentials import UserPassword
 
 logger = logging.getLogger(__name__)
 
@@ -46,21 +48,75 @@ MAX_TXN_OPS = 128
 _TRANSPORT_ERRORS = (EtcdError, grpc.aio.AioRpcError, asyncio.TimeoutError, OSError)
 
 
+TOKEN_REFRESH = 60.0  # seconds between re-authentications; etcd's tokens last 300 s by default
+
+
 class EtcdStore:
-    def __init__(self, endpoints: list[str], *, timeout: float = 5.0) -> None:
-        self.endpoints = endpoints
+    """With ``credentials`` (or ``user:password@host:port`` endpoints, for tools and tests)
+    the store authenticates at connect, renews its token every ``token_refresh`` seconds,
+    and authenticates again when etcd says the token is no longer valid."""
+
+    def __init__(
+        self,
+        endpoints: list[str],
+        *,
+        timeout: float = 5.0,
+        credentials: UserPassword | None = None,
+        token_refresh: float = TOKEN_REFRESH,
+    ) -> None:
+        self.endpoints, found = _split_userinfo(endpoints)
+        self.credentials = credentials or found
         self.timeout = timeout
-        self._client = Etcd3Client(endpoints, watch_max_reconnect_backoff_seconds=1.0)
+        self.token_refresh = token_refresh
+        self._client = Etcd3Client(self.endpoints, watch_max_reconnect_backoff_seconds=1.0)
         self._connected = False
+        self._auth_lock = asyncio.Lock()
+        self._token_generation = 0  # counts authentications, so concurrent failures renew once
+        self._refresher: asyncio.Task | None = None
 
     async def connect(self) -> None:
         await self._client.connect()
         self._connected = True
+        if self.credentials is not None:
+            try:
+                await self._authenticate(self._token_generation)
+            except ClusterError:
+                await self.close()
+                raise
+            self._refresher = asyncio.create_task(self._refresh_token(), name="etcd token refresh")
 
     async def close(self) -> None:
+        if self._refresher is not None:
+            self._refresher.cancel()
+            self._refresher = None
         if self._connected:
             await self._client.close()
             self._connected = False
+
+    async def _authenticate(self, generation: int) -> None:
+        """A new token, unless another call already got one since ``generation``."""
+        assert self.credentials is not None
+        async with self._auth_lock:
+            if generation != self._token_generation:
+                return
+            if self._client.auth is None:
+                raise ClusterError("etcd is not connected")
+            try:
+                response = await asyncio.wait_for(
+                    self._client.auth.authenticate(self.credentials.user, self.credentials.password), self.timeout
+                )
+            except _TRANSPORT_ERRORS as exc:
+                raise ClusterError(f"etcd authentication as {self.credentials.user} failed: {exc!r}") from exc
+            self._client.set_token(response.token)
+            self._token_generation += 1
+
+    async def _refresh_token(self) -> None:
+        while True:
+            await asyncio.sleep(self.token_refresh)
+            try:
+                await self._authenticate(self._token_generation)
+            except ClusterError as exc:
+                logger.warning("%s; retrying on the next call", exc)
 
     async def __aenter__(self) -> EtcdStore:
         await self.connect()
@@ -87,34 +143,46 @@ class EtcdStore:
             raise ClusterError("etcd is not connected")
         return self._client.watch
 
-    async def _call(self, what: str, awaitable):
+    async def _call(self, what: str, make: Callable[[], Awaitable]):
+        """``make()`` under the timeout; made once more after re-authenticating when the
+        token was refused (it expired, or etcd restarted and forgot it)."""
+        generation = self._token_generation
         try:
-            return await asyncio.wait_for(awaitable, self.timeout)
+            return await asyncio.wait_for(make(), self.timeout)
+        except EtcdUnauthenticatedError as exc:
+            if self.credentials is None:
+                raise ClusterError(f"etcd {what} failed: {exc!r}") from exc
+            logger.info("etcd refused the token of %s (%s); authenticating again", self.credentials.user, exc)
+        except _TRANSPORT_ERRORS as exc:
+            raise ClusterError(f"etcd {what} failed: {exc!r}") from exc
+        await self._authenticate(generation)
+        try:
+            return await asyncio.wait_for(make(), self.timeout)
         except _TRANSPORT_ERRORS as exc:
             raise ClusterError(f"etcd {what} failed: {exc!r}") from exc
 
     # -- keys ----------------------------------------------------------------------------
     async def put(self, key: str, value: bytes, *, lease: int = 0) -> None:
-        await self._call(f"put {key}", self._kv.put(key, value, lease=lease, timeout=self.timeout))
+        await self._call(f"put {key}", lambda: self._kv.put(key, value, lease=lease, timeout=self.timeout))
 
     async def get(self, key: str) -> KeyValue | None:
-        response = await self._call(f"get {key}", self._kv.get(key, timeout=self.timeout))
+        response = await self._call(f"get {key}", lambda: self._kv.get(key, timeout=self.timeout))
         return _key_value(response.kvs[0]) if response.kvs else None
 
     async def get_prefix(self, prefix: str) -> tuple[list[KeyValue], int]:
         """Every key under ``prefix`` and the store revision they were read at."""
         response = await self._call(
-            f"get {prefix}*", self._kv.get(prefix, prefix_range_end(prefix), timeout=self.timeout)
+            f"get {prefix}*", lambda: self._kv.get(prefix, prefix_range_end(prefix), timeout=self.timeout)
         )
         return [_key_value(kv) for kv in response.kvs], response.header.revision
 
     async def delete(self, key: str) -> bool:
-        response = await self._call(f"delete {key}", self._kv.delete(key, timeout=self.timeout))
+        response = await self._call(f"delete {key}", lambda: self._kv.delete(key, timeout=self.timeout))
         return response.deleted > 0
 
     async def delete_prefix(self, prefix: str) -> int:
         response = await self._call(
-            f"delete {prefix}*", self._kv.delete(prefix, prefix_range_end(prefix), timeout=self.timeout)
+            f"delete {prefix}*", lambda: self._kv.delete(prefix, prefix_range_end(prefix), timeout=self.timeout)
         )
         return response.deleted
 
@@ -126,16 +194,19 @@ class EtcdStore:
         ops += [kv.txn_op_delete(key) for key in deletes]
         for start in range(0, len(ops), MAX_TXN_OPS):
             chunk = ops[start : start + MAX_TXN_OPS]
-            await self._call(f"txn of {len(chunk)} ops", kv.txn(compare=[], success=chunk, failure=[], timeout=self.timeout))
+            await self._call(
+                f"txn of {len(chunk)} ops",
+                functools.partial(kv.txn, compare=[], success=chunk, failure=[], timeout=self.timeout),
+            )
 
     # -- leases --------------------------------------------------------------------------
     async def grant(self, ttl: int) -> int:
-        response = await self._call("lease grant", self._lease.grant(ttl, timeout=self.timeout))
+        response = await self._call("lease grant", lambda: self._lease.grant(ttl, timeout=self.timeout))
         return response.ID
 
     async def revoke(self, lease_id: int) -> None:
         try:
-            await self._call("lease revoke", self._lease.revoke(lease_id, timeout=self.timeout))
+            await self._call("lease revoke", lambda: self._lease.revoke(lease_id, timeout=self.timeout))
         except ClusterError as exc:
             if "not found" not in str(exc):
                 raise
@@ -152,7 +223,7 @@ class EtcdStore:
             finally:
                 call.cancel()
 
-        return await self._call("lease keepalive", once())
+        return await self._call("lease keepalive", once)
 
     # -- watch ---------------------------------------------------------------------------
     async def watch_prefix(self, prefix: str, start_revision: int = 0) -> AsyncIterator[WatchEvent]:
@@ -160,6 +231,8 @@ class EtcdStore:
         stream = self._watch.watch(prefix, prefix_range_end(prefix), start_revision=start_revision)
         try:
             async for response in stream:
+                if response.canceled:  # e.g. not permitted: etcd cancels the watch instead of failing it
+                    raise ClusterError(f"etcd cancelled the watch of {prefix}: {response.cancel_reason}")
                 for event in response.events:
                     kind = "delete" if event.type == 1 else "put"
                     yield WatchEvent(kind, event.kv.key.decode(), event.kv.value, event.kv.lease)
@@ -167,6 +240,18 @@ class EtcdStore:
             raise ClusterError(f"etcd watch {prefix} failed: {exc!r}") from exc
         finally:
             await stream.aclose()  # type: ignore[attr-defined]  # etcd3aio's watch is an async generator
+
+
+def _split_userinfo(endpoints: list[str]) -> tuple[list[str], UserPassword | None]:
+    """``user:password@host:port`` endpoints -> plain endpoints and those credentials."""
+    plain, found = [], None
+    for endpoint in endpoints:
+        userinfo, at, address = endpoint.rpartition("@")
+        if at:
+            user, _, password = userinfo.partition(":")
+            found = UserPassword(user, password)
+        plain.append(address)
+    return plain, found
 
 
 def _key_value(kv) -> KeyValue:

@@ -24,6 +24,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from kvmesh.infra.credentials import MeshCredentials
 from kvmesh.infra.processes import ManagedProcess, ProcessStartError, stop_all
 from kvmesh.infra.servers import ETCD_READY, NATS_READY, EtcdServer, NatsServer, start_etcd, start_nats
 from kvmesh.infra.supervisor import RestartPolicy, Supervised, Supervisor
@@ -41,6 +42,7 @@ class MeshOptions:
     kv_metadata: bool = True  # the cluster KV index (KV-aware routing uses it)
     prefix_caching: bool = True
     routing_config: str | None = None
+    auth: bool = True  # NATS users and etcd roles with fresh passwords (``infra.credentials``); off: anonymous
     port: int = 0  # the router's; 0 picks a free one
     host: str = "127.0.0.1"
     model: str | None = None
@@ -81,6 +83,7 @@ class LocalMesh:
         self._report: Callable[[str], None] = lambda message: None
         self._pids_lock = threading.Lock()
         self._hurry = False
+        self.credentials: MeshCredentials | None = None
 
     @property
     def pids_path(self) -> Path:
@@ -106,14 +109,23 @@ class LocalMesh:
 
         resolve_model(opts.model)  # convert once here, not in every worker at the same time
         progress("starting nats-server and etcd")
-        self.nats = start_nats(self.workdir, parent_death_signal=SERVER_DEATH_SIGNAL)
+        if opts.auth:
+            planned = {f"{role}-{self._count + i + 1}": role for i, role in enumerate(["prefill"] * opts.prefill + ["decode"] * opts.decode)}
+            self.credentials = MeshCredentials.generate(self.workdir / "auth", opts.namespace, planned, "kv-metadata")
+        auth = self.credentials
+        self.nats = start_nats(
+            self.workdir, parent_death_signal=SERVER_DEATH_SIGNAL,
+            config=auth.nats_config if auth else None, admin=auth.nats_admin if auth else None,
+        )  # fmt: skip
         self._write_pids()
         self.etcd = start_etcd(self.workdir, parent_death_signal=SERVER_DEATH_SIGNAL)
+        if auth is not None:
+            self.etcd.enable_auth(auth.etcd_root_password, auth.etcd_users)
         self._write_pids()
         if opts.kv_metadata:
             progress("starting kv-metadata")
             self.kv_metadata = self._spawn(
-                "kv-metadata", [sys.executable, "-m", "kvmesh.services.kv_metadata", *self._mesh_args(), "--service-id", "kv-metadata"]
+                "kv-metadata", [sys.executable, "-m", "kvmesh.services.kv_metadata", *self._mesh_args("kv-metadata"), "--service-id", "kv-metadata"]
             )
             self._write_pids()
             self.kv_metadata.wait_for_line(lambda text: KV_METADATA_READY in text, opts.ready_timeout)
@@ -207,6 +219,7 @@ class LocalMesh:
             self.workdir.mkdir(parents=True, exist_ok=True)
             temporary = self.pids_path.with_suffix(".json.tmp")
             temporary.write_text(json.dumps(info, indent=2) + "\n")
+            temporary.chmod(0o600)  # the URLs carry the admin's credentials when auth is on
             os.replace(temporary, self.pids_path)
 
     def _env(self) -> dict[str, str]:
@@ -215,14 +228,19 @@ class LocalMesh:
         env.setdefault("PYTHONUNBUFFERED", "1")
         return env
 
-    def _mesh_args(self) -> list[str]:
+    def _mesh_args(self, identity: str) -> list[str]:
+        """Where the mesh is, and the path of ``identity``'s credentials file when auth is on."""
         assert self.nats is not None and self.etcd is not None
-        return [
-            "--nats-url", self.nats.url,
-            "--etcd", self.etcd.endpoint,
+        argv = [
+            "--nats-url", self.nats.address,
+            "--etcd", self.etcd.address,
             "--namespace", self.options.namespace,
             "--request-timeout", str(self.options.request_timeout),
         ]  # fmt: skip
+        if self.credentials is not None:
+            path = str(self.credentials.file_of(identity))
+            argv += ["--nats-credentials", path, "--etcd-credentials", path]
+        return argv
 
     def _spawn(self, name: str, argv: list[str]) -> ManagedProcess:
         return ManagedProcess(
@@ -235,7 +253,7 @@ class LocalMesh:
 
     def _router_argv(self, port: int) -> list[str]:
         opts = self.options
-        argv = [sys.executable, "-m", "kvmesh.services.router", *self._mesh_args(), "--host", opts.host, "--port", str(port)]
+        argv = [sys.executable, "-m", "kvmesh.services.router", *self._mesh_args("router"), "--host", opts.host, "--port", str(port)]
         if opts.model:
             argv += ["--model", opts.model]
         if opts.api_key or opts.api_key_file:
@@ -262,7 +280,7 @@ class LocalMesh:
         self._roles[worker_id] = role
         threads = opts.num_threads or max(1, (os.cpu_count() or 2) // max(1, opts.prefill + opts.decode))
         argv = [
-            sys.executable, "-m", f"kvmesh.services.{role}_worker", *self._mesh_args(),
+            sys.executable, "-m", f"kvmesh.services.{role}_worker", *self._mesh_args(worker_id),
             "--worker-id", worker_id,
             "--dtype", opts.dtype,
             "--kv-cache-mib", str(opts.kv_cache_mib),

@@ -19,6 +19,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from kvmesh.infra.processes import ManagedProcess, ProcessStartError, free_port
+from kvmesh.security.credentials import UserPassword
+from kvmesh.security.etcd_roles import ROOT, Grant
 
 logger = logging.getLogger(__name__)
 
@@ -62,10 +64,19 @@ class NatsServer:
     process: ManagedProcess
     host: str
     port: int
+    admin: UserPassword | None = None  # with a config that has users: one allowed everything
+
+    @property
+    def address(self) -> str:
+        """The URL without credentials: what services are given."""
+        return f"nats://{self.host}:{self.port}"
 
     @property
     def url(self) -> str:
-        return f"nats://{self.host}:{self.port}"
+        """The URL as the admin user when the server has users (for tools and tests here)."""
+        if self.admin is None:
+            return self.address
+        return f"nats://{self.admin.user}:{self.admin.password}@{self.host}:{self.port}"
 
     def respawn(self) -> ManagedProcess:
         """Start nats-server again on the same port and store (clients reconnect by themselves)."""
@@ -83,10 +94,20 @@ class EtcdServer:
     process: ManagedProcess
     host: str
     port: int
+    root: UserPassword | None = None  # set by ``enable_auth``
+
+    @property
+    def address(self) -> str:
+        """``host:port``: what services are given."""
+        return f"{self.host}:{self.port}"
 
     @property
     def endpoint(self) -> str:
-        return f"{self.host}:{self.port}"
+        """``host:port``, as ``root:password@host:port`` once auth is on (``EtcdStore`` reads
+        that form), for tools and tests here."""
+        if self.root is None:
+            return self.address
+        return f"{self.root.user}:{self.root.password}@{self.address}"
 
     @property
     def url(self) -> str:
@@ -101,20 +122,44 @@ class EtcdServer:
         """Delete ``key`` now and revoke the lease it was under (with everything else under
         that lease), through etcd's HTTP gateway; best effort. True if the key was there."""
         try:
-            deleted = self._post("/v3/kv/deleterange", {"key": _b64(key), "prev_kv": True}, timeout)
+            token = self._root_token(timeout)
+            deleted = self._post("/v3/kv/deleterange", {"key": _b64(key), "prev_kv": True}, timeout, token)
             previous = deleted.get("prev_kvs") or []
             lease = int(previous[0].get("lease", 0)) if previous else 0
             if lease:
-                self._post("/v3/lease/revoke", {"ID": lease}, timeout)
+                self._post("/v3/lease/revoke", {"ID": lease}, timeout, token)
         except (urllib.error.URLError, OSError, ValueError) as exc:
             logger.warning("could not delete %s from etcd at %s: %s", key, self.endpoint, exc)
             return False
         return bool(previous)
 
-    def _post(self, path: str, body: dict, timeout: float) -> dict:
-        request = urllib.request.Request(
-            self.url + path, data=json.dumps(body).encode(), headers={"Content-Type": "application/json"}
-        )
+    def enable_auth(self, root_password: str, users: dict[str, tuple[str, tuple[Grant, ...]]], *, timeout: float = 5.0) -> None:
+        """Turn etcd's auth on with ``root`` and, per user name, (password, grants): one role
+        per user, named after it. Through the HTTP gateway, before anyone else connects."""
+        for name, (password, grants) in users.items():
+            self._post("/v3/auth/user/add", {"name": name, "password": password}, timeout)
+            self._post("/v3/auth/role/add", {"name": name}, timeout)
+            for grant in grants:
+                perm = {"permType": grant.permission, "key": _b64(grant.key)}
+                if grant.prefix:
+                    perm["range_end"] = _b64(_prefix_end(grant.key))
+                self._post("/v3/auth/role/grant", {"name": name, "perm": perm}, timeout)
+            self._post("/v3/auth/user/grant", {"user": name, "role": name}, timeout)
+        self._post("/v3/auth/user/add", {"name": ROOT, "password": root_password}, timeout)
+        self._post("/v3/auth/user/grant", {"user": ROOT, "role": "root"}, timeout)  # etcd's built-in role
+        self._post("/v3/auth/enable", {}, timeout)
+        self.root = UserPassword(ROOT, root_password)
+        logger.info("etcd auth enabled with %d users besides root", len(users))
+
+    def _root_token(self, timeout: float) -> str | None:
+        if self.root is None:
+            return None
+        body = {"name": self.root.user, "password": self.root.password}
+        return str(self._post("/v3/auth/authenticate", body, timeout)["token"])
+
+    def _post(self, path: str, body: dict, timeout: float, token: str | None = None) -> dict:
+        headers = {"Content-Type": "application/json", **({"Authorization": token} if token else {})}
+        request = urllib.request.Request(self.url + path, data=json.dumps(body).encode(), headers=headers)
         with urllib.request.urlopen(request, timeout=timeout) as response:
             return json.loads(response.read() or b"{}")
 
@@ -126,13 +171,29 @@ def _b64(text: str) -> str:
     return base64.b64encode(text.encode()).decode()
 
 
+def _prefix_end(prefix: str) -> str:
+    """The range end that covers every key starting with ``prefix`` (its last byte plus one)."""
+    raw = prefix.encode()
+    return (raw[:-1] + bytes([raw[-1] + 1])).decode()
+
+
 def start_nats(
-    workdir: Path, *, port: int = -1, timeout: float = 20.0, parent_death_signal: int | None = None
+    workdir: Path,
+    *,
+    port: int = -1,
+    timeout: float = 20.0,
+    parent_death_signal: int | None = None,
+    config: Path | None = None,
+    admin: UserPassword | None = None,
 ) -> NatsServer:
-    """nats-server with JetStream, on a port it picks itself (``-p -1``) unless told."""
+    """nats-server with JetStream, on a port it picks itself (``-p -1``) unless told; with
+    ``config`` (e.g. its users and their permissions) read from that file, in which
+    ``admin`` is a user allowed everything."""
     store = workdir / "nats"
     store.mkdir(parents=True, exist_ok=True)
     argv = [str(find_binary("nats-server")), "-a", "127.0.0.1", "-p", str(port), "-js", "-sd", str(store)]
+    if config is not None:
+        argv += ["-c", str(config)]
     process = ManagedProcess(
         "nats-server", argv, log_path=workdir / "logs" / "nats-server.log", parent_death_signal=parent_death_signal
     )
@@ -144,8 +205,8 @@ def start_nats(
     match = NATS_READY.search(line)
     assert match is not None
     host = match.group(1).replace("nats://", "")
-    server = NatsServer(process, host if host not in ("0.0.0.0", "[::]") else "127.0.0.1", int(match.group(2)))
-    logger.info("nats-server ready at %s (pid %d)", server.url, process.pid)
+    server = NatsServer(process, host if host not in ("0.0.0.0", "[::]") else "127.0.0.1", int(match.group(2)), admin)
+    logger.info("nats-server ready at %s (pid %d)", server.address, process.pid)
     return server
 
 
@@ -156,8 +217,10 @@ def start_etcd(
     timeout: float = 30.0,
     attempts: int = 3,
     parent_death_signal: int | None = None,
+    auth_token_ttl: int | None = None,
 ) -> EtcdServer:
-    """A one-member etcd cluster on free loopback ports with its own data dir."""
+    """A one-member etcd cluster on free loopback ports with its own data dir; once auth is on
+    (``enable_auth``) its tokens last ``auth_token_ttl`` seconds idle (etcd's default: 300)."""
     binary = find_etcd()
     last_error: Exception | None = None
     for _ in range(attempts):  # a "free" port can be taken between the probe and the bind
@@ -177,6 +240,8 @@ def start_etcd(
             "--initial-cluster", f"kvmesh={peer_url}",
             "--initial-cluster-state", "new",
         ]  # fmt: skip
+        if auth_token_ttl is not None:
+            argv += ["--auth-token-ttl", str(auth_token_ttl)]
         process = ManagedProcess(
             "etcd", argv, log_path=workdir / "logs" / f"etcd-{client_port}.log", parent_death_signal=parent_death_signal
         )
@@ -189,7 +254,7 @@ def start_etcd(
                 break
             continue
         server = EtcdServer(process, "127.0.0.1", client_port)
-        logger.info("etcd ready at %s (pid %d)", server.endpoint, process.pid)
+        logger.info("etcd ready at %s (pid %d)", server.address, process.pid)
         return server
     raise ProcessStartError(f"etcd did not start: {last_error}")
 

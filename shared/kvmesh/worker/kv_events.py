@@ -75,7 +75,7 @@ class KVEventPublisher:
             block_size=self.block_size,
             events=[event_spec(e) for e in events],
         )
-        await self.nc.publish(self.subjects.kv_events, batch.encode())
+        await self.nc.publish(self.subjects.kv_events_from(self.worker_id), batch.encode())
 
     async def _handle_snapshot(self, msg: Msg) -> None:
         async with self._lock:

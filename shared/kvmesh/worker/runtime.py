@@ -230,7 +230,7 @@ class WorkerRuntime:
                     ready=self.health_status().ready,
                     timestamp=time.time(),
                 )
-                await self.nc.publish(self.subjects.load, report.encode())
+                await self.nc.publish(self.subjects.load_from(self.worker_id), report.encode())
             except Exception as exc:  # noqa: BLE001 - a missed report is not fatal
                 logger.debug("load report failed: %s", exc)
             await asyncio.sleep(self.settings.load_interval)

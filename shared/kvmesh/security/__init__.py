@@ -1,0 +1,1 @@
+"""Who may do what on the mesh: credentials files, NATS permissions, etcd roles."""
