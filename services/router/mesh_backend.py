@@ -145,7 +145,9 @@ class MeshBackend:
         self.directory = WorkerDirectory(self.store, self.keys)
         self.directory.on_change(self._worker_changed)
         await self.directory.start()
-        await self.nc.subscribe(self.subjects.load, cb=self._handle_load)
+        from kvmesh.security.senders import from_own_subject  # a load report only on its worker's own subject
+
+        await self.nc.subscribe(self.subjects.load, cb=from_own_subject(self._handle_load, LoadReport))
         await self.nc.subscribe(self.subjects.stream(self.router_id, "*"), cb=self._handle_event)
         await self.nc.subscribe(self.subjects.progress(self.router_id, "*"), cb=self._handle_progress)
 

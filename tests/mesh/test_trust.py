@@ -13,7 +13,17 @@ import pytest
 
 from kvmesh.cluster.etcd_store import ClusterError, EtcdStore
 from kvmesh.infra.local_mesh import LocalMesh, MeshOptions
-from kvmesh.protocol import KVEventBatch, KVEventSpec, KVIndexStats, KVQuery, KVQueryReply, Keys, Subjects, WorkerRecord
+from kvmesh.protocol import (
+    KVEventBatch,
+    KVEventSpec,
+    KVIndexStats,
+    KVQuery,
+    KVQueryReply,
+    Keys,
+    LoadReport,
+    Subjects,
+    WorkerRecord,
+)
 from kvmesh.security.credentials import load_credentials
 from tests.mesh.client import post
 
@@ -116,11 +126,14 @@ async def test_a_worker_speaks_only_for_itself_on_nats(mesh, first_answer):
         for subject in forged:
             await worker.nc.publish(subject, b"forged")
         await worker.nc.publish(S.progress("nobody", "x"), b"forged")  # allowed: shows what arrives does
-        await worker.nc.subscribe(S.kv_events, cb=watch)  # nor may it read others' events
+        spied = [S.kv_events, f"{S.root}.stream.>"]  # nor may it read others' events or any stream
+        for subject in spied:
+            await worker.nc.subscribe(subject, cb=watch)
         await worker.nc.flush()
         refused = await worker.refused("permissions violation for publish", len(forged))
         assert sorted(e.rsplit(" ", 1)[-1].strip('"') for e in refused) == sorted(s.lower() for s in forged)
-        await worker.refused("permissions violation for subscription", 1)
+        refused = await worker.refused("permissions violation for subscription", len(spied))
+        assert sorted(e.rsplit(" ", 1)[-1].strip('"') for e in refused) == sorted(s.lower() for s in spied)
         deadline = time.monotonic() + 5
         while not seen and time.monotonic() < deadline:
             await asyncio.sleep(0.05)
@@ -159,6 +172,23 @@ async def test_a_forged_batch_naming_another_worker_is_dropped(mesh, first_answe
     finally:
         await worker.nc.close()
         await admin.close()
+
+
+async def test_a_forged_load_report_naming_another_worker_is_dropped(mesh):
+    worker = await Connection().open(mesh, "decode-2")
+    try:
+        forged = LoadReport(worker_id="prefill-1", role="prefill", running=0, waiting=99, free_blocks=0,
+                            total_blocks=1, draining=True, ready=False, timestamp=time.time())  # fmt: skip
+        await worker.nc.publish(S.load_from("decode-2"), forged.encode())
+        await worker.nc.flush()
+        assert mesh.router is not None
+        deadline = time.monotonic() + 10
+        while "dropped a LoadReport for prefill-1 published on decode-2's subject" not in mesh.router.tail(50):
+            assert time.monotonic() < deadline, mesh.router.tail(50)
+            await asyncio.sleep(0.05)
+        assert worker.errors == []
+    finally:
+        await worker.nc.close()
 
 
 async def test_a_worker_writes_only_its_own_etcd_keys(mesh):

@@ -39,7 +39,7 @@ class NatsPermissions:
 
 def router_permissions(s: Subjects, user: str = ROUTER) -> NatsPermissions:
     return NatsPermissions(
-        publish=(s.prefill(), s.prefill("*"), s.decode(), s.decode("*"), s.cancel, s.kv_query, s.kv_stats, s.stats("*")),
+        publish=(s.prefill(), s.prefill("*"), s.decode(), s.decode("*"), s.cancel, s.kv_query),
         subscribe=(s.load, f"{s.root}.stream.>", f"{s.root}.progress.>", f"{inbox_prefix(user)}.>"),
     )
 
