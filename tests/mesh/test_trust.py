@@ -5,6 +5,7 @@ naming another worker is dropped, and the mesh still answers as before (issue #8
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import time
 
 import httpx
@@ -209,7 +210,17 @@ async def test_a_worker_writes_only_its_own_etcd_keys(mesh):
         assert await store.get(K.worker("decode", "evil-1")) is None
 
 
-async def test_the_mesh_still_answers_as_before(mesh, first_answer):
+async def test_the_mesh_still_answers_as_before(mesh, first_answer, tmp_path):
     response = await post(mesh.base_url, "/v1/completions", GREEDY)
     assert response.status_code == 200, response.text
     assert response.json()["choices"][0]["text"] == first_answer != ""
+    # Without auth (no credentials anywhere, as before issue #8) the answer is the same.
+    anonymous = LocalMesh(dataclasses.replace(mesh.options, auth=False), tmp_path)
+    await asyncio.to_thread(anonymous.start)
+    try:
+        assert anonymous.credentials is None and "@" not in anonymous.nats.url
+        response = await post(anonymous.base_url, "/v1/completions", GREEDY)
+        assert response.status_code == 200, response.text
+        assert response.json()["choices"][0]["text"] == first_answer
+    finally:
+        await asyncio.to_thread(anonymous.stop)
