@@ -294,7 +294,7 @@ async def campaign(args: argparse.Namespace) -> dict:
                 asyncio.create_task(client_loop(client, base_url, stop_at, args.max_tokens, n, outcomes))
                 for n in range(args.clients)
             ]
-            faults = await inject(mesh, client, args.faults.split(","), start, args.duration)
+            faults = await inject(mesh, client, [f for f in args.faults.split(",") if f], start, args.duration)
             await asyncio.wait_for(asyncio.gather(*clients), args.duration + 300)
             await wait_ready(client, base_url, 60)
             # Pins of requests whose router died are freed by their lease (the pin TTL, 30 s).

@@ -25,6 +25,7 @@ from kvmesh.worker.settings import worker_settings
 logger = logging.getLogger(__name__)
 
 IMPORT_RETRY_INTERVAL = 0.05  # seconds between tries for blocks while the pool is full
+RESUMED_IMPORT_WAIT = 1.0  # seconds a retried request waits for room here before trying elsewhere
 
 
 class DecodeWorker:
@@ -76,7 +77,9 @@ class DecodeWorker:
                         )
                     else:
                         span.set_attribute("kvmesh.local_prefill", True)
-                        stream = rt.engine.generate(rid, request.prompt_token_ids, request.sampling.to_params())
+                        stream = rt.engine.generate(
+                            rid, request.prompt_token_ids, request.sampling.to_params(), first=request.resumed
+                        )
                     async for out in stream:
                         beat.stage = "decode"
                         if out.queue_seconds is not None and request.kv is None:
@@ -138,7 +141,7 @@ class DecodeWorker:
             if rt.settings.fault_pull_delay:
                 await asyncio.sleep(rt.settings.fault_pull_delay)
             with rt.tracer.start_as_current_span("kv_transfer") as span:
-                block_ids = await self._allocate_import(request.request_id, kv.num_tokens)
+                block_ids = await self._allocate_import(request.request_id, kv.num_tokens, resumed=request.resumed)
                 try:
                     runs = coalesce(kv.block_ids, block_ids)
                     stats = await rt.agent.read_blocks_async(
@@ -168,16 +171,24 @@ class DecodeWorker:
                 logger.warning("could not release the pin of %s: %s", request.request_id, exc)
 
 
-    async def _allocate_import(self, request_id: str, num_tokens: int) -> list[int]:
-        """Blocks for an import; while the pool is full, wait up to ``import_wait`` seconds
-        for running requests to give some back (the router hears heartbeats meanwhile)."""
+    async def _allocate_import(self, request_id: str, num_tokens: int, *, resumed: bool = False) -> list[int]:
+        """Blocks for an import. A new request is admitted only while every running one
+        still has room to grow by a block (else they would preempt each other and recompute,
+        and nobody gets anywhere); a resumed stream, whose client is mid-answer, only needs
+        the blocks. While there is no room, wait up to ``import_wait`` seconds for running
+        requests to give some back (the router hears heartbeats meanwhile)."""
         rt = self.runtime
         loop = asyncio.get_running_loop()
-        give_up = loop.time() + rt.settings.import_wait
+        # A retry waits less: another decode worker (one just restarted, say) may have room.
+        give_up = loop.time() + (min(RESUMED_IMPORT_WAIT, rt.settings.import_wait) if resumed else rt.settings.import_wait)
+        needed = -(-num_tokens // rt.engine.engine.kv_layout.block_size)
         while True:
-            block_ids = await rt.engine.allocate_import(request_id, num_tokens)
-            if block_ids is not None:
-                return block_ids
+            load = rt.engine.load_now()
+            reserve = 0 if resumed else load["running"]
+            if load["free_blocks"] - needed >= reserve:
+                block_ids = await rt.engine.allocate_import(request_id, num_tokens)
+                if block_ids is not None:
+                    return block_ids
             if loop.time() >= give_up:
                 raise MeshError(ErrorCode.OVERLOADED, f"no room for the KV of {num_tokens} tokens")
             await asyncio.sleep(IMPORT_RETRY_INTERVAL)

@@ -85,7 +85,9 @@ class PrefillWorker:
                     await borrow_prefix(rt, self.cost, rid, request.prompt_token_ids, request.peer, pull_span)
             started = time.perf_counter()
             try:
-                out = await rt.engine.prefill_export(rid, request.prompt_token_ids, request.sampling.to_params())
+                out = await rt.engine.prefill_export(
+                    rid, request.prompt_token_ids, request.sampling.to_params(), first=request.resumed
+                )
             except (ValueError, KvmeshError) as exc:
                 span.record_exception(exc)
                 code = ErrorCode.UNAVAILABLE if isinstance(exc, EngineDeadError) else ErrorCode.BAD_REQUEST

@@ -233,8 +233,11 @@ class MeshBackend:
         excluded = Excluded(self.directory.workers)
         last_reason = "no attempt made"
         deadline = asyncio.get_running_loop().time() + self.mesh.request_deadline
+        failures = 0  # attempts that failed on a worker; "too busy, try later" does not count
+        attempt_number = -1
         try:
-            for attempt_number in range(self.max_attempts):
+            while failures < self.max_attempts:
+                attempt_number += 1
                 attempt_id = f"{request_id}-{attempt_number}"
                 span.set_attribute("kvmesh.attempts", attempt_number + 1)
                 attempt_sampling = sampling.model_copy(update={"max_tokens": progress.remaining_tokens})
@@ -247,6 +250,7 @@ class MeshBackend:
                     ctx,
                     deadline,
                     session_id,
+                    resumed=attempt_number > 0,  # it already waited once: ahead of new work
                 )
                 try:
                     async with contextlib.aclosing(attempt) as events:  # closing cancels the attempt at once
@@ -262,9 +266,11 @@ class MeshBackend:
                 except _Retry as retry:
                     last_reason = str(retry)
                     span.add_event("retry", {"reason": last_reason, "tokens_sent": len(progress.emitted)})
-                    if retry.bad_worker and retry.exclude:
-                        excluded.add(retry.bad_worker)
-                    elif not retry.exclude:
+                    if retry.exclude:
+                        failures += 1
+                        if retry.bad_worker:
+                            excluded.add(retry.bad_worker)
+                    else:  # bounded by the request's deadline
                         await asyncio.sleep(OVERLOADED_BACKOFF)
                     logger.warning(
                         "request %s attempt %d failed after %d tokens (%s); retrying",
@@ -290,6 +296,7 @@ class MeshBackend:
         ctx,
         deadline: float,
         session_id: str | None = None,
+        resumed: bool = False,
     ) -> AsyncGenerator[TokenEvent, None]:
         """One try: the first token from a prefill worker, the rest from a decode worker.
         Yields events whose token ids are new (their text is ignored: the router
@@ -306,6 +313,7 @@ class MeshBackend:
             sampling=sampling,
             reply_subject=self.subjects.stream(self.router_id, attempt_id),
             progress_subject=self.subjects.progress(self.router_id, attempt_id),
+            resumed=resumed,
         )
         attempt = _Attempt(
             attempt_id, decode.worker.worker_id, prefill.worker.worker_id if prefill else None, deadline
@@ -316,7 +324,7 @@ class MeshBackend:
         try:
             first_sent = False
             if prefill is not None:
-                response = await self._prefill(attempt, prefill.worker, prompt, sampling, ctx, peer)
+                response = await self._prefill(attempt, prefill.worker, prompt, sampling, ctx, peer, resumed=resumed)
                 request = request.model_copy(
                     update={
                         "first_token_id": response.first_token_id,
@@ -439,6 +447,8 @@ class MeshBackend:
         sampling: SamplingSpec,
         ctx,
         peer: PeerPrefix | None = None,
+        *,
+        resumed: bool = False,
     ) -> PrefillResponse:
         """Ask ``worker`` for the first token and a KV handle. A long prefill is waited for
         as long as the worker says it is working on it (``Progress``); a worker that goes
@@ -453,6 +463,7 @@ class MeshBackend:
                     sampling=sampling,
                     peer=peer,
                     progress_subject=self.subjects.progress(self.router_id, attempt.attempt_id),
+                    resumed=resumed,
                 ).encode()
                 self._check_size(payload, "the prefill request")
                 timeout = max(0.1, attempt.deadline - asyncio.get_running_loop().time())

@@ -220,6 +220,7 @@ class PrefillRequest(Message):
     sampling: SamplingSpec
     peer: PeerPrefix | None = None  # pull the prefix from this peer when cheaper than recomputing
     progress_subject: str | None = None  # where to say "still working on it" (``Progress``)
+    resumed: bool = False  # a retry (its first worker died): queued before new requests
 
 
 class KVLendRequest(Message):
@@ -255,6 +256,7 @@ class DecodeRequest(Message):
     kv: KVHandle | None = None  # None: the decode worker prefills itself
     prefill_cached_tokens: int = 0  # with kv: prompt tokens the prefill found in its cache
     progress_subject: str | None = None  # where to say "still working on it" (``Progress``)
+    resumed: bool = False  # a retry (its first worker died): admitted before new requests
 
 
 class DecodeAck(Message):
