@@ -103,3 +103,18 @@ def test_compose_checks_every_service_by_its_health_endpoint():
         test = " ".join(services[name]["healthcheck"]["test"])
         assert "/health/ready" in test, name
     assert services["decode-worker"]["environment"]["KVMESH_HEALTH_PORT"] == "8081"
+
+
+def test_transfer_ports_are_pinned_and_fenced_to_workers():
+    from kvmesh.transfer.mooncake_agent import parse_port_range
+
+    docs = {(d["kind"], d["metadata"]["name"]): d for d in rendered_manifests()}
+    low, high = parse_port_range(docs[("ConfigMap", "kvmesh-config")]["data"]["KVMESH_TRANSFER_PORTS"])
+    policy = docs[("NetworkPolicy", "workers")]["spec"]
+    workers = {"prefill-worker", "decode-worker"}
+    assert set(policy["podSelector"]["matchExpressions"][0]["values"]) == workers
+    transfer = [rule for rule in policy["ingress"] if any(p.get("endPort") for p in rule["ports"])]
+    assert len(transfer) == 1 and transfer[0]["ports"] == [{"protocol": "TCP", "port": low, "endPort": high}]
+    assert set(transfer[0]["from"][0]["podSelector"]["matchExpressions"][0]["values"]) == workers
+    # Every other rule opens only the health port.
+    assert all(p["port"] == 8081 for rule in policy["ingress"] if rule not in transfer for p in rule["ports"])

@@ -40,3 +40,62 @@ def test_pull_blocks_between_two_pools():
     assert local.bytes_read == 4 * block_bytes
     with pytest.raises(TransferError):  # beyond what the peer registered
         local.read_blocks(peer.endpoint, [BlockRun(16, 0, 1)], peer_base=peer_pool.data_ptr(), local_base=local_pool.data_ptr(), block_bytes=block_bytes)
+
+
+LISTENERS = """
+import json, os, sys
+from kvmesh.transfer.mooncake_agent import MooncakeAgent
+low, high = int(sys.argv[1]), int(sys.argv[2])
+agent = MooncakeAgent(port_range=(low, high))
+inodes = set()
+for fd in os.listdir("/proc/self/fd"):
+    try:
+        target = os.readlink(f"/proc/self/fd/{fd}")
+    except OSError:
+        continue
+    if target.startswith("socket:["):
+        inodes.add(target[8:-1])
+ports = set()
+for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+    for line in open(table).read().splitlines()[1:]:
+        fields = line.split()
+        if fields[3] == "0A" and fields[9] in inodes:  # LISTEN, and this process's
+            ports.add(int(fields[1].rsplit(":", 1)[1], 16))
+print(json.dumps({"endpoint": agent.endpoint, "listening": sorted(ports)}))
+"""
+
+
+def test_the_transfer_engine_listens_inside_the_given_port_range():
+    import json
+    import socket
+    import subprocess
+    import sys
+
+    def free(port: int) -> bool:
+        with socket.socket() as probe:
+            try:
+                probe.bind(("0.0.0.0", port))
+            except OSError:
+                return False
+        return True
+
+    import random
+
+    low = next(base for base in random.sample(range(20000, 32700, 16), 50) if all(free(p) for p in range(base, base + 16)))
+    done = subprocess.run([sys.executable, "-c", LISTENERS, str(low), str(low + 15)], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr[-2000:]
+    result = json.loads(done.stdout.strip().splitlines()[-1])
+    port = int(result["endpoint"].rsplit(":", 1)[1])
+    assert low <= port <= low + 15
+    # Both of the engine's listeners (handshake and data) are in the range, and nothing else.
+    assert len(result["listening"]) == 2 and all(low <= p <= low + 15 for p in result["listening"]), result
+
+
+def test_port_ranges_parse():
+    from kvmesh.transfer.mooncake_agent import parse_port_range
+
+    assert parse_port_range("20000-20015") == (20000, 20015)
+    assert parse_port_range("20000") == (20000, 20000)
+    for bad in ("x-y", "20010-20000", "0-5", "20000-40000"):
+        with pytest.raises(ValueError):
+            parse_port_range(bad)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import threading
 import time
 from dataclasses import dataclass
@@ -30,8 +31,39 @@ class TransferStats:
     seconds: float
 
 
+# Mooncake 0.3.13 silently ignores a range that reaches past 32767 (and picks from its
+# default 15000-17000); measured on this machine.
+MAX_TRANSFER_PORT = 32767
+
+
+def parse_port_range(text: str) -> tuple[int, int]:
+    """``"20000-20015"`` -> (20000, 20015)."""
+    low, sep, high = text.partition("-")
+    try:
+        first, last = int(low), int(high if sep else low)
+    except ValueError:
+        raise ValueError(f"a port range is MIN-MAX, got {text!r}") from None
+    if not 1024 <= first <= last <= MAX_TRANSFER_PORT:
+        raise ValueError(f"a transfer port range is MIN-MAX within 1024..{MAX_TRANSFER_PORT}, got {text!r}")
+    return first, last
+
+
 class MooncakeAgent:
-    def __init__(self, hostname: str = "127.0.0.1", *, protocol: str = "tcp", metadata: str = "P2PHANDSHAKE") -> None:
+    """The transfer engine listens on two TCP ports on every interface, unauthenticated
+    (Mooncake 0.3.13 binds INADDR_ANY whatever the hostname); ``port_range`` keeps both in a
+    known range so a NetworkPolicy or firewall can fence them to the workers (it applies to
+    the first agent of a process: Mooncake reads it once)."""
+
+    def __init__(
+        self,
+        hostname: str = "127.0.0.1",
+        *,
+        protocol: str = "tcp",
+        metadata: str = "P2PHANDSHAKE",
+        port_range: tuple[int, int] | None = None,
+    ) -> None:
+        if port_range is not None:  # Mooncake reads these once per process, when it is first loaded
+            os.environ["MC_MIN_RPC_PORT"], os.environ["MC_MAX_RPC_PORT"] = (str(p) for p in port_range)
         try:
             from mooncake.engine import TransferEngine
         except ImportError as exc:

@@ -84,7 +84,7 @@ class WorkerRuntime:
             )
         )
         pool = self.engine.engine.kv_pool
-        self.agent = MooncakeAgent(s.advertise_host)
+        self.agent = MooncakeAgent(s.advertise_host, port_range=s.transfer_port_range)
         self.agent.register(pool.base_address, pool.nbytes)
         self._background.append(asyncio.create_task(self._watch_engine(), name="engine-watch"))
         self.nc, self.store = await connect_mesh(s.mesh, f"{s.role}-{self.worker_id}")

@@ -11,6 +11,7 @@ from dataclasses import asdict, dataclass, field
 from typing import overload
 
 from kvmesh.protocol import Role
+from kvmesh.transfer.mooncake_agent import parse_port_range
 
 logger = logging.getLogger(__name__)
 
@@ -62,6 +63,7 @@ class WorkerSettings:
     advertise_host: str = "127.0.0.1"  # the address peers reach this worker's transfer engine at
     lease_ttl: int = 5  # seconds: a dead worker leaves etcd within this
     pin_ttl: int = 30  # seconds a prefill's blocks wait for the decode side's pull
+    transfer_port_range: tuple[int, int] | None = None  # where Mooncake listens (both ports); None: its default
     import_wait: float = 10.0  # seconds a decode worker waits for room for a pull (less than pin_ttl)
     load_interval: float = 0.5  # seconds between load reports
     drain_timeout: float = 60.0
@@ -161,6 +163,10 @@ def worker_parser(role: Role) -> argparse.ArgumentParser:
     parser.add_argument("--lease-ttl", type=int, default=int(_env("LEASE_TTL", "5")))
     parser.add_argument("--pin-ttl", type=int, default=int(_env("PIN_TTL", "30")))
     parser.add_argument("--load-interval", type=float, default=float(_env("LOAD_INTERVAL", "0.5")))
+    parser.add_argument(
+        "--transfer-ports", default=_env("TRANSFER_PORTS"), metavar="MIN-MAX",
+        help="port range of the Mooncake transfer engine's two listeners, to fence them (KVMESH_TRANSFER_PORTS)",
+    )
     parser.add_argument("--drain-timeout", type=float, default=float(_env("DRAIN_TIMEOUT", "60")))
     parser.add_argument("--health-host", default=_env("HEALTH_HOST", "127.0.0.1"), help="(KVMESH_HEALTH_HOST)")
     parser.add_argument(
@@ -200,6 +206,7 @@ def worker_settings(role: Role, argv: list[str] | None = None) -> WorkerSettings
         pin_ttl=args.pin_ttl,
         load_interval=args.load_interval,
         drain_timeout=args.drain_timeout,
+        transfer_port_range=parse_port_range(args.transfer_ports) if args.transfer_ports else None,
         health_host=args.health_host,
         health_port=args.health_port,
         **extra,
