@@ -14,9 +14,10 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import re
 import time
 from typing import Any, Protocol
+
+from kvmesh.protocol import rate_limit_bucket
 
 __all__ = ["CounterStore", "LocalCounters", "NatsCounters", "bucket_name"]
 
@@ -65,8 +66,7 @@ class LocalCounters:
         self._set(counter, index, self.used(counter, index) + amount)
 
 
-def bucket_name(namespace: str) -> str:
-    return f"kvmesh_{re.sub(r'[^A-Za-z0-9_-]', '_', namespace)}_ratelimits"
+bucket_name = rate_limit_bucket  # the name is part of the protocol: routers' NATS permissions name it
 
 
 class _Contended(Exception):

@@ -7,6 +7,7 @@ at the edge by the ``from_*`` / ``to_*`` helpers here, and nowhere else.
 from __future__ import annotations
 
 import dataclasses
+import re
 
 from typing import Literal
 
@@ -27,6 +28,7 @@ class Subjects:
     def __init__(self, namespace: str) -> None:
         if not namespace or any(c in namespace for c in ". *>"):
             raise ValueError(f"bad namespace {namespace!r}: one NATS token, no dots or wildcards")
+        self.namespace = namespace
         self.root = f"kvmesh.{namespace}"
 
     def prefill(self, worker_id: str | None = None) -> str:
@@ -98,6 +100,11 @@ class Subjects:
         """Workers -> router: a request is alive and being worked on (``Progress``), so the
         router tells a long prefill from a dead or cut-off worker."""
         return f"{self.root}.progress.{router_id}.{request_id}"
+
+
+def rate_limit_bucket(namespace: str) -> str:
+    """The JetStream KV bucket where routers count their shared rate-limit budgets."""
+    return f"kvmesh_{re.sub(r'[^A-Za-z0-9_-]', '_', namespace)}_ratelimits"
 
 
 QUEUE_GROUP = {"prefill": "prefill-workers", "decode": "decode-workers"}

@@ -4,7 +4,6 @@ trips and recovers, and two routers that share one budget through NATS JetStream
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import json
 import re
 import stat
@@ -74,11 +73,8 @@ async def test_kvmesh_up_passes_the_key_file_and_the_environment_not_the_key(
 
 
 def mesh_options(**fields: object) -> MeshOptions:
-    names = {f.name for f in dataclasses.fields(MeshOptions)}
-    if "auth" in names:
-        # The shared budget lives in JetStream KV; with NATS users on, the router's user needs
-        # $JS.API.* and $KV.kvmesh_<ns>_ratelimits.> (kvmesh.security.nats_permissions).
-        fields.setdefault("auth", False)
+    """With the mesh's NATS users on (the default): the routers' user may use JetStream for
+    the rate-limit bucket and nothing else (kvmesh.security.nats_permissions)."""
     return MeshOptions(**fields)  # type: ignore[arg-type]
 
 

@@ -16,7 +16,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass, field
 
-from kvmesh.protocol import QUEUE_GROUP, Subjects
+from kvmesh.protocol import QUEUE_GROUP, Subjects, rate_limit_bucket
 from kvmesh.security.credentials import UserPassword, inbox_prefix
 
 ADMIN = "admin"
@@ -38,8 +38,17 @@ class NatsPermissions:
 
 
 def router_permissions(s: Subjects, user: str = ROUTER) -> NatsPermissions:
+    # The shared rate-limit budget: JetStream's API for that one KV bucket, and its keys.
+    stream = f"KV_{rate_limit_bucket(s.namespace)}"
+    jetstream = (
+        f"$JS.API.STREAM.INFO.{stream}",
+        f"$JS.API.STREAM.CREATE.{stream}",
+        f"$JS.API.STREAM.MSG.GET.{stream}",
+        f"$JS.API.DIRECT.GET.{stream}.>",
+        f"$KV.{rate_limit_bucket(s.namespace)}.>",
+    )
     return NatsPermissions(
-        publish=(s.prefill(), s.prefill("*"), s.decode(), s.decode("*"), s.cancel, s.kv_query),
+        publish=(s.prefill(), s.prefill("*"), s.decode(), s.decode("*"), s.cancel, s.kv_query, *jetstream),
         subscribe=(s.load, f"{s.root}.stream.>", f"{s.root}.progress.>", f"{inbox_prefix(user)}.>"),
     )
 
