@@ -62,6 +62,7 @@ logger = logging.getLogger(__name__)
 
 
 OVERLOADED_BACKOFF = 0.25  # seconds before retrying a request a worker had no room for
+DRAINED_GRACE = 1.0  # seconds a drained worker's last events may trail its record's removal
 LOST_EVENT_TIMEOUT = 2.0  # seconds a missing token event is waited for once later ones came
 
 
@@ -205,10 +206,18 @@ class MeshBackend:
     def _worker_changed(self, worker_id: str, record: WorkerRecord | None) -> None:
         if record is not None:
             return
+        report = self.board.reports.get(worker_id)
         self.board.forget(worker_id)
+        gone = _WorkerGone(worker_id)
         for attempt in self._attempts.values():
-            if attempt.waits_on(worker_id):
-                attempt.events.put_nowait(_WorkerGone(worker_id))
+            if not attempt.waits_on(worker_id):
+                continue
+            if report is not None and report.draining:
+                # It finished its work before leaving: its last events may still be on the
+                # way (NATS and etcd are separate paths). Give them a moment.
+                asyncio.get_running_loop().call_later(DRAINED_GRACE, attempt.events.put_nowait, gone)
+            else:
+                attempt.events.put_nowait(gone)
 
     # -- one request ---------------------------------------------------------------------
     async def generate(

@@ -248,6 +248,10 @@ class WorkerRuntime:
             done, pending = await asyncio.wait(set(self._tasks), timeout=self.settings.drain_timeout)
             for task in pending:
                 task.cancel()
+        try:  # the last token events reach NATS before the record leaves etcd
+            await asyncio.wait_for(self.nc.flush(), 2)
+        except Exception as exc:  # noqa: BLE001 - leaving anyway
+            logger.debug("flush before leaving failed: %s", exc)
         if self.registration is not None:
             await self.registration.stop(revoke=True)
 
