@@ -7,6 +7,7 @@ import json
 import logging
 import sys
 import uuid
+from typing import Any
 
 logger = logging.getLogger("kvmesh")
 
@@ -235,7 +236,7 @@ def _replay(args: argparse.Namespace) -> int:
     results = simulate_policies(trace, config, policies)
     elapsed = time.perf_counter() - began
     blocks = sum(len(r.hash_ids) for r in trace)
-    summary = {
+    summary: dict[str, Any] = {
         "trace": {
             "path": str(args.trace),
             "requests": len(trace),

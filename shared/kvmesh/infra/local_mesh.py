@@ -10,6 +10,7 @@ and ``pids.json`` in the workdir names them all while the mesh runs.
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import os
@@ -65,6 +66,10 @@ class MeshOptions:
 
 SERVICE_DEATH_SIGNAL = signal.SIGTERM  # a service whose parent died drains and exits
 SERVER_DEATH_SIGNAL = signal.SIGKILL  # nats-server and etcd have nothing to drain
+
+
+def _says_ready(worker_id: str, text: str) -> bool:
+    return f"worker {worker_id} ready" in text
 
 
 class LocalMesh:
@@ -160,8 +165,8 @@ class LocalMesh:
             )  # fmt: skip
         for worker_id in self.workers:
             supervisor.watch(
-                worker_id, self.workers[worker_id], lambda w=worker_id: self._respawn_worker(w), tier=1,
-                ready=lambda text, w=worker_id: f"worker {w} ready" in text, on_exit=self._deregister,
+                worker_id, self.workers[worker_id], functools.partial(self._respawn_worker, worker_id), tier=1,
+                ready=functools.partial(_says_ready, worker_id), on_exit=self._deregister,
             )  # fmt: skip
         port = int(self.base_url.rsplit(":", 1)[1])  # a restarted router keeps the URL
         supervisor.watch(
