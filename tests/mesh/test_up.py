@@ -237,7 +237,7 @@ async def test_a_killed_decode_worker_is_restarted_and_no_stream_is_cut(mesh22, 
     old_pid, since = up.pid(victim), len(up.lines)
 
     async def kill_once_decoding(events: list[list[dict]]) -> bool:
-        if min(len(e) for e in events) < 3:  # every stream past its first tokens: decoding
+        if sum(len(e) >= 3 for e in events) < STREAMS // 2:  # half the streams decoding (the rest may queue)
             return False
         if (await worker_stats(up.nats_url, "default", victim)).num_in_use == 0:
             return False
