@@ -1,0 +1,132 @@
+"""What the mesh's authentication costs: TTFT and throughput with NATS users and etcd roles
+on (the default of `kvmesh up`) against the same mesh anonymous, side by side in one run.
+
+Two local meshes (1 prefill + 1 decode worker each, one thread per worker) run at once;
+requests alternate between them, so both see the same machine. Sequential requests on fresh
+prompts give TTFT; rounds of concurrent requests give output tokens/s. TLS is not wired
+yet, so it is not measured here.
+
+    .venv/bin/python benchmarks/auth_cost.py --json docs/benchmarks-auth.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import logging
+import os
+import platform
+import statistics
+import sys
+import tempfile
+import time
+from datetime import UTC, datetime
+from pathlib import Path
+
+import httpx
+
+from kvmesh.infra.local_mesh import LocalMesh, MeshOptions
+
+logger = logging.getLogger("auth_cost")
+
+MODEL = "SmolLM2-135M-Instruct"
+
+
+def prompt(number: int) -> str:
+    return f"Request {number}: write one sentence about the number {number * 7919 % 1000}."
+
+
+async def ttft(client: httpx.AsyncClient, text: str, new_tokens: int) -> tuple[float, int, float]:
+    """Seconds to the first token, tokens received, seconds to the last."""
+    body = {"model": MODEL, "prompt": text, "max_tokens": new_tokens, "temperature": 0, "ignore_eos": True, "stream": True}
+    started = time.perf_counter()
+    first = None
+    tokens = 0
+    async with client.stream("POST", "/v1/completions", json=body) as response:
+        response.raise_for_status()
+        async for line in response.aiter_lines():
+            if line.startswith("data: ") and line != "data: [DONE]":
+                event = json.loads(line[6:])
+                if event["choices"] and event["choices"][0]["text"]:
+                    first = first or time.perf_counter()
+                    tokens += 1
+    assert first is not None
+    return first - started, tokens, time.perf_counter() - started
+
+
+def pct(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
+
+
+async def run(args: argparse.Namespace) -> dict:
+    meshes = {}
+    for name, auth in (("auth", True), ("anonymous", False)):
+        options = MeshOptions(kv_cache_mib=128, num_threads=1, auth=auth)
+        meshes[name] = LocalMesh(options, Path(tempfile.mkdtemp(prefix=f"kvmesh-{name}-")))
+        await asyncio.to_thread(meshes[name].start)
+    results: dict[str, dict[str, list[float]]] = {name: {"ttft": [], "tok_s": []} for name in meshes}
+    try:
+        clients = {name: httpx.AsyncClient(base_url=mesh.base_url, timeout=120) for name, mesh in meshes.items()}
+        for client in clients.values():
+            await ttft(client, "warm up", 4)
+        number = 0
+        for round_number in range(args.rounds):
+            for index in range(args.requests):  # sequential, alternating (who goes first too): TTFT
+                order = list(clients.items())
+                for name, client in order if index % 2 else reversed(order):
+                    number += 1
+                    seconds, _, _ = await ttft(client, prompt(number), args.new_tokens)
+                    results[name]["ttft"].append(seconds)
+            for name, client in clients.items():  # a burst of concurrent requests: throughput
+                started = time.perf_counter()
+                done = await asyncio.gather(*(ttft(client, prompt(number + i + 1), args.new_tokens) for i in range(args.concurrency)))
+                number += args.concurrency
+                results[name]["tok_s"].append(sum(d[1] for d in done) / (time.perf_counter() - started))
+            logger.info("round %d done", round_number)
+        for client in clients.values():
+            await client.aclose()
+    finally:
+        for mesh in meshes.values():
+            await asyncio.to_thread(mesh.stop)
+    summary = {}
+    for name, values in results.items():
+        summary[name] = {
+            "ttft_p50_ms": round(1e3 * pct(values["ttft"], 0.5), 2),
+            "ttft_p99_ms": round(1e3 * pct(values["ttft"], 0.99), 2),
+            "output_tok_s_median": round(statistics.median(values["tok_s"]), 1),
+            "requests": len(values["ttft"]),
+        }
+    summary["ttft_p50_added_ms"] = round(summary["auth"]["ttft_p50_ms"] - summary["anonymous"]["ttft_p50_ms"], 2)
+    summary["throughput_ratio"] = round(summary["auth"]["output_tok_s_median"] / summary["anonymous"]["output_tok_s_median"], 3)
+    return summary
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--requests", type=int, default=20, help="sequential requests per mesh per round")
+    parser.add_argument("--concurrency", type=int, default=8)
+    parser.add_argument("--new-tokens", type=int, default=16)
+    parser.add_argument("--json")
+    args = parser.parse_args()
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.getLogger("httpx").setLevel(logging.WARNING)
+    cpu = next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines() if line.startswith("model name")), platform.processor())
+    result = {
+        "command": " ".join([Path(sys.argv[0]).name, *sys.argv[1:]]),
+        "date": datetime.now(UTC).isoformat(timespec="seconds"),
+        "machine": {"cpu": cpu, "cores": os.cpu_count()},
+        "config": vars(args),
+        **asyncio.run(run(args)),
+    }
+    text = json.dumps(result, indent=2)
+    print(text)
+    if args.json:
+        Path(args.json).write_text(text + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
