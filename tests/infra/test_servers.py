@@ -15,6 +15,7 @@ from etcd3aio import Etcd3Client
 
 from kvmesh.infra.processes import ManagedProcess, ProcessStartError, stop_all
 from kvmesh.infra.servers import start_etcd, start_nats
+from tests.mesh.meshes import process_gone
 
 
 async def test_nats_server_request_reply_with_headers(tmp_path):
@@ -69,15 +70,6 @@ def test_a_process_that_exits_early_is_reported(tmp_path):
     with pytest.raises(ProcessStartError, match="going away"):
         process.wait_for_line(lambda line: "never" in line, timeout=10)
     assert process.stop() == 3
-
-
-def process_gone(pid: int) -> bool:
-    """No such process, or only its zombie left (not ours to reap)."""
-    try:
-        with open(f"/proc/{pid}/stat") as stat:
-            return stat.read().rsplit(")", 1)[1].split()[0] == "Z"
-    except (FileNotFoundError, ProcessLookupError):  # gone, or going while read
-        return True
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="PR_SET_PDEATHSIG is Linux's")

@@ -10,31 +10,12 @@ import time
 import pytest
 
 from kvmesh.cluster.etcd_store import EtcdStore
-from kvmesh.infra.local_mesh import LocalMesh, MeshOptions
+from kvmesh.infra.local_mesh import LocalMesh
 from kvmesh.protocol import Keys
 from tests.mesh.client import post, stream, streamed_text, worker_stats
+from tests.mesh.meshes import LEASE_TTL, MODEL, assert_pools_at_baseline, make_mesh
 
 pytestmark = pytest.mark.slow
-
-MODEL = "SmolLM2-135M-Instruct"
-LEASE_TTL = 2
-
-
-def make_mesh(tmp_path, default_model_dir, *, prefill: int, decode: int, env: dict | None = None) -> LocalMesh:
-    options = MeshOptions(
-        prefill=prefill,
-        decode=decode,
-        kv_cache_mib=32,
-        lease_ttl=LEASE_TTL,
-        pin_ttl=10,
-        request_timeout=20,
-        num_threads=1,
-        env={"KVMESH_CACHE_DIR": str(default_model_dir.parent.parent), **(env or {})},
-    )
-    mesh = LocalMesh(options, tmp_path)
-    mesh.start()
-    return mesh
-
 
 async def wait_gone(mesh: LocalMesh, role: str, worker_id: str, timeout: float) -> float:
     started = time.monotonic()
@@ -44,16 +25,6 @@ async def wait_gone(mesh: LocalMesh, role: str, worker_id: str, timeout: float) 
                 return time.monotonic() - started
             await asyncio.sleep(0.1)
     raise AssertionError(f"{worker_id} still registered after {timeout}s")
-
-
-async def assert_no_leak(mesh: LocalMesh, worker_ids: list[str]) -> None:
-    for worker_id in worker_ids:
-        for _ in range(50):
-            stats = await worker_stats(mesh.nats.url, "default", worker_id)
-            if stats.num_in_use == 0 and stats.pins == 0:
-                break
-            await asyncio.sleep(0.1)
-        assert (stats.num_in_use, stats.num_held, stats.pins) == (0, 0, 0), stats
 
 
 async def test_prefill_killed_before_the_pull_is_retried(tmp_path, default_model_dir):
@@ -79,7 +50,7 @@ async def test_prefill_killed_before_the_pull_is_retried(tmp_path, default_model
         assert response.json()["choices"][0]["text"] == want  # completed on the healthy workers
         assert "retrying" in mesh.router.tail(200)  # the first attempt really failed
         survivor = "prefill-2" if victim == "prefill-1" else "prefill-1"
-        await assert_no_leak(mesh, [survivor, "decode-3"])
+        await assert_pools_at_baseline(mesh, [survivor, "decode-3"])
         assert await wait_gone(mesh, "prefill", victim, timeout=LEASE_TTL + 5) <= LEASE_TTL + 5
     finally:
         mesh.stop()
@@ -111,7 +82,7 @@ async def test_decode_killed_mid_stream_resumes_on_the_survivor(tmp_path, defaul
         assert streamed_text(events) == want
         assert "retrying" in mesh.router.tail(200)
         survivor = "decode-3" if victim == "decode-2" else "decode-2"
-        await assert_no_leak(mesh, ["prefill-1", survivor])
+        await assert_pools_at_baseline(mesh, ["prefill-1", survivor])
         await wait_gone(mesh, "decode", victim, timeout=LEASE_TTL + 5)
     finally:
         mesh.stop()
@@ -129,7 +100,7 @@ async def test_no_worker_left_is_a_clean_error_event(tmp_path, default_model_dir
 
         events = await stream(mesh.base_url, "/v1/completions", body, on_event=kill_the_decode_worker)
         assert "error" in events[-1], events[-1]  # and [DONE] came: stream() checks it
-        await assert_no_leak(mesh, ["prefill-1"])
+        await assert_pools_at_baseline(mesh, ["prefill-1"])
     finally:
         mesh.stop()
 
@@ -146,7 +117,7 @@ async def test_client_leaving_cancels_both_sides_then_drain_and_nats_restart(tmp
     try:
         body = {"model": MODEL, "prompt": "Count slowly:", "max_tokens": 600, "temperature": 0, "ignore_eos": True}
         await stream(mesh.base_url, "/v1/completions", body, leave_after=3)  # the client goes away
-        await assert_no_leak(mesh, ["prefill-1", "decode-2"])
+        await assert_pools_at_baseline(mesh, ["prefill-1", "decode-2"])
         decode = await worker_stats(mesh.nats.url, "default", "decode-2")
         assert decode.num_in_use == 0  # aborted, not decoding 600 tokens for nobody
 

@@ -18,7 +18,7 @@ import requests
 
 from kvmesh.engine.tokenizer import Tokenizer
 from kvmesh.infra.local_mesh import LocalMesh
-from tests.mesh.test_faults import make_mesh
+from tests.mesh.meshes import make_mesh
 
 pytestmark = pytest.mark.slow
 

@@ -16,7 +16,7 @@ import nats
 import pytest
 
 from kvmesh.cluster.etcd_store import EtcdStore
-from kvmesh.infra.local_mesh import LocalMesh, MeshOptions
+from kvmesh.infra.local_mesh import LocalMesh
 from kvmesh.protocol import (
     DecodeAck,
     DecodeRequest,
@@ -28,32 +28,10 @@ from kvmesh.protocol import (
     Subjects,
     TokenEvent,
 )
-from tests.mesh.client import post, worker_stats
+from tests.mesh.client import post
+from tests.mesh.meshes import MODEL, assert_pools_at_baseline, make_mesh
 
 pytestmark = pytest.mark.slow
-
-MODEL = "SmolLM2-135M-Instruct"
-LEASE_TTL = 2
-
-
-def make_mesh(tmp_path, default_model_dir, *, prefill: int, decode: int, kv_cache_mib: int = 32, **options) -> LocalMesh:
-    env = {"KVMESH_CACHE_DIR": str(default_model_dir.parent.parent), **options.pop("env", {})}
-    mesh = LocalMesh(
-        MeshOptions(
-            prefill=prefill,
-            decode=decode,
-            kv_cache_mib=kv_cache_mib,
-            lease_ttl=LEASE_TTL,
-            pin_ttl=10,
-            num_threads=1,
-            env=env,
-            **options,
-        ),
-        tmp_path,
-    )
-    mesh.start()
-    return mesh
-
 
 def long_prompt(words: int) -> str:
     return " ".join(f"item{i % 97} is {i}." for i in range(words))
@@ -62,16 +40,6 @@ def long_prompt(words: int) -> str:
 async def greedy(mesh: LocalMesh, prompt: str, max_tokens: int = 8, **extra) -> httpx.Response:
     body = {"model": MODEL, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, **extra}
     return await post(mesh.base_url, "/v1/completions", body)
-
-
-async def assert_pools_at_baseline(mesh: LocalMesh, worker_ids: list[str]) -> None:
-    for worker_id in worker_ids:
-        for _ in range(50):
-            stats = await worker_stats(mesh.nats.url, "default", worker_id)
-            if (stats.num_in_use, stats.num_held, stats.pins) == (0, 0, 0):
-                break
-            await asyncio.sleep(0.1)
-        assert (stats.num_in_use, stats.num_held, stats.pins) == (0, 0, 0), stats
 
 
 def log_time(line: str) -> float:

@@ -19,7 +19,7 @@ import pytest
 
 from kvmesh.infra.local_mesh import LocalMesh
 from tests.mesh.client import post
-from tests.mesh.test_faults import make_mesh
+from tests.mesh.meshes import make_mesh
 
 pytestmark = pytest.mark.slow
 

@@ -27,21 +27,13 @@ import httpx
 import pytest
 
 from tests.mesh.client import post, stream, streamed_text, worker_stats
+from tests.mesh.meshes import process_gone
 
 pytestmark = pytest.mark.slow
 
 MODEL = "SmolLM2-135M-Instruct"
 STREAMS = 16
 TOKENS = 48
-
-
-def process_gone(pid: int) -> bool:
-    """No such process, or only its zombie (reparented, not ours to reap)."""
-    try:
-        with open(f"/proc/{pid}/stat") as stat:
-            return stat.read().rsplit(")", 1)[1].split()[0] == "Z"
-    except (FileNotFoundError, ProcessLookupError):  # gone, or going while read
-        return True
 
 
 def wait_all_gone(pids: list[int], timeout: float) -> list[int]:

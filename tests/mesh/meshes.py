@@ -1,0 +1,47 @@
+"""Starting a local mesh for an end-to-end test, and what every fault test checks after."""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+from typing import Any
+
+from kvmesh.infra.local_mesh import LocalMesh, MeshOptions
+from tests.mesh.client import worker_stats
+
+MODEL = "SmolLM2-135M-Instruct"
+LEASE_TTL = 2  # seconds: a dead worker's record leaves etcd this soon
+
+
+def make_mesh(
+    tmp_path: Path, default_model_dir: Path, *, prefill: int, decode: int, env: dict | None = None, **options: Any
+) -> LocalMesh:
+    """A started mesh of small workers (one thread each, 32 MiB pools unless told), reusing
+    the session's converted default model."""
+    settings: dict[str, Any] = dict(kv_cache_mib=32, lease_ttl=LEASE_TTL, pin_ttl=10, request_timeout=20, num_threads=1)
+    settings.update(options)
+    env = {"KVMESH_CACHE_DIR": str(default_model_dir.parent.parent), **(env or {})}
+    mesh = LocalMesh(MeshOptions(prefill=prefill, decode=decode, env=env, **settings), tmp_path)
+    mesh.start()
+    return mesh
+
+
+async def assert_pools_at_baseline(mesh: LocalMesh, worker_ids: list[str]) -> None:
+    """Every block of these workers free or cached: none in use, held or pinned (waiting
+    up to 5 s for releases in flight)."""
+    for worker_id in worker_ids:
+        for _ in range(50):
+            stats = await worker_stats(mesh.nats.url, "default", worker_id)
+            if (stats.num_in_use, stats.num_held, stats.pins) == (0, 0, 0):
+                break
+            await asyncio.sleep(0.1)
+        assert (stats.num_in_use, stats.num_held, stats.pins) == (0, 0, 0), stats
+
+
+def process_gone(pid: int) -> bool:
+    """No such process, or only its zombie left (not ours to reap)."""
+    try:
+        with open(f"/proc/{pid}/stat") as stat:
+            return stat.read().rsplit(")", 1)[1].split()[0] == "Z"
+    except (FileNotFoundError, ProcessLookupError):  # gone, or going while read
+        return True
