@@ -15,7 +15,6 @@ import contextlib
 import logging
 import uuid
 from collections.abc import AsyncGenerator, AsyncIterator
-from dataclasses import dataclass, field
 
 import nats
 import nats.errors
@@ -51,6 +50,15 @@ from kvmesh.protocol import (
 from kvmesh.hashing import hash_to_hex, hash_token_blocks
 from kvmesh.routing.plugins import Candidate, RouteRequest
 from kvmesh.routing.scorer import load_scorer_config
+from kvmesh.services.router.attempts import (
+    DRAINED_GRACE,
+    OVERLOADED_BACKOFF,
+    Attempt,
+    Retry,
+    WorkerGone,
+    events_in_order,
+    next_item,
+)
 from kvmesh.services.router.backend import HealthReport
 from kvmesh.services.router.progress import RequestProgress
 from kvmesh.services.router.worker_choice import Choice, Excluded, LoadBoard, least_loaded
@@ -59,51 +67,6 @@ from kvmesh.worker.settings import MeshSettings
 
 logger = logging.getLogger(__name__)
 
-
-
-OVERLOADED_BACKOFF = 0.25  # seconds before retrying a request a worker had no room for
-DRAINED_GRACE = 1.0  # seconds a drained worker's last events may trail its record's removal
-LOST_EVENT_TIMEOUT = 2.0  # seconds a missing token event is waited for once later ones came
-
-
-@dataclass(slots=True, frozen=True)
-class _WorkerGone:
-    """Put in an attempt's queue when a worker it waits on leaves the directory."""
-
-    worker_id: str
-
-
-@dataclass(slots=True)
-class _Attempt:
-    """One try of a request. Everything it waits for arrives in ``events``: the decode
-    worker's token events, the prefill reply, and word that a worker it waits on is gone.
-    ``last_heard`` moves with every message about it, heartbeats (``Progress``) included."""
-
-    attempt_id: str
-    decode_worker: str
-    prefill_worker: str | None
-    deadline: float  # the request's own, on the event loop's clock
-    stage: str = "prefill"  # then "decode"
-    events: asyncio.Queue = field(default_factory=asyncio.Queue)
-    last_heard: float = field(default_factory=lambda: asyncio.get_running_loop().time())
-
-    def waits_on(self, worker_id: str) -> bool:
-        if self.stage == "prefill" and self.prefill_worker == worker_id:
-            return True
-        return self.decode_worker == worker_id
-
-    def heard(self) -> None:
-        self.last_heard = asyncio.get_running_loop().time()
-
-
-class _Retry(Exception):
-    """Try again elsewhere; ``exclude``: give up on ``bad_worker`` for this request (not
-    when it was only too busy: then wait a moment instead)."""
-
-    def __init__(self, reason: str, bad_worker: str | None, *, exclude: bool = True) -> None:
-        super().__init__(reason)
-        self.bad_worker = bad_worker
-        self.exclude = exclude
 
 
 class MeshBackend:
@@ -135,7 +98,7 @@ class MeshBackend:
         self.scorer = load_scorer_config(routing_config)  # how prefill workers are chosen
         self.kv_query_timeout = kv_query_timeout
         self.worker_wait = worker_wait  # seconds a request waits for a decode worker to come back
-        self._attempts: dict[str, _Attempt] = {}
+        self._attempts: dict[str, Attempt] = {}
         self._tracer = tracer("kvmesh.router")
         self.nc: nats.NATS
         self.store: EtcdStore
@@ -208,7 +171,7 @@ class MeshBackend:
             return
         report = self.board.reports.get(worker_id)
         self.board.forget(worker_id)
-        gone = _WorkerGone(worker_id)
+        gone = WorkerGone(worker_id)
         for attempt in self._attempts.values():
             if not attempt.waits_on(worker_id):
                 continue
@@ -271,8 +234,8 @@ class MeshBackend:
                                 yield event
                             if progress.finished:
                                 return
-                    raise _Retry("the stream ended without a last event", None)
-                except _Retry as retry:
+                    raise Retry("the stream ended without a last event", None)
+                except Retry as retry:
                     last_reason = str(retry)
                     span.add_event("retry", {"reason": last_reason, "tokens_sent": len(progress.emitted)})
                     if retry.exclude:
@@ -324,7 +287,7 @@ class MeshBackend:
             progress_subject=self.subjects.progress(self.router_id, attempt_id),
             resumed=resumed,
         )
-        attempt = _Attempt(
+        attempt = Attempt(
             attempt_id, decode.worker.worker_id, prefill.worker.worker_id if prefill else None, deadline
         )
         self._attempts[attempt_id] = attempt
@@ -352,7 +315,7 @@ class MeshBackend:
             attempt.stage = "decode"
             attempt.heard()
             await self._start_decode(decode.worker, request, ctx)
-            async for event in self._events_in_order(attempt):
+            async for event in events_in_order(attempt, self.mesh):
                 finished = event.finished
                 if first_sent and event.token_ids:  # the decode side starts with the prefill's token
                     event = event.model_copy(update={"token_ids": event.token_ids[1:]})
@@ -450,7 +413,7 @@ class MeshBackend:
 
     async def _prefill(
         self,
-        attempt: _Attempt,
+        attempt: Attempt,
         worker: WorkerRecord,
         prompt: list[int],
         sampling: SamplingSpec,
@@ -482,12 +445,12 @@ class MeshBackend:
                 reply.add_done_callback(attempt.events.put_nowait)
                 try:
                     while True:
-                        item = await self._next(attempt, worker.worker_id)
+                        item = await next_item(attempt, self.mesh, worker.worker_id)
                         if item is reply:
                             msg = reply.result()
                             break
                 except (TimeoutError, nats.errors.Error) as exc:
-                    raise _Retry(f"prefill on {worker.worker_id}: {type(exc).__name__}", worker.worker_id) from None
+                    raise Retry(f"prefill on {worker.worker_id}: {type(exc).__name__}", worker.worker_id) from None
                 finally:
                     reply.cancel()
         finally:
@@ -496,10 +459,10 @@ class MeshBackend:
         if response.error is not None:
             if is_retryable(response.error.code):
                 busy = response.error.code is ErrorCode.OVERLOADED
-                raise _Retry(f"prefill on {worker.worker_id}: {response.error.message}", worker.worker_id, exclude=not busy)
+                raise Retry(f"prefill on {worker.worker_id}: {response.error.message}", worker.worker_id, exclude=not busy)
             raise MeshError(response.error.code, response.error.message)
         if response.first_token_id is None or response.kv is None:
-            raise _Retry(f"prefill on {worker.worker_id} answered without a first token and KV", worker.worker_id)
+            raise Retry(f"prefill on {worker.worker_id} answered without a first token and KV", worker.worker_id)
         return response
 
     async def _start_decode(self, worker: WorkerRecord, request: DecodeRequest, ctx) -> None:
@@ -510,12 +473,12 @@ class MeshBackend:
                 worker.subject, payload, timeout=min(5.0, self.mesh.request_timeout), headers=inject_headers(ctx)
             )
         except (TimeoutError, nats.errors.Error) as exc:
-            raise _Retry(f"decode on {worker.worker_id}: {type(exc).__name__}", worker.worker_id) from None
+            raise Retry(f"decode on {worker.worker_id}: {type(exc).__name__}", worker.worker_id) from None
         ack = DecodeAck.decode(msg.data)
         if not ack.accepted:
             error = ack.error
             if error is None or is_retryable(error.code):
-                raise _Retry(f"decode on {worker.worker_id} refused: {error.message if error else '?'}", worker.worker_id)
+                raise Retry(f"decode on {worker.worker_id} refused: {error.message if error else '?'}", worker.worker_id)
             raise MeshError(error.code, error.message)
 
     def _check_size(self, payload: bytes, what: str) -> None:
@@ -525,67 +488,6 @@ class MeshBackend:
             raise MeshError(
                 ErrorCode.TOO_LARGE, f"{what} is {len(payload)} bytes; the mesh carries at most {limit} bytes a message"
             )
-
-    async def _next(self, attempt: _Attempt, waiting_on: str, until: float | None = None) -> object:
-        """The attempt's next item (``None`` once the loop's clock passes ``until``). Raises
-        ``_Retry`` when the worker it waits on left the directory or has been silent (no
-        event, no heartbeat) for ``silence_timeout``, and ``MeshError(timeout)`` when the
-        request's deadline passes."""
-        loop = asyncio.get_running_loop()
-        while True:
-            now = loop.time()
-            if until is not None and now >= until:
-                return None
-            if now >= attempt.deadline:
-                raise MeshError(ErrorCode.TIMEOUT, f"the request took longer than {self.mesh.request_deadline:g}s")
-            silent = now - attempt.last_heard
-            if silent >= self.mesh.silence_timeout:
-                raise _Retry(f"no word from {waiting_on} for {silent:.1f}s", waiting_on)
-            wait = min(self.mesh.silence_timeout - silent, attempt.deadline - now)
-            if until is not None:
-                wait = min(wait, until - now)
-            try:
-                item = await asyncio.wait_for(attempt.events.get(), wait)
-            except TimeoutError:
-                continue  # a heartbeat may have moved last_heard; look again
-            if isinstance(item, _WorkerGone):
-                if attempt.waits_on(item.worker_id):
-                    raise _Retry(f"worker {item.worker_id} is gone", item.worker_id)
-                continue
-            return item
-
-    async def _events_in_order(self, attempt: _Attempt) -> AsyncIterator[TokenEvent]:
-        """The attempt's events by sequence number, until the last one. An event that does
-        not come while later ones have (lost in a NATS reconnect, say) ends the attempt
-        after ``LOST_EVENT_TIMEOUT``: the request resumes elsewhere instead of hanging."""
-        loop = asyncio.get_running_loop()
-        expected = 0
-        early: dict[int, TokenEvent] = {}
-        gap_deadline: float | None = None  # while a later event waits for an earlier one
-        while True:
-            item = await self._next(attempt, attempt.decode_worker, gap_deadline)
-            if item is None:
-                raise _Retry(f"token event {expected} from {attempt.decode_worker} was lost", attempt.decode_worker, exclude=False)
-            if not isinstance(item, TokenEvent):
-                continue  # a late prefill reply
-            early[item.seq] = item
-            while expected in early:
-                event = early.pop(expected)
-                expected += 1
-                if event.error is not None:
-                    code = event.error.code
-                    if code is ErrorCode.KV_LOST:  # the pull failed: the prefill side is gone
-                        raise _Retry(event.error.message, attempt.prefill_worker)
-                    if is_retryable(code):
-                        raise _Retry(event.error.message, attempt.decode_worker, exclude=code is not ErrorCode.OVERLOADED)
-                    raise MeshError(code, event.error.message)
-                yield event
-                if event.finished:
-                    return
-            if not early:
-                gap_deadline = None
-            elif gap_deadline is None:
-                gap_deadline = loop.time() + LOST_EVENT_TIMEOUT
 
     async def _cancel(self, attempt_id: str) -> None:
         try:

@@ -8,21 +8,19 @@ import asyncio
 
 import pytest
 
-import kvmesh.services.router.mesh_backend as mesh_backend
+import kvmesh.services.router.attempts as attempts
 from kvmesh.errors import ErrorCode, MeshError
 from kvmesh.protocol import TokenEvent
-from kvmesh.services.router.mesh_backend import MeshBackend, _Attempt, _Retry, _WorkerGone
+from kvmesh.services.router.attempts import Attempt, Retry, WorkerGone, events_in_order
 from kvmesh.worker.settings import MeshSettings
 
 
-def backend(**settings) -> MeshBackend:
-    b = object.__new__(MeshBackend)  # only the waiting logic: no NATS, no etcd
-    b.mesh = MeshSettings("nats://127.0.0.1:1", ("127.0.0.1:1",), **settings)
-    return b
+def mesh(**settings) -> MeshSettings:
+    return MeshSettings("nats://127.0.0.1:1", ("127.0.0.1:1",), **settings)
 
 
-def attempt(deadline_in: float = 60.0) -> _Attempt:
-    return _Attempt("a-0", "decode-1", "prefill-1", asyncio.get_running_loop().time() + deadline_in, stage="decode")
+def attempt(deadline_in: float = 60.0) -> Attempt:
+    return Attempt("a-0", "decode-1", "prefill-1", asyncio.get_running_loop().time() + deadline_in, stage="decode")
 
 
 def event(seq: int, *, finished: bool = False) -> TokenEvent:
@@ -33,33 +31,33 @@ async def test_events_come_out_in_order():
     a = attempt()
     for seq in (1, 0, 3, 2):
         a.events.put_nowait(event(seq, finished=seq == 3))
-    seqs = [e.seq async for e in backend()._events_in_order(a)]
+    seqs = [e.seq async for e in events_in_order(a, mesh())]
     assert seqs == [0, 1, 2, 3]
 
 
 async def test_a_lost_event_ends_the_attempt_instead_of_hanging(monkeypatch):
-    monkeypatch.setattr(mesh_backend, "LOST_EVENT_TIMEOUT", 0.2)
+    monkeypatch.setattr(attempts, "LOST_EVENT_TIMEOUT", 0.2)
     a = attempt()
     a.events.put_nowait(event(0))
     a.events.put_nowait(event(2))  # 1 never comes
-    events = backend()._events_in_order(a)
+    events = events_in_order(a, mesh())
     assert (await anext(events)).seq == 0
-    with pytest.raises(_Retry, match="token event 1 from decode-1 was lost") as retry:
+    with pytest.raises(Retry, match="token event 1 from decode-1 was lost") as retry:
         await asyncio.wait_for(anext(events), 2)
     assert retry.value.exclude is False  # the worker is fine; the message was lost
 
 
 async def test_the_worker_leaving_ends_the_attempt_at_once():
     a = attempt()
-    a.events.put_nowait(_WorkerGone("prefill-1"))  # not waited on any more: ignored
-    a.events.put_nowait(_WorkerGone("decode-1"))
-    with pytest.raises(_Retry, match="worker decode-1 is gone") as retry:
-        await asyncio.wait_for(anext(backend()._events_in_order(a)), 1)
+    a.events.put_nowait(WorkerGone("prefill-1"))  # not waited on any more: ignored
+    a.events.put_nowait(WorkerGone("decode-1"))
+    with pytest.raises(Retry, match="worker decode-1 is gone") as retry:
+        await asyncio.wait_for(anext(events_in_order(a, mesh())), 1)
     assert retry.value.bad_worker == "decode-1" and retry.value.exclude
 
 
 async def test_silence_ends_the_attempt_and_heartbeats_keep_it():
-    b = backend(silence_timeout=0.4, heartbeat_interval=0.1)
+    settings = mesh(silence_timeout=0.4, heartbeat_interval=0.1)
     a = attempt()
 
     async def beat() -> None:
@@ -69,8 +67,8 @@ async def test_silence_ends_the_attempt_and_heartbeats_keep_it():
 
     beating = asyncio.create_task(beat())
     started = asyncio.get_running_loop().time()
-    with pytest.raises(_Retry, match="no word from decode-1"):
-        await asyncio.wait_for(anext(b._events_in_order(a)), 5)
+    with pytest.raises(Retry, match="no word from decode-1"):
+        await asyncio.wait_for(anext(events_in_order(a, settings)), 5)
     waited = asyncio.get_running_loop().time() - started
     assert waited >= 0.6 + 0.3  # kept alive while it beat, given up on soon after
     await beating
@@ -79,5 +77,5 @@ async def test_silence_ends_the_attempt_and_heartbeats_keep_it():
 async def test_the_deadline_is_the_requests_own():
     a = attempt(deadline_in=0.2)
     with pytest.raises(MeshError) as err:
-        await asyncio.wait_for(anext(backend()._events_in_order(a)), 2)
+        await asyncio.wait_for(anext(events_in_order(a, mesh())), 2)
     assert err.value.code is ErrorCode.TIMEOUT

@@ -1,0 +1,121 @@
+"""One attempt of a request, as the router waits on it: everything it waits for (token
+events, the prefill reply, word that a worker left) arrives in one queue, and the attempt is
+given up on (for a retry elsewhere) when the worker it waits on leaves the directory, goes
+silent (no event, no heartbeat) for the silence timeout, or loses an event; the request's
+own deadline bounds it all."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+
+from kvmesh.errors import ErrorCode, MeshError, is_retryable
+from kvmesh.protocol import TokenEvent
+from kvmesh.worker.settings import MeshSettings
+
+OVERLOADED_BACKOFF = 0.25  # seconds before retrying a request a worker had no room for
+DRAINED_GRACE = 1.0  # seconds a drained worker's last events may trail its record's removal
+LOST_EVENT_TIMEOUT = 2.0  # seconds a missing token event is waited for once later ones came
+
+
+@dataclass(slots=True, frozen=True)
+class WorkerGone:
+    """Put in an attempt's queue when a worker it waits on leaves the directory."""
+
+    worker_id: str
+
+
+@dataclass(slots=True)
+class Attempt:
+    """One try of a request. Everything it waits for arrives in ``events``: the decode
+    worker's token events, the prefill reply, and word that a worker it waits on is gone.
+    ``last_heard`` moves with every message about it, heartbeats (``Progress``) included."""
+
+    attempt_id: str
+    decode_worker: str
+    prefill_worker: str | None
+    deadline: float  # the request's own, on the event loop's clock
+    stage: str = "prefill"  # then "decode"
+    events: asyncio.Queue = field(default_factory=asyncio.Queue)
+    last_heard: float = field(default_factory=lambda: asyncio.get_running_loop().time())
+
+    def waits_on(self, worker_id: str) -> bool:
+        if self.stage == "prefill" and self.prefill_worker == worker_id:
+            return True
+        return self.decode_worker == worker_id
+
+    def heard(self) -> None:
+        self.last_heard = asyncio.get_running_loop().time()
+
+
+class Retry(Exception):
+    """Try again elsewhere; ``exclude``: give up on ``bad_worker`` for this request (not
+    when it was only too busy: then wait a moment instead)."""
+
+    def __init__(self, reason: str, bad_worker: str | None, *, exclude: bool = True) -> None:
+        super().__init__(reason)
+        self.bad_worker = bad_worker
+        self.exclude = exclude
+
+
+async def next_item(attempt: Attempt, mesh: MeshSettings, waiting_on: str, until: float | None = None) -> object:
+    """The attempt's next item (``None`` once the loop's clock passes ``until``). Raises
+    ``Retry`` when the worker it waits on left the directory or has been silent (no
+    event, no heartbeat) for ``silence_timeout``, and ``MeshError(timeout)`` when the
+    request's deadline passes."""
+    loop = asyncio.get_running_loop()
+    while True:
+        now = loop.time()
+        if until is not None and now >= until:
+            return None
+        if now >= attempt.deadline:
+            raise MeshError(ErrorCode.TIMEOUT, f"the request took longer than {mesh.request_deadline:g}s")
+        silent = now - attempt.last_heard
+        if silent >= mesh.silence_timeout:
+            raise Retry(f"no word from {waiting_on} for {silent:.1f}s", waiting_on)
+        wait = min(mesh.silence_timeout - silent, attempt.deadline - now)
+        if until is not None:
+            wait = min(wait, until - now)
+        try:
+            item = await asyncio.wait_for(attempt.events.get(), wait)
+        except TimeoutError:
+            continue  # a heartbeat may have moved last_heard; look again
+        if isinstance(item, WorkerGone):
+            if attempt.waits_on(item.worker_id):
+                raise Retry(f"worker {item.worker_id} is gone", item.worker_id)
+            continue
+        return item
+
+async def events_in_order(attempt: Attempt, mesh: MeshSettings) -> AsyncIterator[TokenEvent]:
+    """The attempt's events by sequence number, until the last one. An event that does
+    not come while later ones have (lost in a NATS reconnect, say) ends the attempt
+    after ``LOST_EVENT_TIMEOUT``: the request resumes elsewhere instead of hanging."""
+    loop = asyncio.get_running_loop()
+    expected = 0
+    early: dict[int, TokenEvent] = {}
+    gap_deadline: float | None = None  # while a later event waits for an earlier one
+    while True:
+        item = await next_item(attempt, mesh, attempt.decode_worker, gap_deadline)
+        if item is None:
+            raise Retry(f"token event {expected} from {attempt.decode_worker} was lost", attempt.decode_worker, exclude=False)
+        if not isinstance(item, TokenEvent):
+            continue  # a late prefill reply
+        early[item.seq] = item
+        while expected in early:
+            event = early.pop(expected)
+            expected += 1
+            if event.error is not None:
+                code = event.error.code
+                if code is ErrorCode.KV_LOST:  # the pull failed: the prefill side is gone
+                    raise Retry(event.error.message, attempt.prefill_worker)
+                if is_retryable(code):
+                    raise Retry(event.error.message, attempt.decode_worker, exclude=code is not ErrorCode.OVERLOADED)
+                raise MeshError(code, event.error.message)
+            yield event
+            if event.finished:
+                return
+        if not early:
+            gap_deadline = None
+        elif gap_deadline is None:
+            gap_deadline = loop.time() + LOST_EVENT_TIMEOUT
