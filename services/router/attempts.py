@@ -39,6 +39,7 @@ class Attempt:
     stage: str = "prefill"  # then "decode"
     events: asyncio.Queue = field(default_factory=asyncio.Queue)
     last_heard: float = field(default_factory=lambda: asyncio.get_running_loop().time())
+    incarnations: dict[str, float] = field(default_factory=dict)  # worker id -> started_at, as chosen
 
     def waits_on(self, worker_id: str) -> bool:
         if self.stage == "prefill" and self.prefill_worker == worker_id:
@@ -48,15 +49,32 @@ class Attempt:
     def heard(self) -> None:
         self.last_heard = asyncio.get_running_loop().time()
 
+    def incarnation(self, worker_id: str) -> float | None:
+        """The ``started_at`` of the worker this attempt chose under that id."""
+        return self.incarnations.get(worker_id)
+
 
 class Retry(Exception):
     """Try again elsewhere; ``exclude``: give up on ``bad_worker`` for this request (not
     when it was only too busy: then wait a moment instead)."""
 
-    def __init__(self, reason: str, bad_worker: str | None, *, exclude: bool = True) -> None:
+    def __init__(
+        self, reason: str, bad_worker: str | None, *, exclude: bool = True, incarnation: float | None = None
+    ) -> None:
         super().__init__(reason)
         self.bad_worker = bad_worker
         self.exclude = exclude
+        self.incarnation = incarnation  # the ``started_at`` of the worker given up on, when known
+
+
+def _wanted(attempt: Attempt, item: object) -> bool:
+    """False for word of a departure that does not concern the attempt; raises ``Retry``
+    for one that does."""
+    if not isinstance(item, WorkerGone):
+        return True
+    if attempt.waits_on(item.worker_id):
+        raise Retry(f"worker {item.worker_id} is gone", item.worker_id, incarnation=attempt.incarnation(item.worker_id))
+    return False
 
 
 async def next_item(attempt: Attempt, mesh: MeshSettings, waiting_on: str, until: float | None = None) -> object:
@@ -66,6 +84,14 @@ async def next_item(attempt: Attempt, mesh: MeshSettings, waiting_on: str, until
     request's deadline passes."""
     loop = asyncio.get_running_loop()
     while True:
+        try:  # what has arrived is taken first, however long the consumer took to ask
+            item = attempt.events.get_nowait()
+        except asyncio.QueueEmpty:
+            pass
+        else:
+            if _wanted(attempt, item):
+                return item
+            continue
         now = loop.time()
         if until is not None and now >= until:
             return None
@@ -73,7 +99,7 @@ async def next_item(attempt: Attempt, mesh: MeshSettings, waiting_on: str, until
             raise MeshError(ErrorCode.TIMEOUT, f"the request took longer than {mesh.request_deadline:g}s")
         silent = now - attempt.last_heard
         if silent >= mesh.silence_timeout:
-            raise Retry(f"no word from {waiting_on} for {silent:.1f}s", waiting_on)
+            raise Retry(f"no word from {waiting_on} for {silent:.1f}s", waiting_on, incarnation=attempt.incarnation(waiting_on))
         wait = min(mesh.silence_timeout - silent, attempt.deadline - now)
         if until is not None:
             wait = min(wait, until - now)
@@ -81,11 +107,8 @@ async def next_item(attempt: Attempt, mesh: MeshSettings, waiting_on: str, until
             item = await asyncio.wait_for(attempt.events.get(), wait)
         except TimeoutError:
             continue  # a heartbeat may have moved last_heard; look again
-        if isinstance(item, WorkerGone):
-            if attempt.waits_on(item.worker_id):
-                raise Retry(f"worker {item.worker_id} is gone", item.worker_id)
-            continue
-        return item
+        if _wanted(attempt, item):
+            return item
 
 async def events_in_order(attempt: Attempt, mesh: MeshSettings) -> AsyncIterator[TokenEvent]:
     """The attempt's events by sequence number, until the last one. An event that does
@@ -101,16 +124,23 @@ async def events_in_order(attempt: Attempt, mesh: MeshSettings) -> AsyncIterator
             raise Retry(f"token event {expected} from {attempt.decode_worker} was lost", attempt.decode_worker, exclude=False)
         if not isinstance(item, TokenEvent):
             continue  # a late prefill reply
+        if item.seq < expected:
+            continue  # a duplicate of one already handled
         early[item.seq] = item
         while expected in early:
             event = early.pop(expected)
             expected += 1
             if event.error is not None:
                 code = event.error.code
-                if code is ErrorCode.KV_LOST:  # the pull failed: the prefill side is gone
-                    raise Retry(event.error.message, attempt.prefill_worker)
+                if code is ErrorCode.KV_LOST and attempt.prefill_worker:  # the pull failed: the prefill side is gone
+                    raise Retry(event.error.message, attempt.prefill_worker, incarnation=attempt.incarnation(attempt.prefill_worker))
                 if is_retryable(code):
-                    raise Retry(event.error.message, attempt.decode_worker, exclude=code is not ErrorCode.OVERLOADED)
+                    raise Retry(
+                        event.error.message,
+                        attempt.decode_worker,
+                        exclude=code is not ErrorCode.OVERLOADED,
+                        incarnation=attempt.incarnation(attempt.decode_worker),
+                    )
                 raise MeshError(code, event.error.message)
             yield event
             if event.finished:

@@ -3,9 +3,9 @@
 For each request: pick a prefill worker (if any is alive) and a decode worker, ask the
 prefill worker for the first token and a KV handle, hand the handle to the decode worker
 with a reply subject this router listens on, then yield the numbered token events in
-order. While no token has reached the client, a failure anywhere (a worker killed, a pull
-that fails, a timeout) is retried on other workers; after that it ends the stream with an
-error. Leaving the stream early cancels the request on the workers.
+order. A failure anywhere (a worker killed or silent, a pull that fails) is retried on
+other workers, resuming from the tokens already sent; the waiting itself is
+``attempts``. Leaving the stream early cancels the request on the workers.
 """
 
 from __future__ import annotations
@@ -241,7 +241,7 @@ class MeshBackend:
                     if retry.exclude:
                         failures += 1
                         if retry.bad_worker:
-                            excluded.add(retry.bad_worker)
+                            excluded.add(retry.bad_worker, retry.incarnation)
                     else:  # bounded by the request's deadline
                         await asyncio.sleep(OVERLOADED_BACKOFF)
                     logger.warning(
@@ -290,6 +290,9 @@ class MeshBackend:
         attempt = Attempt(
             attempt_id, decode.worker.worker_id, prefill.worker.worker_id if prefill else None, deadline
         )
+        attempt.incarnations[decode.worker.worker_id] = decode.worker.started_at
+        if prefill is not None:
+            attempt.incarnations[prefill.worker.worker_id] = prefill.worker.started_at
         self._attempts[attempt_id] = attempt
         self.board.add(decode.worker.worker_id, 1)
         finished = False
@@ -450,19 +453,22 @@ class MeshBackend:
                             msg = reply.result()
                             break
                 except (TimeoutError, nats.errors.Error) as exc:
-                    raise Retry(f"prefill on {worker.worker_id}: {type(exc).__name__}", worker.worker_id) from None
+                    raise Retry(f"prefill on {worker.worker_id}: {type(exc).__name__}", worker.worker_id, incarnation=worker.started_at) from None
                 finally:
                     reply.cancel()
         finally:
             self.board.add(worker.worker_id, -1)
-        response = PrefillResponse.decode(msg.data)
+        try:
+            response = PrefillResponse.decode(msg.data)
+        except ValidationError:
+            raise Retry(f"prefill on {worker.worker_id}: a malformed reply", worker.worker_id, incarnation=worker.started_at) from None
         if response.error is not None:
             if is_retryable(response.error.code):
                 busy = response.error.code is ErrorCode.OVERLOADED
-                raise Retry(f"prefill on {worker.worker_id}: {response.error.message}", worker.worker_id, exclude=not busy)
+                raise Retry(f"prefill on {worker.worker_id}: {response.error.message}", worker.worker_id, exclude=not busy, incarnation=worker.started_at)
             raise MeshError(response.error.code, response.error.message)
         if response.first_token_id is None or response.kv is None:
-            raise Retry(f"prefill on {worker.worker_id} answered without a first token and KV", worker.worker_id)
+            raise Retry(f"prefill on {worker.worker_id} answered without a first token and KV", worker.worker_id, incarnation=worker.started_at)
         return response
 
     async def _start_decode(self, worker: WorkerRecord, request: DecodeRequest, ctx) -> None:
@@ -473,12 +479,15 @@ class MeshBackend:
                 worker.subject, payload, timeout=min(5.0, self.mesh.request_timeout), headers=inject_headers(ctx)
             )
         except (TimeoutError, nats.errors.Error) as exc:
-            raise Retry(f"decode on {worker.worker_id}: {type(exc).__name__}", worker.worker_id) from None
-        ack = DecodeAck.decode(msg.data)
+            raise Retry(f"decode on {worker.worker_id}: {type(exc).__name__}", worker.worker_id, incarnation=worker.started_at) from None
+        try:
+            ack = DecodeAck.decode(msg.data)
+        except ValidationError:
+            raise Retry(f"decode on {worker.worker_id}: a malformed ack", worker.worker_id, incarnation=worker.started_at) from None
         if not ack.accepted:
             error = ack.error
             if error is None or is_retryable(error.code):
-                raise Retry(f"decode on {worker.worker_id} refused: {error.message if error else '?'}", worker.worker_id)
+                raise Retry(f"decode on {worker.worker_id} refused: {error.message if error else '?'}", worker.worker_id, incarnation=worker.started_at)
             raise MeshError(error.code, error.message)
 
     def _check_size(self, payload: bytes, what: str) -> None:

@@ -69,9 +69,13 @@ class Excluded:
         self._workers = workers  # the live directory
         self._given_up: dict[str, float | None] = {}
 
-    def add(self, worker_id: str) -> None:
-        record = self._workers.get(worker_id)
-        self._given_up[worker_id] = record.started_at if record is not None else None
+    def add(self, worker_id: str, started_at: float | None = None) -> None:
+        """Give up on the incarnation that started at ``started_at`` (default: the one in
+        the directory now)."""
+        if started_at is None:
+            record = self._workers.get(worker_id)
+            started_at = record.started_at if record is not None else None
+        self._given_up[worker_id] = started_at
 
     def __contains__(self, worker_id: object) -> bool:
         if not isinstance(worker_id, str) or worker_id not in self._given_up:

@@ -9,12 +9,12 @@ from __future__ import annotations
 import dataclasses
 import re
 
-from typing import Literal
+from typing import Annotated, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field
 
 from kvmesh.engine.kv_layout import KVLayout
-from kvmesh.errors import ErrorCode
+from kvmesh.errors import ErrorCode, as_error_code
 from kvmesh.engine.request import SamplingParams
 
 Role = Literal["prefill", "decode", "router", "kv-metadata"]
@@ -147,7 +147,9 @@ class Message(BaseModel):
 
 
 class ErrorInfo(Message):
-    code: ErrorCode  # what it means, its HTTP status and whether to retry: ``kvmesh.errors``
+    # What it means, its HTTP status and whether to retry: ``kvmesh.errors``. A code this
+    # version does not know (a newer peer's) is ``internal``, never a dropped message.
+    code: Annotated[ErrorCode, BeforeValidator(as_error_code)]
     message: str
 
 

@@ -79,3 +79,31 @@ async def test_the_deadline_is_the_requests_own():
     with pytest.raises(MeshError) as err:
         await asyncio.wait_for(anext(events_in_order(a, mesh())), 2)
     assert err.value.code is ErrorCode.TIMEOUT
+
+
+async def test_events_already_queued_are_taken_however_late_the_consumer_asks():
+    """A slow client: the worker finished (no more heartbeats) long before the router's
+    generator asks for the rest; what has arrived is still delivered, not retried."""
+    settings = mesh(silence_timeout=0.2, heartbeat_interval=0.1)
+    a = attempt()
+    for seq in range(3):
+        a.events.put_nowait(event(seq, finished=seq == 2))
+    a.last_heard -= 10  # silent for far longer than the timeout
+    assert [e.seq async for e in events_in_order(a, settings)] == [0, 1, 2]
+
+
+async def test_a_duplicate_event_is_ignored(monkeypatch):
+    monkeypatch.setattr(attempts, "LOST_EVENT_TIMEOUT", 0.2)
+    a = attempt()
+    for seq in (0, 0, 1):
+        a.events.put_nowait(event(seq, finished=seq == 1))
+    assert [e.seq async for e in events_in_order(a, mesh())] == [0, 1]
+
+
+async def test_a_retry_names_the_incarnation_it_gave_up_on():
+    a = attempt()
+    a.incarnations["decode-1"] = 42.0
+    a.events.put_nowait(WorkerGone("decode-1"))
+    with pytest.raises(Retry) as retry:
+        await anext(events_in_order(a, mesh()))
+    assert retry.value.incarnation == 42.0

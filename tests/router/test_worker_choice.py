@@ -54,3 +54,13 @@ def test_unready_draining_or_silent_workers_are_not_usable():
     assert [board.usable(w) for w in "abc"] == [False, False, True]
     time.sleep(0.25)
     assert not board.usable("c") and not board.ready("c")
+
+
+def test_the_incarnation_given_up_on_is_the_one_excluded():
+    """A worker restarted by overwriting its record before the attempt ended: the new one
+    is not excluded, since the attempt names the incarnation it used."""
+    workers = {"d1": record("d1", started_at=1.0)}
+    excluded = Excluded(workers)
+    workers["d1"] = record("d1", started_at=2.0)  # already replaced
+    excluded.add("d1", started_at=1.0)
+    assert "d1" not in excluded

@@ -184,14 +184,16 @@ class AsyncEngine:
         """Decode a request whose prompt KV was written into the blocks of ``handle``; the
         first output carries ``first_token_id``."""
         q = self._open_stream(request_id)
+
+        def command() -> None:
+            first = self.engine.add_imported_request(request_id, prompt_token_ids, first_token_id, handle, params)
+            self._deliver([first])  # from the engine thread, so it is queued before any later step's output
+
         try:
-            first = await self._call(
-                lambda: self.engine.add_imported_request(request_id, prompt_token_ids, first_token_id, handle, params)
-            )
+            await self._call(command)
         except BaseException as exc:
             self._forget_stream(request_id, exc)
             raise
-        q.put_nowait(first)
         async for out in self._drain(request_id, q):
             yield out
 
