@@ -16,7 +16,6 @@ import asyncio
 import json
 import logging
 import os
-import platform
 import statistics
 import sys
 import tempfile
@@ -27,6 +26,7 @@ from pathlib import Path
 import httpx
 
 from kvmesh.infra.local_mesh import LocalMesh, MeshOptions
+from kvmesh.machine import cpu_flags, cpu_model
 
 logger = logging.getLogger("auth_cost")
 
@@ -113,11 +113,10 @@ def main() -> int:
     args = parser.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     logging.getLogger("httpx").setLevel(logging.WARNING)
-    cpu = next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines() if line.startswith("model name")), platform.processor())
     result = {
         "command": " ".join([Path(sys.argv[0]).name, *sys.argv[1:]]),
         "date": datetime.now(UTC).isoformat(timespec="seconds"),
-        "machine": {"cpu": cpu, "cores": os.cpu_count()},
+        "machine": {"cpu": cpu_model(), "cores": os.cpu_count(), "flags": cpu_flags()},
         "config": vars(args),
         **asyncio.run(run(args)),
     }

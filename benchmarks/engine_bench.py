@@ -59,6 +59,7 @@ import torch.nn.functional as F
 
 from kvmesh.engine.llm_engine import EngineConfig, LLMEngine
 from kvmesh.engine.request import SamplingParams
+from kvmesh.machine import cpu_model
 
 log = logging.getLogger("engine_bench")
 
@@ -654,16 +655,6 @@ def measure_machine(sizes: Sizes, repeats: int) -> dict[str, Any]:
 
 
 # ----------------------------------------------------------------------------- reporting
-
-
-def cpu_model() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or "unknown"
 
 
 def metadata(args: argparse.Namespace, argv: list[str]) -> dict[str, Any]:

@@ -20,7 +20,6 @@ import asyncio
 import json
 import logging
 import os
-import platform
 import re
 import signal
 import subprocess
@@ -34,6 +33,7 @@ from pathlib import Path
 import httpx
 import nats
 
+from kvmesh.machine import cpu_flags, cpu_model
 from kvmesh.protocol import Subjects, WorkerStats
 
 logger = logging.getLogger("fault_campaign")
@@ -71,25 +71,6 @@ class Fault:
     target: str
     at: float
     back_after: float | None = None  # seconds until it was running again
-
-
-def cpu_name() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or "unknown"
-
-
-def cpu_flags() -> str:
-    try:
-        text = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return ""
-    flags = set(re.search(r"^flags\s*:(.*)$", text, re.M).group(1).split()) if "flags" in text else set()
-    return " ".join(sorted(f for f in flags if f.startswith(("avx", "amx"))))
 
 
 # ----------------------------------------------------------------------------- the mesh
@@ -339,7 +320,7 @@ def main() -> int:
     result = {
         "command": " ".join([Path(sys.argv[0]).name, *sys.argv[1:]]),
         "date": datetime.now(UTC).isoformat(timespec="seconds"),
-        "machine": {"cpu": cpu_name(), "cores": os.cpu_count(), "flags": cpu_flags()},
+        "machine": {"cpu": cpu_model(), "cores": os.cpu_count(), "flags": cpu_flags()},
         "config": {k: v for k, v in vars(args).items() if k not in ("json", "workdir")},
         "wall_s": round(time.time() - began, 1),
         **result,

@@ -34,6 +34,7 @@ from kvmesh.engine.async_engine import AsyncEngine
 from kvmesh.engine.llm_engine import EngineConfig
 from kvmesh.engine.request import SamplingParams
 from kvmesh.infra.local_mesh import LocalMesh, MeshOptions
+from kvmesh.machine import cpu_model
 from kvmesh.transfer.mooncake_agent import MooncakeAgent
 from kvmesh.transfer.runs import BlockRun
 
@@ -186,15 +187,7 @@ async def latency_bench(args: argparse.Namespace) -> dict:
 
 # ----------------------------------------------------------------------------- report
 def machine() -> dict:
-    cpu = "unknown"
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
-    return {"cpu": cpu, "cores": os.cpu_count(), "python": platform.python_version(), "torch": torch.__version__}
+    return {"cpu": cpu_model(), "cores": os.cpu_count(), "python": platform.python_version(), "torch": torch.__version__}
 
 
 def markdown(args: argparse.Namespace, transfer: list[dict], latency: dict | None) -> str:

@@ -8,7 +8,6 @@ import copy
 import json
 import logging
 import os
-from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -18,7 +17,6 @@ import requests
 
 from kvmesh.engine.tokenizer import Tokenizer
 from kvmesh.infra.local_mesh import LocalMesh
-from tests.mesh.meshes import make_mesh
 
 pytestmark = pytest.mark.slow
 
@@ -33,15 +31,6 @@ EXAMPLES = {"generation": {"positive": 40, "negative": 30}, "other": {"positive"
 # fixed, reproducible ones CI runs
 SCALE = float(os.environ.get("KVMESH_FUZZ_SCALE", "1"))
 SEED = os.environ.get("KVMESH_FUZZ_SEED")
-
-
-@pytest.fixture(scope="module")
-def mesh(tmp_path_factory: pytest.TempPathFactory, default_model_dir) -> Iterator[LocalMesh]:
-    mesh = make_mesh(tmp_path_factory.mktemp("mesh"), default_model_dir, prefill=1, decode=1)
-    try:
-        yield mesh
-    finally:
-        mesh.stop()
 
 
 def pinned_schema(raw: dict[str, Any], *, vocab_size: int, valid_only: bool) -> dict[str, Any]:

@@ -48,13 +48,6 @@ def log_time(line: str) -> float:
     return datetime.strptime(stamp.group(1), "%Y-%m-%d %H:%M:%S,%f").timestamp()
 
 
-@pytest.fixture(scope="module")
-def mesh(tmp_path_factory, default_model_dir):
-    mesh = make_mesh(tmp_path_factory.mktemp("robust"), default_model_dir, prefill=1, decode=1)
-    yield mesh
-    mesh.stop()
-
-
 @pytest.mark.parametrize(
     "sampling",
     [{"temperature": 1e-40}, {"temperature": 1.0, "top_p": 1e-300}, {"temperature": 1e-30, "top_k": 3}],
@@ -83,6 +76,21 @@ async def test_degenerate_sampling_is_answered_and_the_workers_keep_serving(mesh
                 assert ready.json()["checks"]["engine"] is True
     assert {r.role for r in records if r.health_url} == {"prefill", "decode"}
     await assert_pools_at_baseline(mesh, ["prefill-1", "decode-2"])
+
+
+async def test_workers_keep_their_transfer_listeners_in_the_given_range(mesh, transfer_ports):
+    """KVMESH_TRANSFER_PORTS, as the deployment files set it, reaches each worker's Mooncake
+    engine: the endpoint peers pull from lies in the range (and KV still crosses: the mesh
+    serves)."""
+    low, high = transfer_ports
+    async with EtcdStore([mesh.etcd.endpoint]) as store:
+        items, _ = await store.get_prefix(Keys("default").workers())
+    from kvmesh.protocol import WorkerRecord
+
+    endpoints = [WorkerRecord.decode(i.value).transfer_endpoint for i in items]
+    ports = [int(e.rsplit(":", 1)[1]) for e in endpoints if e]
+    assert len(ports) == 2 and all(low <= port <= high for port in ports), (ports, transfer_ports)
+    assert (await greedy(mesh, "The capital of France is")).status_code == 200
 
 
 async def test_an_inconsistent_decode_request_is_refused_and_leaks_nothing(mesh):

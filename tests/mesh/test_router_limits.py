@@ -11,7 +11,7 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator
 from pathlib import Path
 
 import httpx
@@ -19,7 +19,6 @@ import pytest
 
 from kvmesh.infra.local_mesh import LocalMesh
 from tests.mesh.client import post
-from tests.mesh.meshes import make_mesh
 
 pytestmark = pytest.mark.slow
 
@@ -28,15 +27,6 @@ MB = 1_000_000
 REPO = Path(__file__).resolve().parents[2]
 LONE = "a\\ud800b"  # a lone surrogate as a JSON escape
 GREEDY = {"model": MODEL, "prompt": "The capital of France is", "max_tokens": 4, "temperature": 0}
-
-
-@pytest.fixture(scope="module")
-def mesh(tmp_path_factory: pytest.TempPathFactory, default_model_dir) -> Iterator[LocalMesh]:
-    mesh = make_mesh(tmp_path_factory.mktemp("mesh"), default_model_dir, prefill=1, decode=1)
-    try:
-        yield mesh
-    finally:
-        mesh.stop()
 
 
 class HealthWatch:
