@@ -35,6 +35,7 @@ import nats
 
 from kvmesh.machine import cpu_flags, cpu_model
 from kvmesh.protocol import Subjects, WorkerStats
+from kvmesh.security.tls import client_context
 
 logger = logging.getLogger("fault_campaign")
 
@@ -202,8 +203,9 @@ async def inject(mesh: Mesh, client: httpx.AsyncClient, faults: list[str], start
     return done
 
 
-async def pool_stats(nats_url: str, worker_ids: list[str]) -> dict[str, dict]:
-    nc = await nats.connect(nats_url, connect_timeout=5)
+async def pool_stats(nats_url: str, worker_ids: list[str], tls_ca: str | None = None) -> dict[str, dict]:
+    tls = {"tls": client_context(tls_ca), "tls_handshake_first": True} if tls_ca else {}  # kvmesh up's default: TLS
+    nc = await nats.connect(nats_url, connect_timeout=5, **tls)
     try:
         result = {}
         for worker_id in worker_ids:
@@ -283,7 +285,7 @@ async def campaign(args: argparse.Namespace) -> dict:
             while True:
                 now = mesh.info()
                 workers = sorted(name for name in now["processes"] if name.startswith(("prefill-", "decode-")))
-                pools = await pool_stats(now["nats_url"] or info["nats_url"], workers)
+                pools = await pool_stats(now["nats_url"] or info["nats_url"], workers, info.get("tls_ca"))
                 at_baseline = all(v == {"in_use": 0, "held": 0, "pins": 0} for v in pools.values())
                 if at_baseline or time.monotonic() - ended > args.pin_wait:
                     break

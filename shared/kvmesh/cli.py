@@ -96,7 +96,11 @@ def build_parser() -> argparse.ArgumentParser:
         help="require a Bearer token on /v1: a file of keys, one a line as name:key (a bare key is named default); "
         "KVMESH_API_KEY in the environment adds one key named default",
     )
-    up.add_argument("--workdir", help="logs and server data (default: a new temporary folder)")
+    up.add_argument(
+        "--tls", action=argparse.BooleanOptionalAction, default=True,
+        help="NATS and etcd over TLS only, with a fresh CA in <workdir>/tls (default: on; --no-tls: plaintext on loopback)",
+    )
+    up.add_argument("--workdir", help="logs, server data, the mesh's credentials and its CA (default: a new temporary folder)")
 
     replay = commands.add_parser("replay", help="replay a Mooncake-format trace (--simulate: simulated prefill workers, no model)")
     replay.add_argument("--trace", required=True, help="JSONL trace: timestamp (ms), input_length, output_length, hash_ids")

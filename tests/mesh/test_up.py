@@ -24,9 +24,12 @@ from collections.abc import Callable
 from pathlib import Path
 
 import httpx
+import nats
 import pytest
 
-from tests.mesh.client import post, stream, streamed_text, worker_stats
+from kvmesh.protocol import Subjects, WorkerStats
+from kvmesh.security.tls import client_context
+from tests.mesh.client import post, stream, streamed_text
 from tests.mesh.meshes import process_gone
 
 pytestmark = pytest.mark.slow
@@ -103,6 +106,16 @@ class Up:
     @property
     def nats_url(self) -> str:
         return self.info["nats_url"]
+
+    async def worker_stats(self, worker_id: str) -> WorkerStats:
+        """A worker's pool stats, asked as the admin over TLS (``kvmesh up``'s default),
+        trusting the mesh's CA from ``pids.json``."""
+        tls = {"tls": client_context(self.info["tls_ca"]), "tls_handshake_first": True} if self.info.get("tls_ca") else {}
+        nc = await nats.connect(self.nats_url, connect_timeout=5, **tls)
+        try:
+            return WorkerStats.decode((await nc.request(Subjects("default").stats(worker_id), b"", timeout=5)).data)
+        finally:
+            await nc.close()
 
     def stop(self, signum: int = signal.SIGINT, timeout: float = 30) -> tuple[int, float]:
         """Send ``signum``; the exit code and the seconds it took to exit."""
@@ -182,13 +195,13 @@ async def assert_restarted_and_serving(up: Up, name: str, old_pid: int, since: i
     new_pid = int(re.search(r"pid (\d+)", back).group(1))
     assert new_pid != old_pid and up.pid(name) == new_pid
     assert process_gone(old_pid)
-    before = await worker_stats(up.nats_url, "default", name)
+    before = await up.worker_stats(name)
     assert before.transfers == 0 and before.bytes_served == 0  # a fresh process
     for round_ in range(10):  # new prompts (cached nowhere), 4 at once: spread over the role's workers
         prompts = [f"Request {i} of round {round_} after {name} came back: say hello" for i in range(4)]
         body = {"model": MODEL, "max_tokens": 4, "temperature": 0}
         await asyncio.gather(*(post_text(up.base_url, "/v1/completions", {**body, "prompt": p}) for p in prompts))
-        stats = await worker_stats(up.nats_url, "default", name)
+        stats = await up.worker_stats(name)
         if stats.transfers > 0 or stats.bytes_served > 0:
             return
     raise AssertionError(f"{name} restarted but served nothing: {stats}")
@@ -231,7 +244,7 @@ async def test_a_killed_decode_worker_is_restarted_and_no_stream_is_cut(mesh22, 
     async def kill_once_decoding(events: list[list[dict]]) -> bool:
         if sum(len(e) >= 3 for e in events) < STREAMS // 2:  # half the streams decoding (the rest may queue)
             return False
-        if (await worker_stats(up.nats_url, "default", victim)).num_in_use == 0:
+        if (await up.worker_stats(victim)).num_in_use == 0:
             return False
         os.kill(old_pid, signal.SIGKILL)
         return True
@@ -246,7 +259,7 @@ async def test_a_killed_prefill_worker_is_restarted_and_no_stream_is_cut(mesh22,
     old_pid, since = up.pid(victim), len(up.lines)
 
     async def kill_while_prefilling(events: list[list[dict]]) -> bool:
-        stats = await worker_stats(up.nats_url, "default", victim)
+        stats = await up.worker_stats(victim)
         if stats.num_in_use + stats.num_held + stats.pins == 0:  # holding no request's KV yet
             return False
         os.kill(old_pid, signal.SIGKILL)
@@ -274,6 +287,7 @@ async def test_killed_servers_and_router_come_back_where_they_were(mesh22):
         assert int(re.search(r"pid (\d+)", back).group(1)) != old[name]
     info = up.read_pids()
     assert (info["base_url"], info["nats_url"], info["etcd"]) == (up.base_url, up.info["nats_url"], up.info["etcd"])
+    assert info["tls_ca"] == up.info["tls_ca"] and info["tls_ca"]  # TLS on by default, the same CA after the restarts
     deadline, last = time.monotonic() + 60, None
     while True:  # until the workers are registered and reachable again
         try:

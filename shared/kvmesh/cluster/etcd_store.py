@@ -7,9 +7,11 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import ipaddress
 import logging
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
+from pathlib import Path
 
 import grpc
 from etcd3aio import Etcd3Client, EtcdError, EtcdUnauthenticatedError, prefix_range_end
@@ -54,7 +56,9 @@ TOKEN_REFRESH = 60.0  # seconds between re-authentications; etcd's tokens last 3
 class EtcdStore:
     """With ``credentials`` (or ``user:password@host:port`` endpoints, for tools and tests)
     the store authenticates at connect, renews its token every ``token_refresh`` seconds,
-    and authenticates again when etcd says the token is no longer valid."""
+    and authenticates again when etcd says the token is no longer valid. With ``tls_ca`` (a
+    CA certificate file) it speaks TLS only and trusts only that CA; the server's certificate
+    must name the endpoint's host (an IP address or a DNS name)."""
 
     def __init__(
         self,
@@ -63,12 +67,20 @@ class EtcdStore:
         timeout: float = 5.0,
         credentials: UserPassword | None = None,
         token_refresh: float = TOKEN_REFRESH,
+        tls_ca: str | Path | None = None,
     ) -> None:
-        self.endpoints, found = _split_userinfo(endpoints)
+        self.endpoints, found = _split_userinfo(_strip_scheme(endpoints, tls_ca))
         self.credentials = credentials or found
         self.timeout = timeout
         self.token_refresh = token_refresh
-        self._client = Etcd3Client(self.endpoints, watch_max_reconnect_backoff_seconds=1.0)
+        ca_cert = Path(tls_ca).read_bytes() if tls_ca else None  # None: etcd3aio's plaintext channel
+        self._client = Etcd3Client(self.endpoints, watch_max_reconnect_backoff_seconds=1.0, ca_cert=ca_cert)
+        target = _dns_target(self.endpoints)
+        if target is not None:
+            # etcd3aio names its channel ``ipv4:<endpoints>``, which takes addresses only: a
+            # host name (``etcd:2379`` in the deployment files) goes through gRPC's resolver,
+            # which also makes it the name the server's certificate is checked against.
+            self._client._manager.target = target
         self._connected = False
         self._auth_lock = asyncio.Lock()
         self._token_generation = 0  # counts authentications, so concurrent failures renew once
@@ -240,6 +252,34 @@ class EtcdStore:
             raise ClusterError(f"etcd watch {prefix} failed: {exc!r}") from exc
         finally:
             await stream.aclose()  # type: ignore[attr-defined]  # etcd3aio's watch is an async generator
+
+
+def _strip_scheme(endpoints: list[str], tls_ca: object) -> list[str]:
+    """``http://`` / ``https://`` endpoints -> ``host:port``; ``https://`` needs a CA to trust."""
+    plain = []
+    for endpoint in endpoints:
+        scheme, sep, rest = endpoint.partition("://")
+        if sep:
+            if scheme == "https" and not tls_ca:
+                raise ClusterError(f"etcd endpoint {endpoint}: https needs the CA certificate to trust (--etcd-tls-ca)")
+            if scheme not in ("http", "https"):
+                raise ClusterError(f"etcd endpoint {endpoint}: unknown scheme {scheme!r}")
+            endpoint = rest
+        plain.append(endpoint.rstrip("/"))
+    return plain
+
+
+def _dns_target(endpoints: list[str]) -> str | None:
+    """``dns:///host:port`` for a single endpoint whose host is a name (not ``localhost``,
+    which etcd3aio maps to 127.0.0.1 itself); None when the ``ipv4:`` target works."""
+    if len(endpoints) != 1:
+        return None
+    host = endpoints[0].rpartition(":")[0]
+    try:
+        ipaddress.ip_address(host)
+    except ValueError:
+        return None if host in ("", "localhost") else f"dns:///{endpoints[0]}"
+    return None
 
 
 def _split_userinfo(endpoints: list[str]) -> tuple[list[str], UserPassword | None]:

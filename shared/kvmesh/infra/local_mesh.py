@@ -29,6 +29,7 @@ from kvmesh.infra.credentials import MeshCredentials
 from kvmesh.infra.processes import ManagedProcess, ProcessStartError, stop_all
 from kvmesh.infra.servers import ETCD_READY, NATS_READY, EtcdServer, NatsServer, start_etcd, start_nats
 from kvmesh.infra.supervisor import RestartPolicy, Supervised, Supervisor
+from kvmesh.security.tls import LOCAL_HOSTS, MeshTLS
 
 logger = logging.getLogger(__name__)
 
@@ -44,6 +45,7 @@ class MeshOptions:
     prefix_caching: bool = True
     routing_config: str | None = None
     auth: bool = True  # NATS users and etcd roles with fresh passwords (``infra.credentials``); off: anonymous
+    tls: bool = False  # NATS and etcd over TLS only, with a fresh CA (``security.tls``); ``kvmesh up`` turns it on
     port: int = 0  # the router's; 0 picks a free one
     host: str = "127.0.0.1"
     model: str | None = None
@@ -89,6 +91,7 @@ class LocalMesh:
         self._pids_lock = threading.Lock()
         self._hurry = False
         self.credentials: MeshCredentials | None = None
+        self.tls: MeshTLS | None = None
 
     @property
     def pids_path(self) -> Path:
@@ -117,13 +120,15 @@ class LocalMesh:
         if opts.auth:
             planned = {f"{role}-{self._count + i + 1}": role for i, role in enumerate(["prefill"] * opts.prefill + ["decode"] * opts.decode)}
             self.credentials = MeshCredentials.generate(self.workdir / "auth", opts.namespace, planned, "kv-metadata")
+        if opts.tls:
+            self.tls = MeshTLS.generate(self.workdir / "tls", {"nats": LOCAL_HOSTS, "etcd": LOCAL_HOSTS})
         auth = self.credentials
         self.nats = start_nats(
             self.workdir, parent_death_signal=SERVER_DEATH_SIGNAL,
-            config=auth.nats_config if auth else None, admin=auth.nats_admin if auth else None,
+            config=auth.nats_config if auth else None, admin=auth.nats_admin if auth else None, tls=self.tls,
         )  # fmt: skip
         self._write_pids()
-        self.etcd = start_etcd(self.workdir, parent_death_signal=SERVER_DEATH_SIGNAL)
+        self.etcd = start_etcd(self.workdir, parent_death_signal=SERVER_DEATH_SIGNAL, tls=self.tls)
         if auth is not None:
             self.etcd.enable_auth(auth.etcd_root_password, auth.etcd_users)
         self._write_pids()
@@ -219,6 +224,7 @@ class LocalMesh:
             "base_url": self.base_url or None,
             "nats_url": self.nats.url if self.nats else None,
             "etcd": self.etcd.endpoint if self.etcd else None,
+            "tls_ca": str(self.tls.ca_file) if self.tls else None,  # NATS (handshake first) and etcd trust it
         }
         with self._pids_lock:
             self.workdir.mkdir(parents=True, exist_ok=True)
@@ -245,6 +251,8 @@ class LocalMesh:
         if self.credentials is not None:
             path = str(self.credentials.file_of(identity))
             argv += ["--nats-credentials", path, "--etcd-credentials", path]
+        if self.tls is not None:
+            argv += ["--nats-tls-ca", str(self.tls.ca_file), "--etcd-tls-ca", str(self.tls.ca_file)]
         return argv
 
     def _spawn(self, name: str, argv: list[str]) -> ManagedProcess:

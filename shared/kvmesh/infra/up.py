@@ -117,6 +117,7 @@ def run_up(args: argparse.Namespace) -> int:
             dtype=args.dtype,
             kv_cache_mib=args.kv_cache_mib,
             api_key_file=str(Path(args.api_key_file).expanduser().resolve()) if args.api_key_file else None,
+            tls=args.tls,
             supervise=True,
         ),
         workdir,

@@ -39,6 +39,10 @@ class MeshSettings:
     # None: connect anonymously, as to a mesh without auth.
     nats_credentials: str | None = None
     etcd_credentials: str | None = None
+    # Paths of the CA certificates the NATS and etcd servers' certificates are signed by
+    # (``kvmesh.security.tls``); given: TLS only, trusting that CA alone. None: plaintext.
+    nats_tls_ca: str | None = None
+    etcd_tls_ca: str | None = None
 
     def __post_init__(self) -> None:
         if not 0 < self.heartbeat_interval < self.silence_timeout:
@@ -109,6 +113,18 @@ def add_mesh_args(parser: argparse.ArgumentParser) -> None:
         "--etcd-credentials", default=_env("ETCD_CREDENTIALS"), metavar="FILE",
         help="credentials file (mode 0600) with the etcd user and password (KVMESH_ETCD_CREDENTIALS)",
     )
+    parser.add_argument(
+        "--nats-tls-ca", default=_env("NATS_TLS_CA"), metavar="FILE",
+        help="CA certificate of the NATS server: TLS (handshake first), trusting this CA only (KVMESH_NATS_TLS_CA)",
+    )
+    parser.add_argument(
+        "--etcd-tls-ca", default=_env("ETCD_TLS_CA"), metavar="FILE",
+        help="CA certificate of the etcd servers: TLS, trusting this CA only (KVMESH_ETCD_TLS_CA)",
+    )
+    parser.add_argument(
+        "--require-tls", action="store_true", default=_env("REQUIRE_TLS", "0") == "1",
+        help="refuse to start without --nats-tls-ca and --etcd-tls-ca and both credentials files (KVMESH_REQUIRE_TLS=1)",
+    )
 
 
 def mesh_settings(args: argparse.Namespace, parser: argparse.ArgumentParser) -> MeshSettings:
@@ -116,7 +132,7 @@ def mesh_settings(args: argparse.Namespace, parser: argparse.ArgumentParser) -> 
         parser.error("--nats-url (or KVMESH_NATS_URL) is required")
     if not args.etcd:
         parser.error("--etcd (or KVMESH_ETCD_ENDPOINTS) is required")
-    return MeshSettings(
+    settings = MeshSettings(
         nats_url=args.nats_url,
         etcd_endpoints=tuple(e.strip() for e in args.etcd.split(",") if e.strip()),
         namespace=args.namespace,
@@ -126,7 +142,32 @@ def mesh_settings(args: argparse.Namespace, parser: argparse.ArgumentParser) -> 
         heartbeat_interval=args.heartbeat_interval,
         nats_credentials=_checked_credentials(args.nats_credentials, "nats", parser),
         etcd_credentials=_checked_credentials(args.etcd_credentials, "etcd", parser),
+        nats_tls_ca=_checked_ca(args.nats_tls_ca, "--nats-tls-ca", parser),
+        etcd_tls_ca=_checked_ca(args.etcd_tls_ca, "--etcd-tls-ca", parser),
     )
+    if args.require_tls:
+        missing = [
+            flag for flag, value in (
+                ("--nats-tls-ca", settings.nats_tls_ca), ("--etcd-tls-ca", settings.etcd_tls_ca),
+                ("--nats-credentials", settings.nats_credentials), ("--etcd-credentials", settings.etcd_credentials),
+            ) if not value
+        ]  # fmt: skip
+        if missing:
+            parser.error(f"--require-tls (KVMESH_REQUIRE_TLS): {', '.join(missing)} missing")
+    return settings
+
+
+def _checked_ca(path: str | None, flag: str, parser: argparse.ArgumentParser) -> str | None:
+    """A CA certificate file that is there and is PEM: fail at start, not at the first connect."""
+    if not path:
+        return None
+    try:
+        text = open(path).read()
+    except OSError as exc:
+        parser.error(f"{flag} {path}: {exc.strerror or exc}")
+    if "-----BEGIN CERTIFICATE-----" not in text:
+        parser.error(f"{flag} {path}: not a PEM certificate")
+    return path
 
 
 def _checked_credentials(path: str | None, section: str, parser: argparse.ArgumentParser) -> str | None:
