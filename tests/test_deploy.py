@@ -3,8 +3,11 @@ compose by the official Compose v2 binary, Kubernetes by strict schemas."""
 
 from __future__ import annotations
 
+import json
+import os
 import shutil
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -29,8 +32,6 @@ def test_compose_file_is_valid():
         timeout=60,
     )
     assert done.returncode == 0, done.stderr
-    import json
-
     services = json.loads(done.stdout)["services"]
     assert {"nats", "etcd", "jaeger", "router", "prefill-worker", "decode-worker", "kv-metadata"} <= set(services)
     commands = {name: " ".join(services[name]["command"]) for name in ("router", "prefill-worker", "decode-worker", "kv-metadata")}
@@ -64,16 +65,21 @@ def test_kubernetes_manifests_are_valid(version):
 
     docs = rendered_manifests()
     kinds = {(doc["kind"], doc["metadata"]["name"]) for doc in docs}
-    assert {("Deployment", "router"), ("Deployment", "prefill-worker"), ("Deployment", "decode-worker"), ("Deployment", "kv-metadata"), ("StatefulSet", "etcd"), ("Deployment", "nats")} <= kinds
+    assert {("Deployment", "router"), ("StatefulSet", "prefill-worker"), ("StatefulSet", "decode-worker"), ("Deployment", "kv-metadata"), ("StatefulSet", "etcd"), ("Deployment", "nats"), ("Job", "etcd-auth")} <= kinds
     for doc in docs:
         kubernetes_validate.validate(doc, version, strict=True)
+
+
+def workload(docs: dict, name: str) -> dict:
+    """The Deployment or StatefulSet ``name`` (workers are StatefulSets: stable names)."""
+    return docs.get(("Deployment", name)) or docs[("StatefulSet", name)]
 
 
 def test_each_service_is_its_own_deployment_running_its_module():
     docs = {(d["kind"], d["metadata"]["name"]): d for d in rendered_manifests()}
     for role in ROLES:
         name = role.replace("_", "-")
-        container = docs[("Deployment", name)]["spec"]["template"]["spec"]["containers"][0]
+        container = workload(docs, name)["spec"]["template"]["spec"]["containers"][0]
         assert f"kvmesh.services.{role}" in " ".join(container["command"])
 
 
@@ -81,7 +87,7 @@ def test_every_service_is_probed_on_its_health_endpoints_not_behind_auth():
     docs = {(d["kind"], d["metadata"]["name"]): d for d in rendered_manifests()}
     config = docs[("ConfigMap", "kvmesh-config")]["data"]
     for role in ROLES:
-        container = docs[("Deployment", role.replace("_", "-"))]["spec"]["template"]["spec"]["containers"][0]
+        container = workload(docs, role.replace("_", "-"))["spec"]["template"]["spec"]["containers"][0]
         ports = {p["name"]: p["containerPort"] for p in container["ports"]}
         assert container["readinessProbe"]["httpGet"]["path"] == "/health/ready"
         assert container["livenessProbe"]["httpGet"]["path"] == "/health/live"
@@ -98,7 +104,7 @@ def test_compose_checks_every_service_by_its_health_endpoint():
         [str(compose_binary()), "-f", str(ROOT / "deploy/compose/compose.yaml"), "config", "--format", "json"],
         capture_output=True, text=True, timeout=60,
     )  # fmt: skip
-    services = __import__("json").loads(done.stdout)["services"]
+    services = json.loads(done.stdout)["services"]
     for name in ("router", "prefill-worker", "decode-worker", "kv-metadata"):
         test = " ".join(services[name]["healthcheck"]["test"])
         assert "/health/ready" in test, name
@@ -118,3 +124,119 @@ def test_transfer_ports_are_pinned_and_fenced_to_workers():
     assert set(transfer[0]["from"][0]["podSelector"]["matchExpressions"][0]["values"]) == workers
     # Every other rule opens only the health port.
     assert all(p["port"] == 8081 for rule in policy["ingress"] if rule not in transfer for p in rule["ports"])
+
+
+# -- credentials and TLS (issue #8) ------------------------------------------------------------
+KVMESH_SERVICES = ("router", "prefill-worker", "decode-worker", "kv-metadata")
+MOUNT = "/run/secrets/kvmesh"
+
+
+@pytest.fixture(scope="module")
+def secrets_dir(tmp_path_factory) -> Path:
+    """What ``kvmesh credentials --out DIR`` makes for the files' one prefill and one decode worker."""
+    out = tmp_path_factory.mktemp("secrets") / "secrets"
+    done = subprocess.run(
+        [sys.executable, "-m", "kvmesh.cli", "credentials", "--out", str(out), "--prefill", "1", "--decode", "1"],
+        capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    return out
+
+
+def secret_values(directory: Path) -> list[str]:
+    """Every password and private key the generator made: none may appear in argv or env."""
+    values = []
+    for path in directory.glob("*.json"):
+        body = json.loads(path.read_text())
+        if "users" in body:  # etcd-users.json
+            values.append(body["root_password"])
+            values += [user["password"] for user in body["users"].values()]
+        else:
+            values += [section["password"] for section in body.values()]
+    for path in directory.glob("*.key"):
+        values += [line for line in path.read_text().splitlines() if line and not line.startswith("-----")]
+    assert len(values) > 8
+    return values
+
+
+def rendered_compose(secrets: Path) -> dict:
+    done = subprocess.run(
+        [str(compose_binary()), "-f", str(ROOT / "deploy/compose/compose.yaml"), "config", "--format", "json"],
+        capture_output=True, text=True, timeout=60, env={**os.environ, "KVMESH_SECRETS": str(secrets)},
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    return json.loads(done.stdout)
+
+
+def test_generated_secret_files_are_private(secrets_dir):
+    assert secrets_dir.stat().st_mode & 0o777 == 0o700
+    for path in secrets_dir.iterdir():
+        assert path.stat().st_mode & 0o777 == 0o600, path
+    names = {p.name for p in secrets_dir.iterdir()}
+    assert {"ca.crt", "nats.crt", "nats.key", "etcd.crt", "etcd.key", "nats-server.conf", "nats-users.conf", "etcd-users.json"} <= names
+    assert {"router.json", "kv-metadata.json", "prefill-worker-0.json", "decode-worker-0.json", "secrets.yaml"} <= names
+    assert "handshake_first: true" in (secrets_dir / "nats-server.conf").read_text()
+
+
+def test_compose_services_get_credentials_and_ca_as_files_never_in_argv_or_env(secrets_dir):
+    config = rendered_compose(secrets_dir)
+    services, secrets = config["services"], config["secrets"]
+    forbidden = secret_values(secrets_dir)
+    for name, service in services.items():
+        visible = " ".join(service.get("command") or []) + " " + json.dumps(service.get("environment") or {})
+        assert not [v for v in forbidden if v in visible], name
+        for mounted in service.get("secrets", []):  # every mounted secret is a generated file
+            source = Path(secrets[mounted["source"]]["file"])
+            assert source.parent == secrets_dir and source.is_file() and mounted["target"].startswith(MOUNT + "/")
+    for name in KVMESH_SERVICES:
+        env, targets = services[name]["environment"], {m["target"]: m["source"] for m in services[name]["secrets"]}
+        assert env["KVMESH_REQUIRE_TLS"] == "1"
+        assert env["KVMESH_NATS_TLS_CA"] == env["KVMESH_ETCD_TLS_CA"] == f"{MOUNT}/ca.crt" in targets
+        assert env["KVMESH_NATS_CREDENTIALS"] == env["KVMESH_ETCD_CREDENTIALS"] in targets
+        identity = env.get("KVMESH_WORKER_ID") or env.get("KVMESH_SERVICE_ID") or "router"
+        assert Path(secrets[targets[env["KVMESH_NATS_CREDENTIALS"]]]["file"]).name == f"{identity}.json"
+        assert services[name]["depends_on"]["etcd-auth"]["condition"] == "service_completed_successfully"
+    nats = services["nats"]["command"]
+    assert nats[:2] == ["-c", f"{MOUNT}/nats-server.conf"]
+    etcd = " ".join(services["etcd"]["command"])
+    assert "--listen-client-urls=https://" in etcd and f"--cert-file={MOUNT}/etcd.crt" in etcd and "http://0.0.0.0:2379" not in etcd
+
+
+def test_kubernetes_secrets_are_valid_and_each_pod_mounts_only_its_own(secrets_dir):
+    import kubernetes_validate
+
+    secrets = {d["metadata"]["name"]: d for d in yaml.safe_load_all((secrets_dir / "secrets.yaml").read_text())}
+    for doc in secrets.values():
+        kubernetes_validate.validate(doc, "1.33", strict=True)
+    docs = {(d["kind"], d["metadata"]["name"]): d for d in rendered_manifests()}
+    config = docs[("ConfigMap", "kvmesh-config")]["data"]
+    assert config["KVMESH_REQUIRE_TLS"] == "1" and config["KVMESH_NATS_TLS_CA"] == config["KVMESH_ETCD_TLS_CA"] == f"{MOUNT}/ca.crt"
+    forbidden = secret_values(secrets_dir)
+    for (kind, name), doc in docs.items():
+        text = json.dumps(doc)
+        assert not [v for v in forbidden if v in text], (kind, name)
+    for name in KVMESH_SERVICES:
+        workload_doc = workload(docs, name)
+        pod = workload_doc["spec"]["template"]["spec"]
+        volumes = {v["name"]: v for v in pod["volumes"]}
+        secret = secrets[volumes["secrets-in"]["secret"]["secretName"]]
+        assert secret["metadata"]["name"] == f"kvmesh-{name}"
+        assert "ca.crt" in secret["data"]
+        container = pod["containers"][0]
+        env = {e["name"]: e.get("value") for e in container["env"]}
+        assert env["KVMESH_NATS_CREDENTIALS"] == env["KVMESH_ETCD_CREDENTIALS"]
+        replicas = workload_doc["spec"]["replicas"]
+        identities = [f"{name}-{i}" for i in range(replicas)] if workload_doc["kind"] == "StatefulSet" else [env.get("KVMESH_SERVICE_ID") or "router"]
+        for identity in identities:  # the file each pod's env names is in its Secret
+            path = env["KVMESH_NATS_CREDENTIALS"].replace("$(KVMESH_WORKER_ID)", identity)
+            assert path.startswith(MOUNT + "/") and Path(path).name in secret["data"], (name, path)
+        assert {"name": "secrets", "mountPath": MOUNT, "readOnly": True} in container["volumeMounts"]
+        assert pod["securityContext"]["runAsNonRoot"] is True
+    for name, secret_name, files in (("nats", "kvmesh-nats-server", "nats-server.conf"), ("etcd", "kvmesh-etcd-server", "etcd.key")):
+        pod = (docs.get(("Deployment", name)) or docs[("StatefulSet", name)])["spec"]["template"]["spec"]
+        assert {v["name"]: v for v in pod["volumes"]}["secrets"]["secret"]["secretName"] == secret_name
+        assert files in secrets[secret_name]["data"]
+    etcd = " ".join(docs[("StatefulSet", "etcd")]["spec"]["template"]["spec"]["containers"][0]["command"])
+    assert "--listen-client-urls=https://" in etcd
+    job = docs[("Job", "etcd-auth")]["spec"]["template"]["spec"]
+    assert job["volumes"][0]["secret"]["secretName"] == "kvmesh-etcd-auth" and "etcd-users.json" in secrets["kvmesh-etcd-auth"]["data"]

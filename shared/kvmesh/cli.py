@@ -5,8 +5,10 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
 import sys
 import uuid
+from pathlib import Path
 from typing import Any
 
 logger = logging.getLogger("kvmesh")
@@ -101,6 +103,21 @@ def build_parser() -> argparse.ArgumentParser:
         help="NATS and etcd over TLS only, with a fresh CA in <workdir>/tls (default: on; --no-tls: plaintext on loopback)",
     )
     up.add_argument("--workdir", help="logs, server data, the mesh's credentials and its CA (default: a new temporary folder)")
+
+    creds = commands.add_parser(
+        "credentials", help="make the secrets of a deployment (deploy/compose, deploy/k8s): CA, certificates, users, passwords"
+    )
+    creds.add_argument("--out", required=True, help="folder to write them to (mode 0700), e.g. deploy/compose/secrets")
+    creds.add_argument("--prefill", type=_non_negative_int, default=1, help="prefill workers: prefill-worker-0 ...")
+    creds.add_argument("--decode", type=_positive_int, default=1, help="decode workers: decode-worker-0 ...")
+    creds.add_argument("--namespace", default="default", help="the mesh's namespace (KVMESH_NAMESPACE)")
+    creds.add_argument("--k8s-namespace", default="kvmesh", help="the Kubernetes namespace of the Secrets and services")
+
+    etcd_auth = commands.add_parser("etcd-auth", help="turn etcd's auth on with a deployment's users (the compose / k8s job)")
+    etcd_auth.add_argument("--users", default=os.environ.get("KVMESH_ETCD_USERS"), help="etcd-users.json (KVMESH_ETCD_USERS)")
+    etcd_auth.add_argument("--etcd", default=os.environ.get("KVMESH_ETCD_ENDPOINTS"), help="host:port (KVMESH_ETCD_ENDPOINTS)")
+    etcd_auth.add_argument("--etcd-tls-ca", default=os.environ.get("KVMESH_ETCD_TLS_CA"), help="CA file (KVMESH_ETCD_TLS_CA)")
+    etcd_auth.add_argument("--wait", type=_non_negative_float, default=60.0, help="seconds to wait for etcd to answer")
 
     replay = commands.add_parser("replay", help="replay a Mooncake-format trace (--simulate: simulated prefill workers, no model)")
     replay.add_argument("--trace", required=True, help="JSONL trace: timestamp (ms), input_length, output_length, hash_ids")
@@ -281,6 +298,24 @@ def _replay(args: argparse.Namespace) -> int:
     return 0
 
 
+def _credentials(args: argparse.Namespace) -> int:
+    from kvmesh.infra.deploy_secrets import generate
+
+    out = Path(args.out).expanduser()
+    secrets = generate(out, prefill=args.prefill, decode=args.decode, mesh_namespace=args.namespace, k8s_namespace=args.k8s_namespace)
+    print(f"wrote the secrets of {len(secrets)} Kubernetes Secrets to {out} (see {out / 'README'})")
+    return 0
+
+
+def _etcd_auth(args: argparse.Namespace) -> int:
+    from kvmesh.infra import etcd_auth
+
+    if not args.users or not args.etcd:
+        raise SystemExit("kvmesh etcd-auth: error: --users and --etcd (or KVMESH_ETCD_USERS, KVMESH_ETCD_ENDPOINTS) are required")
+    etcd_auth.run(args.etcd.split(","), Path(args.users), tls_ca=args.etcd_tls_ca, wait=args.wait)
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     logging.basicConfig(
@@ -298,6 +333,10 @@ def main(argv: list[str] | None = None) -> int:
             return _up(args)
         if args.command == "replay":
             return _replay(args)
+        if args.command == "credentials":
+            return _credentials(args)
+        if args.command == "etcd-auth":
+            return _etcd_auth(args)
     except UpUsageError as exc:
         sys.stderr.write(f"kvmesh {args.command}: error: {exc}\n")
         return 2

@@ -131,3 +131,26 @@ def read_users(path: Path) -> tuple[str, EtcdUsers]:
         return str(body["root_password"]), users
     except (OSError, ValueError, KeyError, TypeError) as exc:
         raise EtcdAuthError(f"etcd users file {path}: {exc!r}") from exc
+
+
+def run(endpoints: list[str], users_file: Path, *, tls_ca: str | None, wait: float) -> None:
+    """``kvmesh etcd-auth``: set auth up on the etcd at ``endpoints[0]`` (``host:port``, or a
+    URL), waiting up to ``wait`` seconds for it to answer."""
+    import time
+
+    from kvmesh.security.tls import client_context
+
+    root_password, users = read_users(users_file)
+    endpoint = endpoints[0]
+    url = endpoint if "://" in endpoint else f"{'https' if tls_ca else 'http'}://{endpoint}"
+    gateway = Gateway(url, context=client_context(tls_ca) if tls_ca else None)
+    deadline = time.monotonic() + wait
+    while True:
+        try:
+            enable_auth(gateway, root_password, users)
+            return
+        except (EtcdAuthError, OSError) as exc:  # urllib's URLError is an OSError
+            if time.monotonic() > deadline or isinstance(exc, EtcdAuthError):
+                raise EtcdAuthError(f"etcd at {url}: {exc}") from None
+            logger.info("etcd at %s not answering yet (%s); retrying", url, exc)
+            time.sleep(1.0)
