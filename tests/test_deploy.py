@@ -3,6 +3,7 @@ compose by the official Compose v2 binary, Kubernetes by strict schemas."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import shutil
@@ -240,3 +241,136 @@ def test_kubernetes_secrets_are_valid_and_each_pod_mounts_only_its_own(secrets_d
     assert "--listen-client-urls=https://" in etcd
     job = docs[("Job", "etcd-auth")]["spec"]["template"]["spec"]
     assert job["volumes"][0]["secret"]["secretName"] == "kvmesh-etcd-auth" and "etcd-users.json" in secrets["kvmesh-etcd-auth"]["data"]
+
+
+# -- the compose configuration, run here on loopback --------------------------------------------
+class ComposeOnLoopback:
+    """The rendered compose file's nats, etcd, etcd-auth and kvmesh services as local
+    processes: each service's own secrets copied to a folder of its own (standing in for its
+    /run/secrets/kvmesh), the service names and ports mapped to free loopback ports, the
+    commands and environments otherwise as rendered."""
+
+    def __init__(self, config: dict, workdir: Path, cache_root: Path) -> None:
+        from kvmesh.infra.processes import free_port
+
+        self.config, self.workdir, self.cache_root = config, workdir, cache_root
+        self.ports = {"nats": free_port(), "monitor": free_port(), "etcd": free_port(), "peer": free_port()}
+        self.processes: list = []
+
+    def mount(self, name: str) -> Path:
+        """A copy of ``name``'s mounted secrets, 0600, with the configs pointing here."""
+        folder = self.workdir / name / "secrets"
+        folder.mkdir(parents=True, exist_ok=True)
+        for mounted in self.config["services"][name].get("secrets", []):
+            source = Path(self.config["secrets"][mounted["source"]]["file"])
+            target = folder / Path(mounted["target"]).name
+            target.write_bytes(source.read_bytes().replace(MOUNT.encode(), str(folder).encode()))
+            target.chmod(0o600)
+        return folder
+
+    def localize(self, name: str, text: str) -> str:
+        p = self.ports
+        for old, new in (
+            (MOUNT, str(self.workdir / name / "secrets")), ("nats://nats:4222", f"nats://127.0.0.1:{p['nats']}"),
+            ("0.0.0.0:2379", f"127.0.0.1:{p['etcd']}"), ("etcd:2379", f"127.0.0.1:{p['etcd']}"),
+            ("0.0.0.0:2380", f"127.0.0.1:{p['peer']}"), ("etcd:2380", f"127.0.0.1:{p['peer']}"),
+        ):  # fmt: skip
+            text = text.replace(old, new)
+        return text
+
+    def argv(self, name: str) -> list[str]:
+        command = [self.localize(name, part) for part in self.config["services"][name]["command"]]
+        if command[0] == "python":
+            command[0] = sys.executable
+        if "--port" in command:  # the router's published 8000 -> a free port
+            command[command.index("--port") + 1], command[command.index("--host") + 1] = "0", "127.0.0.1"
+        return command
+
+    def env(self, name: str) -> dict[str, str]:
+        env = {k: self.localize(name, str(v)) for k, v in (self.config["services"][name].get("environment") or {}).items()}
+        env.pop("OTEL_EXPORTER_OTLP_ENDPOINT", None)
+        overrides = {"KVMESH_HEALTH_PORT": "0", "KVMESH_ADVERTISE_HOST": "127.0.0.1", "KVMESH_KV_CACHE_MIB": "32", "KVMESH_NUM_THREADS": "1"}
+        env.update({k: v for k, v in overrides.items() if k in env or k == "KVMESH_NUM_THREADS"})
+        return {"PATH": os.environ["PATH"], "KVMESH_CACHE_DIR": str(self.cache_root), "PYTHONUNBUFFERED": "1", **env}
+
+    def spawn(self, name: str, argv: list[str], env: dict[str, str] | None = None):
+        from kvmesh.infra.processes import ManagedProcess
+
+        process = ManagedProcess(name, argv, log_path=self.workdir / "logs" / f"{name}.log", env=env)
+        self.processes.append(process)
+        return process
+
+    def start_servers(self) -> None:
+        from kvmesh.infra.servers import ETCD_READY, NATS_READY, find_binary, find_etcd
+
+        self.mount("nats")
+        nats_argv = self.argv("nats")
+        nats_argv[nats_argv.index("-sd") + 1] = str(self.workdir / "nats-data")
+        nats_argv[nats_argv.index("-m") + 1] = str(self.ports["monitor"])
+        self.spawn("nats", [str(find_binary("nats-server")), *nats_argv, "-a", "127.0.0.1", "-p", str(self.ports["nats"])])
+        self.mount("etcd")
+        etcd_argv = [str(find_etcd()), *(a.replace("/etcd-data", str(self.workdir / "etcd-data")) for a in self.argv("etcd")[1:])]
+        self.spawn("etcd", etcd_argv)
+        self.processes[0].wait_for_line(lambda text: NATS_READY.search(text) is not None, 20)
+        self.processes[1].wait_for_line(lambda text: ETCD_READY in text, 30)
+        self.mount("etcd-auth")
+        done = subprocess.run(self.argv("etcd-auth"), env=self.env("etcd-auth"), capture_output=True, text=True, timeout=60)
+        assert done.returncode == 0, done.stderr
+
+    def stop(self) -> None:
+        from kvmesh.infra.processes import stop_all
+
+        stop_all(reversed(self.processes), 10)
+
+
+@pytest.mark.slow
+async def test_the_compose_configuration_serves_on_loopback_and_refuses_outsiders(secrets_dir, tmp_path, default_model_dir):
+    import httpx
+    import nats
+
+    from kvmesh.cluster.etcd_store import ClusterError, EtcdStore
+    from kvmesh.infra.local_mesh import ROUTER_READY
+    from kvmesh.security.tls import client_context
+
+    run = ComposeOnLoopback(rendered_compose(secrets_dir), tmp_path, default_model_dir.parent.parent)
+    try:
+        await asyncio.to_thread(run.start_servers)
+        ca = str(run.mount("router") / "ca.crt")
+        started = {}
+        for name in ("kv-metadata", "prefill-worker", "decode-worker", "router"):
+            run.mount(name)
+            started[name] = run.spawn(name, run.argv(name), run.env(name))
+        await asyncio.to_thread(started["kv-metadata"].wait_for_line, lambda text: "kv-metadata kv-metadata ready" in text, 60)
+        for name, worker_id in (("prefill-worker", "prefill-worker-0"), ("decode-worker", "decode-worker-0")):
+            await asyncio.to_thread(started[name].wait_for_line, lambda text, w=worker_id: f"worker {w} ready" in text, 240)
+        line = await asyncio.to_thread(started["router"].wait_for_line, lambda text: ROUTER_READY.search(text) is not None, 120)
+        base_url = ROUTER_READY.search(line).group(1)
+        async with httpx.AsyncClient(base_url=base_url, timeout=120) as client:
+            for _ in range(100):  # until the router has seen both workers
+                if (await client.get("/health/ready")).status_code == 200:
+                    break
+                await asyncio.sleep(0.2)
+            body = {"model": "SmolLM2-135M-Instruct", "prompt": "The capital of France is", "max_tokens": 4, "temperature": 0}
+            response = await client.post("/v1/completions", json=body)
+        assert response.status_code == 200, response.text
+        assert response.json()["choices"][0]["text"]
+        forbidden = secret_values(secrets_dir)
+        for name, process in started.items():  # nothing secret in any service's argv or environment
+            seen = Path(f"/proc/{process.pid}/cmdline").read_bytes() + Path(f"/proc/{process.pid}/environ").read_bytes()
+            assert not [v for v in forbidden if v.encode() in seen], name
+        nats_url = f"nats://127.0.0.1:{run.ports['nats']}"
+        with pytest.raises(nats.errors.Error):  # plaintext
+            await nats.connect(nats_url, connect_timeout=3, allow_reconnect=False, max_reconnect_attempts=0)
+        with pytest.raises(nats.errors.Error, match="Authorization Violation"):  # TLS, but anonymous
+            await nats.connect(
+                nats_url, tls=client_context(ca), tls_handshake_first=True,
+                connect_timeout=3, allow_reconnect=False, max_reconnect_attempts=0,
+            )  # fmt: skip
+        with pytest.raises(ClusterError):  # plaintext etcd
+            async with EtcdStore([f"127.0.0.1:{run.ports['etcd']}"], timeout=3) as store:
+                await store.get("/kvmesh/default/workers/")
+        async with EtcdStore([f"127.0.0.1:{run.ports['etcd']}"], timeout=3, tls_ca=ca) as store:  # TLS, anonymous
+            with pytest.raises(ClusterError, match="user name is empty"):
+                await store.get_prefix("/kvmesh/default/workers/")
+    finally:
+        await asyncio.to_thread(run.stop)

@@ -183,3 +183,30 @@ def test_require_tls_refuses_a_service_without_cas_or_credentials(tmp_path, tls,
     (tmp_path / "junk.pem").write_text("not a certificate\n")
     with pytest.raises(SystemExit):
         mesh_settings(parser.parse_args(base[:-1] + ["--etcd-tls-ca", str(tmp_path / "junk.pem")]), parser)
+
+
+@pytest.fixture
+def own_etcd_tls(tmp_path, tls):
+    server = start_etcd(tmp_path / "etcd", tls=tls)
+    yield server
+    server.stop()
+
+
+async def test_etcd_auth_job_runs_again_with_new_passwords(tmp_path, own_etcd_tls, tls):
+    """The deployment's etcd-auth job on a fresh etcd, then again after the passwords were
+    made anew (as after a second ``kvmesh credentials``): the new ones work, the old do not."""
+    from kvmesh.infra import etcd_auth
+    from kvmesh.security.etcd_roles import Grant
+
+    users_file = tmp_path / "etcd-users.json"
+    grants = (Grant("/kvmesh/default/workers/", "READ", prefix=True),)
+    etcd_auth.write_users(users_file, "root-1", {"router": ("old-pw", grants)})
+    await asyncio.to_thread(etcd_auth.run, [own_etcd_tls.address], users_file, tls_ca=str(tls.ca_file), wait=5)
+    etcd_auth.write_users(users_file, "root-1", {"router": ("new-pw", grants)})
+    await asyncio.to_thread(etcd_auth.run, [own_etcd_tls.address], users_file, tls_ca=str(tls.ca_file), wait=5)
+    async with EtcdStore([own_etcd_tls.address], timeout=3, tls_ca=tls.ca_file, credentials=UserPassword("router", "new-pw")) as store:
+        assert (await store.get_prefix("/kvmesh/default/workers/"))[0] == []
+        with pytest.raises(ClusterError, match="permission denied"):
+            await store.put("/kvmesh/default/workers/decode/evil", b"{}")
+    with pytest.raises(ClusterError, match="authentication failed"):
+        await EtcdStore([own_etcd_tls.address], timeout=3, tls_ca=tls.ca_file, credentials=UserPassword("router", "old-pw")).connect()
