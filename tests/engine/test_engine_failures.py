@@ -16,6 +16,7 @@ from kvmesh.engine.block_pool import BlockRemoved, BlockStored
 from kvmesh.engine.detokenizer import OutputText
 from kvmesh.engine.llm_engine import EngineConfig, LLMEngine
 from kvmesh.engine.request import FinishReason, SamplingParams
+from kvmesh.errors import ErrorCode
 
 GREEDY = SamplingParams(max_tokens=10, ignore_eos=True)
 POISON = "<<poison>>"  # a stop string that marks the one request whose detokenizer fails
@@ -101,6 +102,7 @@ async def test_a_failing_sampler_fails_that_request_only(engine, prompts, monkey
     )
     assert len(bad) == 1 and bad[0].finish_reason is FinishReason.ERROR
     assert bad[0].error == "sampling failed: ValueError: injected sampler failure"
+    assert bad[0].error_code is ErrorCode.REQUEST_FAILED  # its own: the same anywhere
     assert tokens(good) == alone
     await assert_pool_empty(engine)
 
@@ -144,6 +146,8 @@ async def test_a_failed_step_fails_its_batch_and_leaves_no_cached_garbage(engine
     bad = await asyncio.gather(*(collect(engine.generate(f"b{i}", long_prompt, GREEDY)) for i in range(2)))
     assert [[o.finish_reason for o in outs] for outs in bad] == [[FinishReason.ERROR], [FinishReason.ERROR]]
     assert bad[0][0].error == "step failed: RuntimeError: injected forward failure"
+    # Not these requests' fault: retryable on another worker (request_failed is not).
+    assert [outs[0].error_code for outs in bad] == [ErrorCode.INTERNAL, ErrorCode.INTERNAL]
     events = await engine.take_kv_events()
     assert [type(e) for e in events] == [BlockStored, BlockRemoved]
     assert events[1].block_hashes == events[0].block_hashes and len(events[0].block_hashes) == len(long_prompt) // 4

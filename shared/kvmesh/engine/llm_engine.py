@@ -26,6 +26,7 @@ from kvmesh.engine.model_runner import ModelRunner
 from kvmesh.engine.request import FinishReason, Request, SamplingParams
 from kvmesh.engine.scheduler import Scheduler, SchedulerConfig, max_model_len
 from kvmesh.engine.tokenizer import Tokenizer
+from kvmesh.errors import ErrorCode
 from kvmesh.hashing import hash_token_blocks
 
 logger = logging.getLogger(__name__)
@@ -75,6 +76,10 @@ class RequestOutput:
     kv_export: KVExport | None = None
     queue_seconds: float | None = None  # arrival to first schedule; on the first output only
     error: str | None = None  # with FinishReason.ERROR: what failed, for the client
+    # With FinishReason.ERROR: ``request_failed`` when this request's own sampling or output
+    # failed (it would anywhere); ``internal`` when its whole step did (a co-batched
+    # request, the device): another worker may well succeed.
+    error_code: ErrorCode | None = None
 
 
 class LLMEngine:
@@ -200,7 +205,9 @@ class LLMEngine:
         except Exception as exc:
             self._failed_steps += 1
             logger.exception("step failed (%d in a row) for %d requests", self._failed_steps, len(out.scheduled))
-            failed = [self._fail(item.request, exc, "step", kv_written=False) for item in out.scheduled]
+            failed = [
+                self._fail(item.request, exc, "step", kv_written=False, code=ErrorCode.INTERNAL) for item in out.scheduled
+            ]
             if self._failed_steps >= self.config.max_failed_steps:
                 raise
             return failed
@@ -230,7 +237,9 @@ class LLMEngine:
             logger.exception("request %s: building its output failed", req.request_id)
             return self._fail(req, exc, "detokenizing")
 
-    def _fail(self, req: Request, exc: Exception, stage: str, *, kv_written: bool = True) -> RequestOutput:
+    def _fail(
+        self, req: Request, exc: Exception, stage: str, *, kv_written: bool = True, code: ErrorCode = ErrorCode.REQUEST_FAILED
+    ) -> RequestOutput:
         """End ``req`` with ``FinishReason.ERROR``; its blocks go back (see ``Scheduler.fail``)."""
         self.scheduler.fail(req, kv_written=kv_written)
         self._texts.pop(req.request_id, None)
@@ -243,6 +252,7 @@ class LLMEngine:
             num_prompt_tokens=req.num_prompt_tokens,
             num_cached_tokens=req.num_cached_tokens,
             error=f"{stage} failed: {type(exc).__name__}: {exc}",
+            error_code=code,
         )
 
     def _output(self, req: Request, new_tokens: int = 1) -> RequestOutput:
