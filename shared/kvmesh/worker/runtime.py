@@ -27,6 +27,7 @@ from kvmesh.engine.llm_engine import EngineConfig
 from kvmesh.protocol import CancelRequest, Keys, KVLayoutSpec, LoadReport, Stage, Subjects, WorkerRecord, WorkerStats
 from kvmesh.telemetry import setup_tracing, shutdown_tracing, tracer
 from kvmesh.transfer.mooncake_agent import MooncakeAgent
+from kvmesh.worker.callbacks import ControlHandlers
 from kvmesh.worker.health import HealthServer, HealthStatus
 from kvmesh.worker.heartbeat import Heartbeat
 from kvmesh.worker.kv_events import KVEventPublisher
@@ -60,6 +61,7 @@ class WorkerRuntime:
         self._stopped = asyncio.Event()
         self.exit_code = 0  # non-zero once the engine has died
         self.directory: WorkerDirectory | None = None  # every worker's record, to check handles against
+        self.control = ControlHandlers()  # cancels, releases, lends: off their NATS callbacks
         self.health = HealthServer(self.health_status, settings.health_host, settings.health_port)
 
     # -- start ---------------------------------------------------------------------------
@@ -90,7 +92,8 @@ class WorkerRuntime:
         self.nc, self.store = await connect_mesh(s.mesh, f"{s.role}-{self.worker_id}")
         self.directory = WorkerDirectory(self.store, self.keys)
         await self.directory.start()
-        await self.nc.subscribe(self.subjects.cancel, cb=self._handle_cancel)
+        await self.nc.subscribe(self.subjects.cancel, cb=self.control.wrap(self._handle_cancel))
+        self.on_close(self.control.close)
         await self.nc.subscribe(self.subjects.stats(self.worker_id), cb=self._handle_stats)
         self._background.append(asyncio.create_task(self._report_load(), name="load-reports"))
         self.kv_events = KVEventPublisher(self.engine, self.nc, self.subjects, self.worker_id)
