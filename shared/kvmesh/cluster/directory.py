@@ -2,6 +2,13 @@
 
 A worker whose lease expires disappears from etcd and so from here; a broken watch is
 re-established from a fresh read, so the view converges after an etcd restart.
+
+A record that cannot be what it says is refused, with a log line, and never used (and a
+record it replaces is dropped): its worker id or role not those of its key, its transfer
+endpoint on another host than the one it advertises, its ``max_model_len`` beyond the
+model's (when the reader knows the model's, as a router does). etcd's RBAC lets a worker
+write only its own key; these checks keep a worker (or whoever holds its credentials) from
+passing itself off as another, or steering peers' pulls to another host.
 """
 
 from __future__ import annotations
@@ -19,9 +26,10 @@ logger = logging.getLogger(__name__)
 
 
 class WorkerDirectory:
-    def __init__(self, store: EtcdStore, keys: Keys) -> None:
+    def __init__(self, store: EtcdStore, keys: Keys, *, max_model_len: int | None = None) -> None:
         self.store = store
         self.prefix = keys.workers()
+        self.max_model_len = max_model_len  # the model's own limit, when the reader knows it
         self.workers: dict[str, WorkerRecord] = {}  # by worker id
         self.leases: dict[str, int] = {}  # the lease each worker's record lives under
         self._changed = asyncio.Event()
@@ -79,6 +87,8 @@ class WorkerDirectory:
                         if record is not None:
                             self.leases[worker_id] = event.lease
                             self._set(worker_id, record)
+                        elif worker_id in self.workers:  # what it replaced is not to be trusted either
+                            self._set(worker_id, None)
                 raise ClusterError("watch ended")
             except (ClusterError, OSError) as exc:
                 logger.warning("worker watch broke (%s); reloading", exc)
@@ -92,10 +102,15 @@ class WorkerDirectory:
 
     def _parse(self, key: str, value: bytes) -> WorkerRecord | None:
         try:
-            return WorkerRecord.decode(value)
+            record = WorkerRecord.decode(value)
         except ValidationError:
             logger.warning("ignoring a malformed worker record at %s", key)
             return None
+        problem = implausible(key[len(self.prefix) :], record, self.max_model_len)
+        if problem is not None:
+            logger.warning("refusing the worker record at %s: %s", key, problem)
+            return None
+        return record
 
     def _set(self, worker_id: str, record: WorkerRecord | None) -> None:
         if record is None:
@@ -116,3 +131,19 @@ class WorkerDirectory:
         self._changed.set()
         for listener in self._listeners:
             listener(worker_id, record)
+
+
+def implausible(relative_key: str, record: WorkerRecord, model_max_len: int | None = None) -> str | None:
+    """Why a record at ``workers/<relative_key>`` cannot be what it says (None: it can)."""
+    role, _, worker_id = relative_key.partition("/")
+    if record.worker_id != worker_id:
+        return f"it names worker {record.worker_id!r}, its key {worker_id!r}"
+    if record.role != role:
+        return f"its role {record.role!r} is not its key's {role!r}"
+    if record.transfer_endpoint is not None:
+        host = record.transfer_endpoint.rsplit(":", 1)[0].strip("[]")
+        if host != record.host.strip("[]"):
+            return f"its transfer endpoint {record.transfer_endpoint} is not on its host {record.host}"
+    if model_max_len is not None and record.max_model_len > model_max_len:
+        return f"its max_model_len {record.max_model_len} is beyond the model's {model_max_len}"
+    return None
