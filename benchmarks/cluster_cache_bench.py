@@ -29,7 +29,7 @@ import nats
 from kvmesh.engine.loader.default_model import resolve_model
 from kvmesh.engine.tokenizer import Tokenizer
 from kvmesh.infra.local_mesh import LocalMesh, MeshOptions
-from kvmesh.protocol import PeerPrefix, PrefillRequest, PrefillResponse, ReleaseRequest, SamplingSpec, Subjects
+from kvmesh.protocol import STREAM_MESSAGE, PeerPrefix, PrefillRequest, PrefillResponse, ReleaseRequest, SamplingSpec, Subjects
 
 logger = logging.getLogger("cluster_cache_bench")
 MODEL = "SmolLM2-135M-Instruct"
@@ -113,12 +113,18 @@ async def multi_turn(args: argparse.Namespace, *, reuse: bool) -> dict:
 # ----------------------------------------------------------------------------- peer pull
 async def prefill_once(nc, subjects: Subjects, worker: str, rid: str, prompt: list[int], peer: PeerPrefix | None) -> tuple[float, PrefillResponse]:
     request = PrefillRequest(request_id=rid, prompt_token_ids=prompt, sampling=SamplingSpec(max_tokens=1), peer=peer)
+    reply = subjects.stream("bench", rid, "prefill")  # answered there, progress first, as to a router
+    answers = await nc.subscribe(reply)
     started = time.perf_counter()
-    reply = await nc.request(subjects.prefill(worker), request.encode(), timeout=300)
+    await nc.publish(subjects.prefill(worker), request.encode(), reply=reply)
+    while (message := STREAM_MESSAGE.validate_json((await answers.next_msg(timeout=300)).data)).kind != "prefill":
+        pass
     seconds = time.perf_counter() - started
-    response = PrefillResponse.decode(reply.data)
-    await nc.publish(subjects.release(worker), ReleaseRequest(request_id=rid).encode())  # as a decode worker would
-    return seconds, response
+    await answers.unsubscribe()
+    assert isinstance(message, PrefillResponse)
+    if message.kv is not None:  # as a decode worker would, with the pin's token
+        await nc.publish(subjects.release(worker), ReleaseRequest(request_id=rid, pin_token=message.kv.pin_token).encode())
+    return seconds, message
 
 
 async def peer_pull(args: argparse.Namespace) -> dict:

@@ -7,7 +7,19 @@ from pydantic import ValidationError
 
 from kvmesh.engine.kv_cache import KVLayout
 from kvmesh.engine.request import SamplingParams
-from kvmesh.protocol import DecodeRequest, Keys, KVHandle, KVLayoutSpec, SamplingSpec, Subjects, TokenEvent
+from kvmesh.protocol import (
+    STREAM_MESSAGE,
+    DecodeAck,
+    DecodeRequest,
+    Keys,
+    KVHandle,
+    KVLayoutSpec,
+    KVLendReply,
+    Progress,
+    SamplingSpec,
+    Subjects,
+    TokenEvent,
+)
 
 
 def test_subjects_of_a_namespace():
@@ -18,7 +30,9 @@ def test_subjects_of_a_namespace():
     assert s.release("w1") == "kvmesh.prod.release.w1"
     assert (s.cancel, s.load, s.load_from("w1")) == ("kvmesh.prod.cancel", "kvmesh.prod.load.*", "kvmesh.prod.load.w1")
     assert (s.kv_events, s.kv_events_from("w1")) == ("kvmesh.prod.kv.events.*", "kvmesh.prod.kv.events.w1")
-    assert s.stream("r1", "abc-0") == "kvmesh.prod.stream.r1.abc-0"
+    assert s.stream("r1", "k3y", "decode") == "kvmesh.prod.stream.r1.k3y.decode"
+    assert s.streams_of("r1") == "kvmesh.prod.stream.r1.>"
+    assert s.kv_lend("p1", "p2") == "kvmesh.prod.kv.lend.p1.p2"
     for bad in ("", "a.b", "a b", "*", ">"):
         with pytest.raises(ValueError):
             Subjects(bad)
@@ -42,10 +56,23 @@ def test_decode_request_round_trip_and_strictness():
     handle = KVHandle(
         prefill_worker_id="p", transfer_endpoint="127.0.0.1:1", kv_base_address=2**40,
         layout=KVLayoutSpec.from_layout(KVLayout(8, 16, 2, 2, 8, "float32")), block_ids=(3, 4), num_tokens=20, pin_key="/k",
+        pin_token="t", producer_started_at=1.5,
     )  # fmt: skip
     request = DecodeRequest(
-        request_id="r", prompt_token_ids=[1, 2], sampling=SamplingSpec(), reply_subject="s", first_token_id=5, kv=handle
+        request_id="r", prompt_token_ids=[1, 2], sampling=SamplingSpec(), first_token_id=5, kv=handle
     )
     assert DecodeRequest.decode(request.encode()) == request
     with pytest.raises(ValidationError):
         TokenEvent.decode(b'{"request_id": "r", "seq": 0, "surprise": 1}')  # unknown fields are refused
+
+
+def test_what_arrives_on_a_stream_is_told_apart_by_its_kind():
+    for message in (
+        DecodeAck(request_id="r", accepted=True),
+        Progress(request_id="r", worker_id="w", stage="pull"),
+        TokenEvent(request_id="r", seq=0, token_ids=[1]),
+    ):
+        assert STREAM_MESSAGE.validate_json(message.encode()) == message
+    lend = KVLendReply(block_ids=[1], transfer_endpoint="h:1", kv_base_address=0, layout=KVLayoutSpec.from_layout(KVLayout(8, 16, 2, 2, 8, "float32")))
+    with pytest.raises(ValidationError):  # an honest lender's reply sent to a forged reply subject
+        STREAM_MESSAGE.validate_json(lend.encode())

@@ -1,10 +1,17 @@
 """Checking a decode request's KV handle before anything is allocated for it.
 
 The handle must agree with itself (one block per ``block_size`` tokens of the prompt, block
-ids inside the producer's pool, no block twice) and with the producer's own etcd record
-(the transfer endpoint, pool address and layout it registered), and its layout must be one
-this worker can copy byte for byte. Anything else is refused with a clear error: a bad
-handle never allocates blocks, never reaches the transfer engine.
+ids inside the producer's pool, no block twice, the producer's pin key for this request)
+and with the producer's own etcd record (the incarnation that made it, the transfer
+endpoint, pool address and layout it registered), and its layout must be one this worker
+can copy byte for byte. Anything else is refused with a clear error: a bad handle never
+allocates blocks, never reaches the transfer engine.
+
+A handle from an earlier incarnation of its producer (restarted in place under the same id:
+another ``started_at``) is ``kv_lost`` and retried: its blocks went with that process. A
+handle that disagrees with the producer's current record otherwise is forged or broken:
+``bad_request``. Whether the pin exists is the producer's to say (the release carries the
+pin's token): its etcd key is written beside the reply, so it may not be there yet.
 """
 
 from __future__ import annotations
@@ -32,6 +39,8 @@ def check_handle(
     if producer is None or producer.role != "prefill":
         # Gone already (its blocks with it), or never a prefill worker: retry elsewhere.
         raise MeshError(ErrorCode.KV_LOST, f"prefill worker {kv.prefill_worker_id} is not registered")
+    if producer.started_at != kv.producer_started_at:
+        raise MeshError(ErrorCode.KV_LOST, f"prefill worker {kv.prefill_worker_id} restarted since it made the handle")
     if (producer.transfer_endpoint, producer.kv_base_address, producer.kv_layout) != (
         kv.transfer_endpoint,
         kv.kv_base_address,

@@ -1,6 +1,9 @@
 """The decode worker: pulls a prefill's KV blocks through the Mooncake transfer engine,
 releases the pin, decodes with continuous batching across requests and streams numbered
-token events to the router. Without a KV handle it prefills the prompt itself."""
+token events to the router. Without a KV handle it prefills the prompt itself.
+
+Everything about a request (the ack, progress, token events) goes to the NATS reply
+subject of the work message: the only subject NATS lets this worker publish it on."""
 
 from __future__ import annotations
 
@@ -19,6 +22,7 @@ from kvmesh.services.decode_worker.handle_check import check_handle
 from kvmesh.telemetry import extract_context, inject_headers, record_queue_wait
 from kvmesh.transfer.mooncake_agent import TransferError
 from kvmesh.transfer.runs import coalesce
+from kvmesh.worker.in_flight import InFlight
 from kvmesh.worker.runtime import WorkerRuntime
 from kvmesh.worker.settings import worker_settings
 
@@ -31,15 +35,20 @@ RESUMED_IMPORT_WAIT = 1.0  # seconds a retried request waits for room here befor
 class DecodeWorker:
     def __init__(self, runtime: WorkerRuntime) -> None:
         self.runtime = runtime
+        self.in_flight = InFlight()  # requests waiting for room or pulling, not in the engine yet
 
     async def start(self) -> None:
         rt = self.runtime
         await rt.start()
+        rt.on_cancel = self._cancel
         await rt.subscribe_work(rt.subjects.decode(rt.worker_id), self._handle_decode)
         await rt.subscribe_work(rt.subjects.decode(), self._handle_decode, queue=QUEUE_GROUP["decode"])
         await rt.register()
 
     async def _handle_decode(self, msg: Msg) -> None:
+        if not msg.reply:
+            logger.warning("dropped a decode request without a reply subject")
+            return
         try:
             request = DecodeRequest.decode(msg.data)
         except ValidationError as exc:
@@ -50,42 +59,53 @@ class DecodeWorker:
             error = ErrorInfo(code=ErrorCode.UNAVAILABLE, message="worker is draining")
             await msg.respond(DecodeAck(request_id=request.request_id, accepted=False, error=error).encode())
             return
+        self.in_flight.start(request.request_id)
         await msg.respond(DecodeAck(request_id=request.request_id, accepted=True).encode())
-        self.runtime.spawn(self._decode(request, msg.headers), name=f"decode {request.request_id}")
+        self.runtime.spawn(self._decode(request, msg.reply, msg.headers), name=f"decode {request.request_id}")
 
-    async def _decode(self, request: DecodeRequest, headers: dict[str, str] | None) -> None:
+    async def _cancel(self, request_id: str) -> None:
+        self.in_flight.cancel(request_id)  # seen before the engine is handed the request
+        await self.runtime.engine.abort(request_id)  # or the engine stops it
+
+    async def _decode(self, request: DecodeRequest, reply: str, headers: dict[str, str] | None) -> None:
         rt = self.runtime
         rid = request.request_id
         seq = 0
 
         async def send(event: TokenEvent) -> None:
-            await rt.nc.publish(request.reply_subject, event.encode(), headers=inject_headers())
+            await rt.nc.publish(reply, event.encode(), headers=inject_headers())
 
         with rt.tracer.start_as_current_span("decode", context=extract_context(headers)) as span:
             span.set_attribute("kvmesh.worker_id", rt.worker_id)
             span.set_attribute("kvmesh.request_id", rid)
             stage: Stage = "pull" if request.kv is not None else "prefill"
-            async with rt.heartbeat(request.progress_subject, rid, stage) as beat:
+            async with rt.heartbeat(reply, rid, stage) as beat:
                 try:
                     cached = None
                     if request.kv is not None:
                         cached = request.prefill_cached_tokens  # what the prefill reused, not the import
                         first_token = await self._pull(request)
                         beat.stage = "decode"
+                        self._check_cancelled(rid)
                         stream = rt.engine.generate_from_import(
                             rid, request.prompt_token_ids, first_token, rid, request.sampling.to_params()
                         )
                     else:
                         span.set_attribute("kvmesh.local_prefill", True)
+                        self._check_cancelled(rid)
                         stream = rt.engine.generate(
                             rid, request.prompt_token_ids, request.sampling.to_params(), first=request.resumed
                         )
+                    # From the first iteration the engine has the request (its submission is
+                    # queued before this task next yields), so a later cancel aborts it there.
                     async for out in stream:
+                        self.in_flight.done(rid)
                         beat.stage = "decode"
                         if out.queue_seconds is not None and request.kv is None:
                             record_queue_wait(rt.tracer, span, out.queue_seconds)
                         if out.finish_reason is FinishReason.ERROR:
-                            raise MeshError(ErrorCode.REQUEST_FAILED, out.error or "the engine failed this request")
+                            code = out.error_code or ErrorCode.REQUEST_FAILED  # internal: its batch failed
+                            raise MeshError(code, out.error or "the engine failed this request")
                         await send(
                             TokenEvent(
                                 request_id=rid,
@@ -111,6 +131,12 @@ class DecodeWorker:
                     await send(TokenEvent(request_id=rid, seq=seq, finished=True, error=error))
                     if request.kv is not None:
                         await self._release_unused_import(rid)
+                finally:
+                    self.in_flight.done(rid)
+
+    def _check_cancelled(self, request_id: str) -> None:
+        if self.in_flight.is_cancelled(request_id):
+            raise MeshError(ErrorCode.CANCELLED, "cancelled before decoding started")
 
     async def _release_unused_import(self, request_id: str) -> None:
         """Blocks pulled for a request the engine then refused are given back (a no-op
@@ -142,6 +168,7 @@ class DecodeWorker:
                 await asyncio.sleep(rt.settings.fault_pull_delay)
             with rt.tracer.start_as_current_span("kv_transfer") as span:
                 block_ids = await self._allocate_import(request.request_id, kv.num_tokens, resumed=request.resumed)
+                # A cancel while waiting for room or reading the blocks gives them back (below).
                 try:
                     runs = coalesce(kv.block_ids, block_ids)
                     stats = await rt.agent.read_blocks_async(
@@ -164,7 +191,7 @@ class DecodeWorker:
                 assert request.first_token_id is not None  # check_handle saw to it
                 return request.first_token_id
         finally:
-            release = ReleaseRequest(request_id=request.request_id, bytes_pulled=bytes_pulled, ok=ok)
+            release = ReleaseRequest(request_id=request.request_id, pin_token=kv.pin_token, bytes_pulled=bytes_pulled, ok=ok)
             try:
                 await rt.nc.publish(rt.subjects.release(kv.prefill_worker_id), release.encode())
             except Exception as exc:  # noqa: BLE001 - the pin's lease frees the blocks anyway
@@ -183,6 +210,7 @@ class DecodeWorker:
         give_up = loop.time() + (min(RESUMED_IMPORT_WAIT, rt.settings.import_wait) if resumed else rt.settings.import_wait)
         needed = -(-num_tokens // rt.engine.engine.kv_layout.block_size)
         while True:
+            self._check_cancelled(request_id)
             load = rt.engine.load_now()
             reserve = 0 if resumed else load["running"]
             if load["free_blocks"] - needed >= reserve:

@@ -1,6 +1,10 @@
 """The prefill worker: runs prompts into paged KV blocks (reusing cached prefixes), answers
 with the first token and a handle to the blocks, and holds them under a pin until the
-decode side has pulled them."""
+decode side has pulled them.
+
+A release counts only with the pin's token from the handle; a lend names its borrower in
+its subject (NATS lets a worker name only itself there) and a borrower may hold at most
+``LEND_CAP_FRACTION`` of this worker's pool at a time."""
 
 from __future__ import annotations
 
@@ -22,16 +26,20 @@ from kvmesh.protocol import (
     PrefillRequest,
     PrefillResponse,
     ReleaseRequest,
+    Subjects,
 )
 from kvmesh.hashing import hash_from_hex
 from kvmesh.protocol import KVLendReply, KVLendRequest
 from kvmesh.services.prefill_worker.peer_prefix import CostModel, borrow_prefix
 from kvmesh.services.prefill_worker.pins import PinTable
 from kvmesh.telemetry import extract_context, record_queue_wait
+from kvmesh.worker.in_flight import InFlight
 from kvmesh.worker.runtime import WorkerRuntime
 from kvmesh.worker.settings import worker_settings
 
 logger = logging.getLogger(__name__)
+
+LEND_CAP_FRACTION = 0.25  # of this worker's blocks, held for any one borrower at a time
 
 
 class PrefillWorker:
@@ -39,6 +47,8 @@ class PrefillWorker:
         self.runtime = runtime
         self.pins: PinTable
         self.cost = CostModel()
+        self.in_flight = InFlight()
+        self.started_at = 0.0  # this incarnation's, as in the etcd record
 
     async def start(self) -> None:
         rt = self.runtime
@@ -48,8 +58,9 @@ class PrefillWorker:
         rt.on_close(self.pins.stop)
         rt.pin_count = lambda: len(self.pins)
         rt.on_cancel = self._cancel
-        await rt.nc.subscribe(rt.subjects.release(rt.worker_id), cb=self._handle_release)
-        await rt.nc.subscribe(rt.subjects.kv_lend(rt.worker_id), cb=self._handle_lend)
+        self.started_at = rt.record().started_at
+        await rt.nc.subscribe(rt.subjects.release(rt.worker_id), cb=rt.control.wrap(self._handle_release))
+        await rt.nc.subscribe(rt.subjects.kv_lend(rt.worker_id, "*"), cb=rt.control.wrap(self._handle_lend))
         await rt.subscribe_work(rt.subjects.prefill(rt.worker_id), self._handle_prefill)
         await rt.subscribe_work(rt.subjects.prefill(), self._handle_prefill, queue=QUEUE_GROUP["prefill"])
         await rt.register()
@@ -65,13 +76,16 @@ class PrefillWorker:
             await msg.respond(PrefillResponse(request_id="", error=ErrorInfo(code=ErrorCode.BAD_REQUEST, message=str(exc))).encode())
             return
         rid = request.request_id
-        async with rt.heartbeat(request.progress_subject, rid, "prefill"):
+        self.in_flight.start(rid)
+        async with rt.heartbeat(msg.reply or None, rid, "prefill"):
             try:
                 await self._prefill_request(msg, request)
             except Exception as exc:  # noqa: BLE001 - the router hears of every failure
                 logger.exception("prefill of %s failed", rid)
                 error = ErrorInfo(code=ErrorCode.INTERNAL, message=f"prefill failed: {exc!r}")
                 await msg.respond(PrefillResponse(request_id=rid, error=error).encode())
+            finally:
+                self.in_flight.done(rid)
 
     async def _prefill_request(self, msg: Msg, request: PrefillRequest) -> None:
         rt = self.runtime
@@ -80,9 +94,12 @@ class PrefillWorker:
             span.set_attribute("kvmesh.worker_id", rt.worker_id)
             span.set_attribute("kvmesh.request_id", rid)
             span.set_attribute("kvmesh.prompt_tokens", len(request.prompt_token_ids))
-            if request.peer is not None:
+            if request.peer is not None and not self.in_flight.is_cancelled(rid):
                 with rt.tracer.start_as_current_span("peer_pull") as pull_span:
                     await borrow_prefix(rt, self.cost, rid, request.prompt_token_ids, request.peer, pull_span)
+            if self.in_flight.is_cancelled(rid):  # before or while borrowing: the engine never saw it
+                await self._respond_cancelled(msg, rid)
+                return
             started = time.perf_counter()
             try:
                 out = await rt.engine.prefill_export(
@@ -94,7 +111,8 @@ class PrefillWorker:
                 await msg.respond(PrefillResponse(request_id=rid, error=ErrorInfo(code=code, message=str(exc))).encode())
                 return
             if out.finish_reason is FinishReason.ERROR:
-                error = ErrorInfo(code=ErrorCode.REQUEST_FAILED, message=out.error or "the engine failed this request")
+                code = out.error_code or ErrorCode.REQUEST_FAILED  # internal (retried) when its whole batch failed
+                error = ErrorInfo(code=code, message=out.error or "the engine failed this request")
                 await msg.respond(PrefillResponse(request_id=rid, error=error).encode())
                 return
             if out.queue_seconds is not None:
@@ -106,9 +124,13 @@ class PrefillWorker:
                 await msg.respond(PrefillResponse(request_id=rid, error=ErrorInfo(code=ErrorCode.CANCELLED, message="aborted")).encode())
                 return
             export = out.kv_export
+            if self.in_flight.is_cancelled(rid):  # cancelled after the engine finished it: nobody will pull
+                await rt.engine.release_export(rid)
+                await self._respond_cancelled(msg, rid)
+                return
             pool = rt.engine.engine.kv_pool
             with rt.tracer.start_as_current_span("pin") as pin_span:
-                self.pins.pin(rid, rt.worker_id.encode(), len(export.block_ids) * export.layout.block_bytes)
+                pin = self.pins.pin(rid, rt.worker_id.encode(), len(export.block_ids) * export.layout.block_bytes)
                 pin_span.set_attribute("kvmesh.blocks", len(export.block_ids))
             handle = KVHandle(
                 prefill_worker_id=rt.worker_id,
@@ -118,6 +140,8 @@ class PrefillWorker:
                 block_ids=export.block_ids,
                 num_tokens=export.num_tokens,
                 pin_key=rt.keys.pin(rt.worker_id, rid),
+                pin_token=pin.token,
+                producer_started_at=self.started_at,
             )
             response = PrefillResponse(
                 request_id=rid,
@@ -131,41 +155,72 @@ class PrefillWorker:
                 logger.warning("the answer to %s could not be sent (%s); unpinning", rid, exc)
                 await self.pins.release(rid, reason="router gone")
 
+    async def _respond_cancelled(self, msg: Msg, rid: str) -> None:
+        logger.info("prefill of %s cancelled before its pin", rid)
+        await msg.respond(PrefillResponse(request_id=rid, error=ErrorInfo(code=ErrorCode.CANCELLED, message="cancelled")).encode())
+
     async def _handle_release(self, msg: Msg) -> None:
         try:
             release = ReleaseRequest.decode(msg.data)
         except ValidationError:
             return
-        pin = await self.pins.release(release.request_id, reason="pulled" if release.ok else "pull failed")
+        pin = await self.pins.release_with_token(
+            release.request_id, release.pin_token, reason="pulled" if release.ok else "pull failed"
+        )
         if pin is not None and release.ok:
             self.runtime.bytes_served += release.bytes_pulled
 
     async def _handle_lend(self, msg: Msg) -> None:
         """A peer pulls our cached prefix blocks: hold them (under a pin, so a peer that dies
-        mid-pull cannot leak them) and say where they are."""
+        mid-pull cannot leak them) and say where they are. The borrower is the subject's
+        last token; what it may hold here at once is capped."""
         rt = self.runtime
+        layout = rt.engine.engine.kv_layout
+        borrower = Subjects.sender(msg.subject)
+        cap = max(1, int(layout.num_blocks * LEND_CAP_FRACTION))
+        block_ids: list[int] = []
+        error: ErrorInfo | None = None
+        loan_id = token = ""
         try:
             lend = KVLendRequest.decode(msg.data)
             hashes = [hash_from_hex(h) for h in lend.block_hashes]
-            block_ids = await rt.engine.lend_cached_blocks(lend.handle, hashes)
         except (ValidationError, ValueError) as exc:
-            logger.info("refusing a lend request: %s", exc)
-            block_ids, lend = [], None
-        if lend is not None and block_ids:
-            layout = rt.engine.engine.kv_layout
-            self.pins.pin(lend.handle, rt.worker_id.encode(), len(block_ids) * layout.block_bytes)
-        elif lend is not None:
-            await rt.engine.release_export(lend.handle)  # an empty hold
+            logger.info("refusing a lend request from %s: %s", borrower, exc)
+            error = ErrorInfo(code=ErrorCode.BAD_REQUEST, message=str(exc))
+        else:
+            loan_id = f"lend:{borrower}:{lend.handle}"  # never a request's id, nor another borrower's
+            held = self.pins.lent_to(borrower)
+            if loan_id in self.pins.pins:
+                error = ErrorInfo(code=ErrorCode.BAD_REQUEST, message=f"loan {lend.handle} is already held")
+            elif held >= cap:
+                logger.warning("refused a lend to %s: it holds %d blocks here, the cap is %d", borrower, held, cap)
+                error = ErrorInfo(code=ErrorCode.OVERLOADED, message=f"{borrower} holds {held} of at most {cap} lent blocks here")
+            else:
+                try:  # at most up to the cap: the borrower computes the rest
+                    block_ids = await rt.engine.lend_cached_blocks(loan_id, hashes[: cap - held])
+                except ValueError as exc:
+                    error = ErrorInfo(code=ErrorCode.BAD_REQUEST, message=str(exc))
+                if block_ids:
+                    pin = self.pins.pin(
+                        loan_id, rt.worker_id.encode(), len(block_ids) * layout.block_bytes, borrower=borrower, num_blocks=len(block_ids)
+                    )
+                    token = pin.token
+                elif error is None:
+                    await rt.engine.release_export(loan_id)  # an empty hold
         pool = rt.engine.engine.kv_pool
         reply = KVLendReply(
             block_ids=block_ids,
             transfer_endpoint=rt.agent.endpoint,
             kv_base_address=pool.base_address,
-            layout=KVLayoutSpec.from_layout(rt.engine.engine.kv_layout),
+            layout=KVLayoutSpec.from_layout(layout),
+            loan_id=loan_id if block_ids else "",
+            pin_token=token,
+            error=error,
         )
         await msg.respond(reply.encode())
 
     async def _cancel(self, request_id: str) -> None:
+        self.in_flight.cancel(request_id)
         await self.runtime.engine.abort(request_id)
         await self.pins.release(request_id, reason="cancelled")
 

@@ -1,6 +1,10 @@
 """Cross-worker prefix reuse: pull the leading blocks of a prompt that a peer already
 computed, when the pull is estimated cheaper than recomputing them, and cache them here;
-the prefill that follows finds them as prefix hits."""
+the prefill that follows finds them as prefix hits.
+
+The lender's reply is a pull plan like a KV handle: it is used only if it agrees with the
+lender's etcd record (transfer endpoint, pool address, layout) and names blocks of that
+pool, so a forged reply cannot point this worker's transfer engine anywhere else."""
 
 from __future__ import annotations
 
@@ -9,7 +13,7 @@ import time
 from dataclasses import dataclass
 
 from kvmesh.hashing import hash_to_hex
-from kvmesh.protocol import KVLendReply, KVLendRequest, PeerPrefix, ReleaseRequest
+from kvmesh.protocol import KVLendReply, KVLendRequest, PeerPrefix, ReleaseRequest, WorkerRecord
 from kvmesh.transfer.mooncake_agent import TransferError
 from kvmesh.transfer.runs import coalesce
 from kvmesh.worker.runtime import WorkerRuntime
@@ -59,22 +63,29 @@ async def borrow_prefix(rt: WorkerRuntime, cost: CostModel, request_id: str, pro
     span.set_attribute("kvmesh.compute_estimate_s", compute_s)
     if not worth:
         return 0
-    lend_handle = f"lend-{request_id}-{rt.worker_id}"
     handle = f"borrow-{request_id}"
     wanted = hashes[local:usable]
     try:
         reply_msg = await rt.nc.request(
-            rt.subjects.kv_lend(peer.worker_id),
-            KVLendRequest(handle=lend_handle, block_hashes=[hash_to_hex(h) for h in wanted]).encode(),
+            rt.subjects.kv_lend(peer.worker_id, rt.worker_id),
+            KVLendRequest(handle=request_id, block_hashes=[hash_to_hex(h) for h in wanted]).encode(),
             timeout=min(2.0, rt.timeout),
         )
         reply = KVLendReply.decode(reply_msg.data)
     except Exception as exc:  # noqa: BLE001 - no peer, no pull: compute instead
         logger.info("peer %s did not lend (%s); computing the prefix", peer.worker_id, exc)
         return 0
+    if reply.error is not None or not reply.block_ids:
+        if reply.error is not None:
+            logger.info("peer %s refused to lend (%s); computing the prefix", peer.worker_id, reply.error.message)
+        return 0
     ok, pulled_bytes = False, 0
     try:
-        if not reply.block_ids or not reply.layout.to_layout().compatible_with(engine.engine.kv_layout):
+        problem = lend_reply_problem(reply, rt.directory.workers.get(peer.worker_id) if rt.directory else None, len(wanted))
+        if problem is not None:
+            logger.warning("not pulling from %s: %s", peer.worker_id, problem)
+            return 0
+        if not reply.layout.to_layout().compatible_with(engine.engine.kv_layout):
             return 0
         local_ids = await engine.allocate_import(handle, len(reply.block_ids) * block_size)
         if local_ids is None:
@@ -101,5 +112,22 @@ async def borrow_prefix(rt: WorkerRuntime, cost: CostModel, request_id: str, pro
         span.set_attribute("kvmesh.pull_seconds", stats.seconds)
         return got
     finally:
-        release = ReleaseRequest(request_id=lend_handle, bytes_pulled=pulled_bytes, ok=ok)
+        release = ReleaseRequest(request_id=reply.loan_id, pin_token=reply.pin_token, bytes_pulled=pulled_bytes, ok=ok)
         await rt.nc.publish(rt.subjects.release(peer.worker_id), release.encode())
+
+
+def lend_reply_problem(reply: KVLendReply, lender: WorkerRecord | None, asked: int) -> str | None:
+    """Why a lend reply may not be pulled (None: it may): it must agree with the lender's
+    etcd record and name at most the blocks asked for, distinct, inside the lender's pool."""
+    if lender is None or lender.role != "prefill":
+        return "the lender is not a registered prefill worker"
+    if (lender.transfer_endpoint, lender.kv_base_address, lender.kv_layout) != (
+        reply.transfer_endpoint,
+        reply.kv_base_address,
+        reply.layout,
+    ):
+        return "the reply disagrees with the lender's registered endpoint, pool address or layout"
+    ids = reply.block_ids
+    if len(ids) > asked or len(set(ids)) != len(ids) or any(not 0 <= b < reply.layout.num_blocks for b in ids):
+        return f"the reply's block ids are not at most {asked} distinct blocks of the lender's pool"
+    return None

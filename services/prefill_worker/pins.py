@@ -8,12 +8,19 @@ them too if etcd itself is unreachable. Whatever happens, the blocks are freed o
 The etcd write happens beside the reply to the router, not before it: two etcd round trips
 would otherwise sit in every request's time to first token. Until it lands, the local
 deadline alone guards the blocks.
+
+Each pin has a random token, made with it and handed out only in the KV handle (or the
+lend reply): a release must carry it (compared in constant time), so a worker can release
+only the pins of the handles it was given. A lend's pin also names its borrower, so a
+lender can cap what it holds for each peer.
 """
 
 from __future__ import annotations
 
 import asyncio
+import hmac
 import logging
+import secrets
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
@@ -28,6 +35,9 @@ class Pin:
     request_id: str
     num_bytes: int
     deadline: float
+    token: str = ""  # the secret a release must carry
+    borrower: str | None = None  # a lend's: the peer it is held for
+    num_blocks: int = 0
     lease_id: int | None = None  # set once the etcd key is written
 
 
@@ -64,9 +74,11 @@ class PinTable:
         for request_id in list(self.pins):
             await self.release(request_id, reason="shutdown")
 
-    def pin(self, request_id: str, value: bytes, num_bytes: int) -> Pin:
+    def pin(self, request_id: str, value: bytes, num_bytes: int, *, borrower: str | None = None, num_blocks: int = 0) -> Pin:
         """Hold a request's blocks from now; the etcd key follows in the background."""
-        pin = Pin(request_id, num_bytes, time.monotonic() + self.ttl + 5)
+        pin = Pin(
+            request_id, num_bytes, time.monotonic() + self.ttl + 5, secrets.token_urlsafe(16), borrower, num_blocks
+        )
         self.pins[request_id] = pin
         task = asyncio.create_task(self._write(pin, value), name=f"pin {request_id}")
         self._writes.add(task)
@@ -83,6 +95,20 @@ class PinTable:
         pin.lease_id = lease_id
         if self.pins.get(pin.request_id) is not pin:  # released while the write was in flight
             await self._revoke(lease_id)
+
+    def lent_to(self, borrower: str) -> int:
+        """Blocks held now for ``borrower``'s pulls."""
+        return sum(pin.num_blocks for pin in self.pins.values() if pin.borrower == borrower)
+
+    async def release_with_token(self, request_id: str, token: str, *, reason: str) -> Pin | None:
+        """``release``, if ``token`` is the pin's own; else nothing happens (and a line says so)."""
+        pin = self.pins.get(request_id)
+        if pin is None:
+            return None
+        if not hmac.compare_digest(pin.token.encode(), token.encode()):
+            logger.warning("refused a release of %s: wrong pin token", request_id)
+            return None
+        return await self.release(request_id, reason=reason)
 
     async def release(self, request_id: str, *, reason: str) -> Pin | None:
         """Free a pin's blocks (once) and drop its lease; ``None`` if it was already gone."""

@@ -11,7 +11,7 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
 from kvmesh.errors import ErrorCode, MeshError, is_retryable
-from kvmesh.protocol import TokenEvent
+from kvmesh.protocol import DecodeAck, TokenEvent
 from kvmesh.worker.settings import MeshSettings
 
 OVERLOADED_BACKOFF = 0.25  # seconds before retrying a request a worker had no room for
@@ -26,6 +26,14 @@ class WorkerGone:
     worker_id: str
 
 
+@dataclass(slots=True, frozen=True)
+class NoResponders:
+    """Put in an attempt's queue when NATS says nobody took its work (a 503 status on the
+    reply subject of that phase)."""
+
+    phase: str
+
+
 @dataclass(slots=True)
 class Attempt:
     """One try of a request. Everything it waits for arrives in ``events``: the decode
@@ -36,6 +44,7 @@ class Attempt:
     decode_worker: str
     prefill_worker: str | None
     deadline: float  # the request's own, on the event loop's clock
+    key: str = ""  # random: the token of its stream subjects (``Subjects.stream``)
     stage: str = "prefill"  # then "decode"
     events: asyncio.Queue = field(default_factory=asyncio.Queue)
     last_heard: float = field(default_factory=lambda: asyncio.get_running_loop().time())
@@ -122,6 +131,11 @@ async def events_in_order(attempt: Attempt, mesh: MeshSettings) -> AsyncIterator
         item = await next_item(attempt, mesh, attempt.decode_worker, gap_deadline)
         if item is None:
             raise Retry(f"token event {expected} from {attempt.decode_worker} was lost", attempt.decode_worker, exclude=False)
+        if isinstance(item, NoResponders) and item.phase == "decode":
+            raise Retry(f"decode on {attempt.decode_worker}: no responders", attempt.decode_worker, incarnation=attempt.incarnation(attempt.decode_worker))
+        if isinstance(item, DecodeAck):
+            _check_ack(attempt, item)
+            continue
         if not isinstance(item, TokenEvent):
             continue  # a late prefill reply
         if item.seq < expected:
@@ -149,3 +163,19 @@ async def events_in_order(attempt: Attempt, mesh: MeshSettings) -> AsyncIterator
             gap_deadline = None
         elif gap_deadline is None:
             gap_deadline = loop.time() + LOST_EVENT_TIMEOUT
+
+
+def _check_ack(attempt: Attempt, ack: DecodeAck) -> None:
+    """A decode worker that refused the work: retried elsewhere unless the request itself
+    is at fault."""
+    if ack.accepted:
+        return
+    error = ack.error
+    if error is None or is_retryable(error.code):
+        raise Retry(
+            f"decode on {attempt.decode_worker} refused: {error.message if error else '?'}",
+            attempt.decode_worker,
+            exclude=error is None or error.code is not ErrorCode.OVERLOADED,
+            incarnation=attempt.incarnation(attempt.decode_worker),
+        )
+    raise MeshError(error.code, error.message)

@@ -2,8 +2,11 @@
 
 For each request: pick a prefill worker (if any is alive) and a decode worker, ask the
 prefill worker for the first token and a KV handle, hand the handle to the decode worker
-with a reply subject this router listens on, then yield the numbered token events in
-order. A failure anywhere (a worker killed or silent, a pull that fails) is retried on
+and yield the numbered token events in order. Each work request is published with a
+reply subject of this router's (``stream.<router>.<random key>.<phase>``), and the worker
+answers there, progress and tokens alike: NATS lets a worker publish to a reply subject only
+as a response to a message it received, so a worker can speak only into the streams it was
+handed. A failure anywhere (a worker killed or silent, a pull that fails) is retried on
 other workers, resuming from the tokens already sent; the waiting itself is
 ``attempts``. Leaving the stream early cancels the request on the workers.
 """
@@ -13,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import secrets
 import uuid
 from collections.abc import AsyncGenerator, AsyncIterator
 
@@ -32,8 +36,9 @@ from kvmesh.engine.model.config import ModelConfig
 from kvmesh.engine.tokenizer import Tokenizer
 from kvmesh.errors import ErrorCode, MeshError, is_retryable
 from kvmesh.protocol import (
+    STREAM_KINDS,
+    STREAM_MESSAGE,
     CancelRequest,
-    DecodeAck,
     DecodeRequest,
     Keys,
     KVQuery,
@@ -42,7 +47,9 @@ from kvmesh.protocol import (
     PeerPrefix,
     PrefillRequest,
     PrefillResponse,
+    Progress,
     SamplingSpec,
+    StreamPhase,
     Subjects,
     TokenEvent,
     WorkerRecord,
@@ -54,6 +61,7 @@ from kvmesh.services.router.attempts import (
     DRAINED_GRACE,
     OVERLOADED_BACKOFF,
     Attempt,
+    NoResponders,
     Retry,
     WorkerGone,
     events_in_order,
@@ -98,7 +106,8 @@ class MeshBackend:
         self.scorer = load_scorer_config(routing_config)  # how prefill workers are chosen
         self.kv_query_timeout = kv_query_timeout
         self.worker_wait = worker_wait  # seconds a request waits for a decode worker to come back
-        self._attempts: dict[str, Attempt] = {}
+        self._attempts: dict[str, Attempt] = {}  # by attempt id
+        self._streams: dict[str, Attempt] = {}  # by the random key of its stream subjects
         self._tracer = tracer("kvmesh.router")
         self.nc: nats.NATS
         self.store: EtcdStore
@@ -106,14 +115,13 @@ class MeshBackend:
 
     async def start(self) -> None:
         self.nc, self.store = await connect_mesh(self.mesh, f"router-{self.router_id}")
-        self.directory = WorkerDirectory(self.store, self.keys)
+        self.directory = WorkerDirectory(self.store, self.keys, max_model_len=self._model_max_len)
         self.directory.on_change(self._worker_changed)
         await self.directory.start()
         from kvmesh.security.senders import from_own_subject  # a load report only on its worker's own subject
 
         await self.nc.subscribe(self.subjects.load, cb=from_own_subject(self._handle_load, LoadReport))
-        await self.nc.subscribe(self.subjects.stream(self.router_id, "*"), cb=self._handle_event)
-        await self.nc.subscribe(self.subjects.progress(self.router_id, "*"), cb=self._handle_progress)
+        await self.nc.subscribe(self.subjects.streams_of(self.router_id), cb=self._handle_stream)
 
     async def close(self) -> None:
         await self.directory.stop()
@@ -149,22 +157,28 @@ class MeshBackend:
         except ValidationError:
             logger.debug("malformed load report")
 
-    async def _handle_event(self, msg: Msg) -> None:
-        attempt = self._attempts.get(msg.subject.rsplit(".", 1)[-1])
-        if attempt is None:
+    async def _handle_stream(self, msg: Msg) -> None:
+        """A worker's answer on one of our attempts' stream subjects: progress (heard), the
+        prefill's response, the decode ack or a token event (queued), or NATS's word that
+        nobody took the work (a 503 status)."""
+        key, phase = msg.subject.rsplit(".", 2)[-2:]
+        attempt = self._streams.get(key)
+        if attempt is None or phase not in STREAM_KINDS:
+            return
+        if msg.headers and msg.headers.get("Status") == "503":
+            attempt.events.put_nowait(NoResponders(phase))
             return
         try:
-            event = TokenEvent.decode(msg.data)
+            message = STREAM_MESSAGE.validate_json(msg.data)
         except ValidationError:
-            logger.warning("malformed token event on %s", msg.subject)
+            logger.warning("malformed message on %s", msg.subject)
+            return
+        if not isinstance(message, STREAM_KINDS[phase]) or message.request_id != attempt.attempt_id:
+            logger.warning("dropped a %s on %s: not what that stream carries", type(message).__name__, msg.subject)
             return
         attempt.heard()
-        attempt.events.put_nowait(event)
-
-    async def _handle_progress(self, msg: Msg) -> None:
-        attempt = self._attempts.get(msg.subject.rsplit(".", 1)[-1])
-        if attempt is not None:
-            attempt.heard()
+        if not isinstance(message, Progress):
+            attempt.events.put_nowait(message)
 
     def _worker_changed(self, worker_id: str, record: WorkerRecord | None) -> None:
         if record is not None:
@@ -279,21 +293,19 @@ class MeshBackend:
         span.set_attribute("kvmesh.decode_worker", decode.worker.worker_id)
         span.set_attribute("kvmesh.decode_choice", decode.reason)
         span.set_attribute("kvmesh.prefill_worker", prefill.worker.worker_id if prefill else "")
-        request = DecodeRequest(
-            request_id=attempt_id,
-            prompt_token_ids=prompt,
-            sampling=sampling,
-            reply_subject=self.subjects.stream(self.router_id, attempt_id),
-            progress_subject=self.subjects.progress(self.router_id, attempt_id),
-            resumed=resumed,
-        )
+        request = DecodeRequest(request_id=attempt_id, prompt_token_ids=prompt, sampling=sampling, resumed=resumed)
         attempt = Attempt(
-            attempt_id, decode.worker.worker_id, prefill.worker.worker_id if prefill else None, deadline
+            attempt_id,
+            decode.worker.worker_id,
+            prefill.worker.worker_id if prefill else None,
+            deadline,
+            key=secrets.token_urlsafe(16),
         )
         attempt.incarnations[decode.worker.worker_id] = decode.worker.started_at
         if prefill is not None:
             attempt.incarnations[prefill.worker.worker_id] = prefill.worker.started_at
         self._attempts[attempt_id] = attempt
+        self._streams[attempt.key] = attempt
         self.board.add(decode.worker.worker_id, 1)
         finished = False
         try:
@@ -317,7 +329,7 @@ class MeshBackend:
                 )
             attempt.stage = "decode"
             attempt.heard()
-            await self._start_decode(decode.worker, request, ctx)
+            await self._start_decode(decode.worker, attempt, request, ctx)
             async for event in events_in_order(attempt, self.mesh):
                 finished = event.finished
                 if first_sent and event.token_ids:  # the decode side starts with the prefill's token
@@ -327,6 +339,7 @@ class MeshBackend:
         finally:
             self.board.add(decode.worker.worker_id, -1)
             self._attempts.pop(attempt_id, None)
+            self._streams.pop(attempt.key, None)
             if not finished:
                 await self._cancel(attempt_id)
 
@@ -437,31 +450,25 @@ class MeshBackend:
                     prompt_token_ids=prompt,
                     sampling=sampling,
                     peer=peer,
-                    progress_subject=self.subjects.progress(self.router_id, attempt.attempt_id),
                     resumed=resumed,
                 ).encode()
                 self._check_size(payload, "the prefill request")
-                timeout = max(0.1, attempt.deadline - asyncio.get_running_loop().time())
-                reply = asyncio.ensure_future(
-                    self.nc.request(worker.subject, payload, timeout=timeout, headers=inject_headers())
-                )
-                reply.add_done_callback(attempt.events.put_nowait)
+                attempt.heard()
                 try:
-                    while True:
-                        item = await next_item(attempt, self.mesh, worker.worker_id)
-                        if item is reply:
-                            msg = reply.result()
-                            break
-                except (TimeoutError, nats.errors.Error) as exc:
+                    await self.nc.publish(
+                        worker.subject, payload, reply=self._stream(attempt, "prefill"), headers=inject_headers()
+                    )
+                except nats.errors.Error as exc:
                     raise Retry(f"prefill on {worker.worker_id}: {type(exc).__name__}", worker.worker_id, incarnation=worker.started_at) from None
-                finally:
-                    reply.cancel()
+                while True:
+                    item = await next_item(attempt, self.mesh, worker.worker_id)
+                    if isinstance(item, NoResponders) and item.phase == "prefill":
+                        raise Retry(f"prefill on {worker.worker_id}: no responders", worker.worker_id, incarnation=worker.started_at)
+                    if isinstance(item, PrefillResponse):
+                        response = item
+                        break
         finally:
             self.board.add(worker.worker_id, -1)
-        try:
-            response = PrefillResponse.decode(msg.data)
-        except ValidationError:
-            raise Retry(f"prefill on {worker.worker_id}: a malformed reply", worker.worker_id, incarnation=worker.started_at) from None
         if response.error is not None:
             if is_retryable(response.error.code):
                 busy = response.error.code is ErrorCode.OVERLOADED
@@ -471,24 +478,18 @@ class MeshBackend:
             raise Retry(f"prefill on {worker.worker_id} answered without a first token and KV", worker.worker_id, incarnation=worker.started_at)
         return response
 
-    async def _start_decode(self, worker: WorkerRecord, request: DecodeRequest, ctx) -> None:
+    async def _start_decode(self, worker: WorkerRecord, attempt: Attempt, request: DecodeRequest, ctx) -> None:
+        """Send the work; its ack and events come on the attempt's decode stream
+        (``events_in_order``), a worker that never answers is given up on by silence."""
         payload = request.encode()
         self._check_size(payload, "the decode request")
         try:
-            msg = await self.nc.request(
-                worker.subject, payload, timeout=min(5.0, self.mesh.request_timeout), headers=inject_headers(ctx)
-            )
-        except (TimeoutError, nats.errors.Error) as exc:
+            await self.nc.publish(worker.subject, payload, reply=self._stream(attempt, "decode"), headers=inject_headers(ctx))
+        except nats.errors.Error as exc:
             raise Retry(f"decode on {worker.worker_id}: {type(exc).__name__}", worker.worker_id, incarnation=worker.started_at) from None
-        try:
-            ack = DecodeAck.decode(msg.data)
-        except ValidationError:
-            raise Retry(f"decode on {worker.worker_id}: a malformed ack", worker.worker_id, incarnation=worker.started_at) from None
-        if not ack.accepted:
-            error = ack.error
-            if error is None or is_retryable(error.code):
-                raise Retry(f"decode on {worker.worker_id} refused: {error.message if error else '?'}", worker.worker_id, incarnation=worker.started_at)
-            raise MeshError(error.code, error.message)
+
+    def _stream(self, attempt: Attempt, phase: StreamPhase) -> str:
+        return self.subjects.stream(self.router_id, attempt.key, phase)
 
     def _check_size(self, payload: bytes, what: str) -> None:
         """A message NATS would refuse is refused here, before it is sent."""

@@ -11,7 +11,7 @@ import re
 
 from typing import Annotated, Literal
 
-from pydantic import BaseModel, BeforeValidator, ConfigDict, Field
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, TypeAdapter
 
 from kvmesh.engine.kv_layout import KVLayout
 from kvmesh.errors import ErrorCode, as_error_code
@@ -19,6 +19,7 @@ from kvmesh.engine.request import SamplingParams
 
 Role = Literal["prefill", "decode", "router", "kv-metadata"]
 Stage = Literal["prefill", "pull", "decode"]  # where a request is on a worker (``Progress``)
+StreamPhase = Literal["prefill", "decode"]  # which worker of an attempt a stream subject is for
 
 
 # --------------------------------------------------------------------------- subjects
@@ -39,7 +40,9 @@ class Subjects:
         return f"{self.root}.decode" + (f".{worker_id}" if worker_id else "")
 
     def release(self, prefill_worker_id: str) -> str:
-        """Decode -> prefill: the pinned blocks of a request were pulled (or given up)."""
+        """Decode -> prefill: the pinned blocks of a request were pulled (or given up); the
+        release carries the pin's token from the handle, so only a holder of the handle
+        may release it."""
         return f"{self.root}.release.{prefill_worker_id}"
 
     @property
@@ -79,9 +82,11 @@ class Subjects:
         """Request/reply: every block a worker holds now, to resync after a gap."""
         return f"{self.root}.kv.snapshot.{worker_id}"
 
-    def kv_lend(self, worker_id: str) -> str:
-        """Request/reply: a peer's cached blocks, held for a pull (released on ``release``)."""
-        return f"{self.root}.kv.lend.{worker_id}"
+    def kv_lend(self, lender_id: str, borrower_id: str) -> str:
+        """Request/reply: a peer's cached blocks, held for a pull (released on ``release``).
+        The borrower is named by the subject's last token, which NATS lets a worker set
+        only to its own id; the lender caps what it holds for each borrower."""
+        return f"{self.root}.kv.lend.{lender_id}.{borrower_id}"
 
     @property
     def kv_query(self) -> str:
@@ -92,14 +97,16 @@ class Subjects:
     def kv_stats(self) -> str:
         return f"{self.root}.kv.stats"
 
-    def stream(self, router_id: str, request_id: str) -> str:
-        """Decode -> router: one request's token events."""
-        return f"{self.root}.stream.{router_id}.{request_id}"
+    def stream(self, router_id: str, attempt_key: str, phase: StreamPhase) -> str:
+        """Worker -> router: everything about one attempt's phase (``StreamMessage``s). It
+        is the NATS reply subject of the work request, so a worker may publish there only
+        as a response to the request it was handed (``allow_responses``); ``attempt_key``
+        is random besides."""
+        return f"{self.root}.stream.{router_id}.{attempt_key}.{phase}"
 
-    def progress(self, router_id: str, request_id: str) -> str:
-        """Workers -> router: a request is alive and being worked on (``Progress``), so the
-        router tells a long prefill from a dead or cut-off worker."""
-        return f"{self.root}.progress.{router_id}.{request_id}"
+    def streams_of(self, router_id: str) -> str:
+        """What a router subscribes to: every stream of its own attempts."""
+        return f"{self.root}.stream.{router_id}.>"
 
 
 def rate_limit_bucket(namespace: str) -> str:
@@ -214,6 +221,8 @@ class KVHandle(Message):
     block_ids: tuple[int, ...]
     num_tokens: int
     pin_key: str
+    pin_token: str  # a secret of the pin, made with it: a release must carry it
+    producer_started_at: float  # the producer's incarnation (``WorkerRecord.started_at``)
 
 
 class PeerPrefix(Message):
@@ -228,14 +237,15 @@ class PrefillRequest(Message):
     prompt_token_ids: list[int]
     sampling: SamplingSpec
     peer: PeerPrefix | None = None  # pull the prefix from this peer when cheaper than recomputing
-    progress_subject: str | None = None  # where to say "still working on it" (``Progress``)
     resumed: bool = False  # a retry (its first worker died): queued before new requests
+    # Answered on the message's NATS reply subject: ``Progress`` while working, then one
+    # ``PrefillResponse``.
 
 
 class KVLendRequest(Message):
     """Prefill -> peer: hold the leading cached blocks of this chain for me to read."""
 
-    handle: str
+    handle: str  # the borrower's name for the loan (the lender prefixes it with the borrower)
     block_hashes: list[str]
 
 
@@ -244,9 +254,13 @@ class KVLendReply(Message):
     transfer_endpoint: str
     kv_base_address: int
     layout: KVLayoutSpec
+    loan_id: str = ""  # what to release (``ReleaseRequest.request_id``)
+    pin_token: str = ""  # and with what secret
+    error: ErrorInfo | None = None  # refused (e.g. this borrower holds its cap already)
 
 
 class PrefillResponse(Message):
+    kind: Literal["prefill"] = "prefill"
     request_id: str
     first_token_id: int | None = None
     num_cached_tokens: int = 0
@@ -260,15 +274,16 @@ class DecodeRequest(Message):
     request_id: str
     prompt_token_ids: list[int]
     sampling: SamplingSpec
-    reply_subject: str
     first_token_id: int | None = None  # with kv: the token the prefill sampled
     kv: KVHandle | None = None  # None: the decode worker prefills itself
     prefill_cached_tokens: int = 0  # with kv: prompt tokens the prefill found in its cache
-    progress_subject: str | None = None  # where to say "still working on it" (``Progress``)
     resumed: bool = False  # a retry (its first worker died): admitted before new requests
+    # Answered on the message's NATS reply subject: a ``DecodeAck``, ``Progress`` while
+    # working, and the ``TokenEvent``s.
 
 
 class DecodeAck(Message):
+    kind: Literal["ack"] = "ack"
     request_id: str
     accepted: bool
     error: ErrorInfo | None = None
@@ -277,6 +292,7 @@ class DecodeAck(Message):
 class TokenEvent(Message):
     """One step of a request's output, to the router's reply subject, numbered from 0."""
 
+    kind: Literal["token"] = "token"
     request_id: str
     seq: int
     token_ids: list[int] = Field(default_factory=list)
@@ -292,6 +308,7 @@ class Progress(Message):
     """A worker still holds a request and its engine is stepping; sent every heartbeat
     interval while the request is queued, prefilled, pulled or decoded there."""
 
+    kind: Literal["progress"] = "progress"
     request_id: str
     worker_id: str
     stage: Stage
@@ -299,8 +316,15 @@ class Progress(Message):
 
 class ReleaseRequest(Message):
     request_id: str
+    pin_token: str  # the pin's secret, from the handle (or the lend reply)
     bytes_pulled: int = 0
     ok: bool = True
+
+
+StreamMessage = Annotated[PrefillResponse | DecodeAck | Progress | TokenEvent, Field(discriminator="kind")]
+STREAM_MESSAGE: TypeAdapter[PrefillResponse | DecodeAck | Progress | TokenEvent] = TypeAdapter(StreamMessage)
+# What may arrive on a stream subject of each phase (anything else there is dropped).
+STREAM_KINDS: dict[str, tuple[type[Message], ...]] = {"prefill": (PrefillResponse, Progress), "decode": (DecodeAck, Progress, TokenEvent)}
 
 
 class CancelRequest(Message):

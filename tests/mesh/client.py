@@ -8,7 +8,7 @@ from collections.abc import Awaitable, Callable
 import httpx
 import nats
 
-from kvmesh.protocol import Subjects, WorkerStats
+from kvmesh.protocol import STREAM_MESSAGE, Message, Progress, Subjects, TokenEvent, WorkerStats
 
 
 async def post(base_url: str, path: str, body: dict, timeout: float = 120.0) -> httpx.Response:
@@ -61,3 +61,23 @@ async def worker_stats(nats_url: str, namespace: str, worker_id: str) -> WorkerS
         return WorkerStats.decode(reply.data)
     finally:
         await nc.close()
+
+
+async def send_work(nc: nats.NATS, subject: str, payload: bytes, reply: str, *, timeout: float = 30.0) -> list[Message]:
+    """Send work as a router does (answers on ``reply``) and collect what comes back,
+    progress left out, up to a prefill response or a decode stream's last token event."""
+    subscription = await nc.subscribe(reply)
+    try:
+        await nc.publish(subject, payload, reply=reply)
+        answers: list[Message] = []
+        while True:
+            message = STREAM_MESSAGE.validate_json((await subscription.next_msg(timeout=timeout)).data)
+            if isinstance(message, Progress):
+                continue
+            answers.append(message)
+            if message.kind == "prefill" or (isinstance(message, TokenEvent) and message.finished):
+                return answers
+            if message.kind == "ack" and not message.accepted:  # type: ignore[attr-defined]
+                return answers
+    finally:
+        await subscription.unsubscribe()

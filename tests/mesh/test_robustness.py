@@ -28,7 +28,7 @@ from kvmesh.protocol import (
     Subjects,
     TokenEvent,
 )
-from tests.mesh.client import post
+from tests.mesh.client import post, send_work
 from tests.mesh.meshes import MODEL, assert_pools_at_baseline, make_mesh
 
 pytestmark = pytest.mark.slow
@@ -95,36 +95,34 @@ async def test_workers_keep_their_transfer_listeners_in_the_given_range(mesh, tr
 
 async def test_an_inconsistent_decode_request_is_refused_and_leaks_nothing(mesh):
     """A handle whose token count disagrees with its blocks (and one naming another
-    endpoint) used to leak its blocks for good; now it is refused before allocation."""
+    endpoint, or blocks outside the producer's pool) used to leak its blocks for good; now
+    it is refused before allocation. A handle from an earlier incarnation of its producer
+    is kv_lost (retried elsewhere), not a bad request."""
     subjects = Subjects("default")
     nc = await nats.connect(mesh.nats.url, connect_timeout=5)
     try:
         prompt = list(range(100, 150))  # 50 tokens: 4 blocks of 16
         prefill = PrefillRequest(request_id="forged-1", prompt_token_ids=prompt, sampling=SamplingSpec(max_tokens=4))
-        reply = await nc.request(subjects.prefill("prefill-1"), prefill.encode(), timeout=30)
-        handle = PrefillResponse.decode(reply.data)
-        assert handle.kv is not None and len(handle.kv.block_ids) == 4
+        [handle] = await send_work(nc, subjects.prefill("prefill-1"), prefill.encode(), subjects.stream("test", "p", "prefill"))
+        assert isinstance(handle, PrefillResponse) and handle.kv is not None and len(handle.kv.block_ids) == 4
         bad_handles = [
-            handle.kv.model_copy(update={"num_tokens": 20}),  # 20 tokens in 4 blocks
-            handle.kv.model_copy(update={"transfer_endpoint": "127.0.0.1:1"}),
-            handle.kv.model_copy(update={"block_ids": (0, 1, 2, 10_000)}),
+            (handle.kv.model_copy(update={"num_tokens": 20}), "bad_request"),  # 20 tokens in 4 blocks
+            (handle.kv.model_copy(update={"transfer_endpoint": "127.0.0.1:1"}), "bad_request"),
+            (handle.kv.model_copy(update={"block_ids": (0, 1, 2, 10_000)}), "bad_request"),
+            (handle.kv.model_copy(update={"producer_started_at": handle.kv.producer_started_at - 60}), "kv_lost"),
         ]
-        for number, kv in enumerate(bad_handles):
-            inbox = subjects.stream("test", f"forged-{number}")  # the only subjects a worker may stream to
-            events = await nc.subscribe(inbox)
+        for number, (kv, code) in enumerate(bad_handles):
             request = DecodeRequest(
                 request_id="forged-1",
                 prompt_token_ids=prompt,
                 sampling=SamplingSpec(max_tokens=4),
-                reply_subject=inbox,
                 first_token_id=handle.first_token_id,
                 kv=kv,
             )
-            ack = DecodeAck.decode((await nc.request(subjects.decode("decode-2"), request.encode(), timeout=10)).data)
-            assert ack.accepted
-            event = TokenEvent.decode((await events.next_msg(timeout=10)).data)
-            assert event.finished and event.error is not None and event.error.code == "bad_request", event
-            await events.unsubscribe()
+            ack, event = await send_work(nc, subjects.decode("decode-2"), request.encode(), subjects.stream("test", str(number), "decode"))
+            assert isinstance(ack, DecodeAck) and ack.accepted
+            assert isinstance(event, TokenEvent) and event.finished and event.error is not None, event
+            assert event.error.code == code, event
     finally:
         await nc.close()
     # The refused pull released the prefill's pin (ok=False), and nothing is held anywhere.

@@ -1,6 +1,8 @@
 """Who may do what on a mesh started with LocalMesh's defaults (auth on): nobody anonymous
-gets into NATS or etcd, a worker's credentials speak only for that worker, a forged KV batch
-naming another worker is dropped, and the mesh still answers as before (issue #8)."""
+gets into NATS or etcd, a worker's credentials speak only for that worker and only into the
+streams it was handed, a release needs its pin's token, a lender caps what one peer may
+hold, a forged KV batch naming another worker is dropped, implausible worker records are
+not used, and the mesh still answers as before (issue #8)."""
 
 from __future__ import annotations
 
@@ -15,18 +17,28 @@ import pytest
 from kvmesh.cluster.etcd_store import ClusterError, EtcdStore
 from kvmesh.infra.local_mesh import LocalMesh, MeshOptions
 from kvmesh.protocol import (
+    STREAM_MESSAGE,
     KVEventBatch,
     KVEventSpec,
     KVIndexStats,
     KVQuery,
     KVQueryReply,
     Keys,
+    KVLendReply,
+    KVLendRequest,
+    KVSnapshot,
     LoadReport,
+    PrefillRequest,
+    PrefillResponse,
+    ReleaseRequest,
+    SamplingSpec,
     Subjects,
+    TokenEvent,
     WorkerRecord,
 )
 from kvmesh.security.credentials import load_credentials
-from tests.mesh.client import post
+from tests.mesh.client import post, send_work, stream, streamed_text, worker_stats
+from tests.mesh.meshes import assert_pools_at_baseline
 
 pytestmark = pytest.mark.slow
 
@@ -126,7 +138,7 @@ async def test_a_worker_speaks_only_for_itself_on_nats(mesh, first_answer):
         ]
         for subject in forged:
             await worker.nc.publish(subject, b"forged")
-        await worker.nc.publish(S.progress("nobody", "x"), b"forged")  # allowed: shows what arrives does
+        await worker.nc.publish(S.load_from("decode-2"), b"forged")  # allowed: shows what arrives does
         spied = [S.kv_events, f"{S.root}.stream.>"]  # nor may it read others' events or any stream
         for subject in spied:
             await worker.nc.subscribe(subject, cb=watch)
@@ -138,7 +150,7 @@ async def test_a_worker_speaks_only_for_itself_on_nats(mesh, first_answer):
         deadline = time.monotonic() + 5
         while not seen and time.monotonic() < deadline:
             await asyncio.sleep(0.05)
-        assert seen == [S.progress("nobody", "x")]  # nothing forged got through
+        assert seen == [S.load_from("decode-2")]  # nothing forged got through
         assert worker.nc.is_connected  # a refused publish does not cut the connection
     finally:
         await worker.nc.close()
@@ -224,3 +236,171 @@ async def test_the_mesh_still_answers_as_before(mesh, first_answer, tmp_path):
         assert response.json()["choices"][0]["text"] == first_answer
     finally:
         await asyncio.to_thread(anonymous.stop)
+
+
+async def wait_for_line(process, needle: str, timeout: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout
+    while needle not in process.tail(100):
+        assert time.monotonic() < deadline, process.tail(100)
+        await asyncio.sleep(0.05)
+
+
+async def test_a_worker_cannot_stream_into_a_request_it_was_not_handed(mesh, first_answer):
+    """Streams are the NATS reply subjects of the work: the decode worker handed the work
+    answers there, and nobody else may, though they know the subject (here an admin spy
+    tells them) and the attempt id. Before, any worker could publish on stream.>."""
+    admin = await nats.connect(mesh.nats.url, connect_timeout=5)
+    attackers = [await Connection().open(mesh, "decode-2"), await Connection().open(mesh, "prefill-1")]
+    forged_on: list[str] = []
+
+    async def forge(msg) -> None:
+        if not msg.subject.endswith(".decode") or forged_on:
+            return
+        forged_on.append(msg.subject)
+        attempt_id = STREAM_MESSAGE.validate_json(msg.data).request_id
+        for attacker in attackers:
+            for seq in range(8):
+                event = TokenEvent(request_id=attempt_id, seq=seq, token_ids=[1234], text="EVIL", finished=seq == 7)
+                await attacker.nc.publish(msg.subject, event.encode())
+            await attacker.nc.flush()
+
+    await admin.subscribe(f"{S.root}.stream.>", cb=forge)
+    try:
+        await asyncio.sleep(0.2)  # the spy's subscription reaches the server
+        events = await stream(mesh.base_url, "/v1/completions", GREEDY)
+        assert streamed_text(events) == first_answer  # the honest answer, nothing forged in it
+        assert len(forged_on) == 1, forged_on
+        for attacker in attackers:
+            refused = await attacker.refused("permissions violation for publish", 8)
+            assert {e.rsplit(" ", 1)[-1].strip('"') for e in refused} == {forged_on[0].lower()}
+            assert attacker.nc.is_connected
+    finally:
+        for attacker in attackers:
+            await attacker.nc.close()
+        await admin.close()
+
+
+async def test_a_worker_cannot_give_itself_the_right_to_answer_into_a_stream(mesh):
+    """A worker publishing to a subject it subscribes to, with a victim's stream as the reply
+    subject, would be handed a response right there; those subjects are denied, and a
+    lend may name only its sender as the borrower."""
+    prefill = await Connection().open(mesh, "prefill-1")
+    decode = await Connection().open(mesh, "decode-2")
+    victim = S.stream("router", "key", "decode")
+    try:
+        refused_prefill = [S.release("prefill-1"), S.kv_lend("prefill-1", "prefill-1"), S.kv_lend("prefill-9", "decode-2")]
+        for subject in refused_prefill:
+            await prefill.nc.publish(subject, b"{}", reply=victim)
+        refused_decode = [S.kv_lend("prefill-1", "decode-2"), S.stream("router", "key", "prefill")]
+        for subject in refused_decode:
+            await decode.nc.publish(subject, b"{}", reply=victim)
+        for connection, subjects in ((prefill, refused_prefill), (decode, refused_decode)):
+            await connection.nc.flush()
+            refused = await connection.refused("permissions violation for publish", len(subjects))
+            assert sorted(e.rsplit(" ", 1)[-1].strip('"') for e in refused) == sorted(x.lower() for x in subjects)
+    finally:
+        await prefill.nc.close()
+        await decode.nc.close()
+
+
+async def test_a_release_needs_its_pins_token(mesh):
+    """Any worker may publish on release.<prefill>, so a release counts only with the token
+    the pin was made with, which only the handle carries. Before, decode-2's credentials
+    (or any worker's) freed another request's pinned blocks under a pull in progress."""
+    admin = await nats.connect(mesh.nats.url, connect_timeout=5)
+    worker = await Connection().open(mesh, "decode-2")
+    try:
+        prefill = PrefillRequest(request_id="pinned-1", prompt_token_ids=list(range(300, 340)), sampling=SamplingSpec(max_tokens=4))
+        [answer] = await send_work(admin, S.prefill("prefill-1"), prefill.encode(), S.stream("test", "pin", "prefill"))
+        assert isinstance(answer, PrefillResponse) and answer.kv is not None
+        assert (await worker_stats(mesh.nats.url, "default", "prefill-1")).pins == 1
+        for guess in ("", "guessed", answer.kv.pin_token[:-1] + "x"):
+            await worker.nc.publish(S.release("prefill-1"), ReleaseRequest(request_id="pinned-1", pin_token=guess).encode())
+        await worker.nc.flush()
+        await wait_for_line(mesh.workers["prefill-1"], "refused a release of pinned-1: wrong pin token")
+        assert (await worker_stats(mesh.nats.url, "default", "prefill-1")).pins == 1
+        honest = ReleaseRequest(request_id="pinned-1", pin_token=answer.kv.pin_token, ok=False)
+        await worker.nc.publish(S.release("prefill-1"), honest.encode())  # as the handle's holder
+        await worker.nc.flush()
+        await assert_pools_at_baseline(mesh, ["prefill-1"])
+        assert worker.errors == []
+    finally:
+        await worker.nc.close()
+        await admin.close()
+
+
+async def test_a_flood_of_lends_from_one_peer_pins_at_most_its_cap(mesh, first_answer):
+    """Twenty lends per cached block from one borrower (the sniffing attack of issue #8
+    pinned 45 of a worker's 364 free blocks until the pin TTL): the lender holds at most a
+    quarter of its pool for that borrower and refuses the rest by name; another borrower is
+    still lent to, and every loan is released with its token."""
+    admin = await nats.connect(mesh.nats.url, connect_timeout=5)
+    try:
+        snapshot = KVSnapshot.decode((await admin.request(S.kv_snapshot("prefill-1"), b"", timeout=5)).data)
+        assert snapshot.block_hashes
+        stats = await worker_stats(mesh.nats.url, "default", "prefill-1")
+        cap = stats.num_blocks // 4
+        loans: list[KVLendReply] = []
+        refusals: list[KVLendReply] = []
+        for number in range(20 * len(snapshot.block_hashes)):
+            block = snapshot.block_hashes[number % len(snapshot.block_hashes)]
+            request = KVLendRequest(handle=f"flood-{number}", block_hashes=[block])
+            reply = KVLendReply.decode((await admin.request(S.kv_lend("prefill-1", "mallory"), request.encode(), timeout=5)).data)
+            (refusals if reply.error else loans).append(reply)
+        assert sum(len(loan.block_ids) for loan in loans) == cap < 20 * len(snapshot.block_hashes)
+        assert refusals and {r.error.code for r in refusals if r.error} == {"overloaded"}
+        assert refusals[0].error is not None and refusals[0].error.message == f"mallory holds {cap} of at most {cap} lent blocks here"
+        other = KVLendRequest(handle="alice-1", block_hashes=[snapshot.block_hashes[0]])
+        alice = KVLendReply.decode((await admin.request(S.kv_lend("prefill-1", "alice"), other.encode(), timeout=5)).data)
+        assert alice.error is None and len(alice.block_ids) == 1
+        assert (await worker_stats(mesh.nats.url, "default", "prefill-1")).pins == cap + 1
+        for loan in [*loans, alice]:
+            await admin.publish(S.release("prefill-1"), ReleaseRequest(request_id=loan.loan_id, pin_token=loan.pin_token).encode())
+        await admin.flush()
+        await assert_pools_at_baseline(mesh, ["prefill-1"])
+    finally:
+        await admin.close()
+
+
+async def test_implausible_worker_records_are_not_used_by_the_router(mesh, first_answer):
+    """Records that cannot be what they say (written here as root; a worker can write only
+    its own key): another worker's id, another role, a transfer endpoint off its host, a
+    max_model_len beyond the model's. Each made attractive with a fresh load report; the
+    router refuses each with a log line, sends them nothing and keeps serving."""
+    decoy = S.decode("evil-1")
+    base = dict(model=MODEL, max_model_len=2048, subject=decoy, host="127.0.0.1", pid=1, started_at=time.time())
+    fakes = {
+        K.worker("decode", "evil-1"): WorkerRecord(worker_id="evil-2", role="decode", **base),  # type: ignore[arg-type]
+        K.worker("decode", "evil-3"): WorkerRecord(worker_id="evil-3", role="prefill", **base),  # type: ignore[arg-type]
+        K.worker("decode", "evil-4"): WorkerRecord(worker_id="evil-4", role="decode", transfer_endpoint="10.6.6.6:1", **base),  # type: ignore[arg-type]
+        K.worker("decode", "evil-5"): WorkerRecord(worker_id="evil-5", role="decode", **{**base, "max_model_len": 10**7}),  # type: ignore[arg-type]
+    }
+    admin = await nats.connect(mesh.nats.url, connect_timeout=5)
+    stolen: list[str] = []
+
+    async def steal(msg) -> None:
+        stolen.append(msg.subject)
+
+    await admin.subscribe(decoy, cb=steal)
+    for worker_id in ("evil-1", "evil-2", "evil-3", "evil-4", "evil-5"):
+        await admin.subscribe(S.decode(worker_id), cb=steal)
+    async with EtcdStore([mesh.etcd.endpoint], timeout=3) as store:  # as root
+        try:
+            for key, record in fakes.items():
+                await store.put(key, record.encode())
+            assert mesh.router is not None
+            for key in fakes:
+                await wait_for_line(mesh.router, f"refusing the worker record at {key}")
+            for worker_id in ("evil-1", "evil-2", "evil-3", "evil-4", "evil-5"):
+                report = LoadReport(worker_id=worker_id, role="decode", running=0, waiting=0, free_blocks=10**6,
+                                    total_blocks=10**6, timestamp=time.time())  # fmt: skip
+                await admin.publish(S.load_from(worker_id), report.encode())
+            for _ in range(4):
+                response = await post(mesh.base_url, "/v1/completions", GREEDY)
+                assert response.status_code == 200, response.text
+                assert response.json()["choices"][0]["text"] == first_answer
+            assert stolen == []
+        finally:
+            for key in fakes:
+                await store.delete(key)
+            await admin.close()

@@ -27,14 +27,13 @@ def record(**overrides) -> WorkerRecord:
 def request(*, num_prompt: int = 20, first_token: int | None = 7, **kv_overrides) -> DecodeRequest:
     kv = dict(
         prefill_worker_id="prefill-1", transfer_endpoint="127.0.0.1:5000", kv_base_address=4096, layout=SPEC,
-        block_ids=(3, 4), num_tokens=num_prompt, pin_key=PIN_KEY,
+        block_ids=(3, 4), num_tokens=num_prompt, pin_key=PIN_KEY, pin_token="t0k3n", producer_started_at=0.0,
     )  # fmt: skip
     kv.update(kv_overrides)
     return DecodeRequest(
         request_id="r1",
         prompt_token_ids=list(range(num_prompt)),
         sampling=SamplingSpec(),
-        reply_subject="x",
         first_token_id=first_token,
         kv=KVHandle(**kv),
     )
@@ -78,6 +77,16 @@ def test_a_handle_of_an_unregistered_worker_is_lost_kv():
     with pytest.raises(MeshError) as err:
         check(request(), record(role="decode"))
     assert err.value.code is ErrorCode.KV_LOST
+
+
+def test_a_handle_from_before_its_producer_restarted_in_place_is_lost_kv_not_a_bad_request():
+    # Same id, a new process: a new transfer endpoint and pool. The handle's blocks died
+    # with the old one; the request is retried elsewhere instead of failing with a 400.
+    restarted = record(pid=2, started_at=5.0, transfer_endpoint="127.0.0.1:6000", kv_base_address=8192)
+    with pytest.raises(MeshError) as err:
+        check(request(), restarted)
+    assert err.value.code is ErrorCode.KV_LOST
+    assert "restarted since it made the handle" in err.value.message
 
 
 def test_a_layout_this_worker_cannot_copy_is_refused():

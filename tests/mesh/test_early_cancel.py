@@ -1,0 +1,72 @@
+"""A cancel that reaches a worker before its engine has the request (issue #8's review):
+one while the decode worker waits to pull (here its pull is delayed 3 s) stops the request
+there, its blocks given back and the prefill's pin released, instead of decoding 300
+tokens for nobody; one that comes before or while a prefill borrows a peer's prefix leaves
+no pin until the TTL, on either worker."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import nats
+import pytest
+
+from kvmesh.protocol import CancelRequest, PeerPrefix, PrefillRequest, PrefillResponse, ReleaseRequest, SamplingSpec, Subjects
+from tests.mesh.client import send_work, stream
+from tests.mesh.meshes import MODEL, assert_pools_at_baseline, make_mesh
+
+pytestmark = pytest.mark.slow
+
+S = Subjects("default")
+PULL_DELAY = 3.0
+
+
+@pytest.fixture(scope="module")
+def mesh(tmp_path_factory, default_model_dir):
+    # pin_ttl 30: a pin left behind would outlive every wait below.
+    mesh = make_mesh(
+        tmp_path_factory.mktemp("cancel"), default_model_dir, prefill=2, decode=1, pin_ttl=30,
+        env={"KVMESH_FAULT_PULL_DELAY": str(PULL_DELAY)},
+    )  # fmt: skip
+    try:
+        yield mesh
+    finally:
+        mesh.stop()
+
+
+async def test_a_cancel_while_the_decode_worker_waits_to_pull_stops_the_request(mesh):
+    body = {"model": MODEL, "prompt": "The rivers of Europe, from west to east:", "max_tokens": 300,
+            "temperature": 0, "ignore_eos": True}  # fmt: skip
+    left = time.monotonic()
+    await stream(mesh.base_url, "/v1/completions", body, leave_after=1)  # the prefill's token, then gone
+    decode = mesh.workers["decode-3"]
+    deadline = left + PULL_DELAY + 5
+    while "cancelled before decoding started" not in decode.tail(50):
+        assert time.monotonic() < deadline, decode.tail(50)
+        await asyncio.sleep(0.05)
+    await assert_pools_at_baseline(mesh, ["prefill-1", "prefill-2", "decode-3"])
+
+
+async def test_a_cancel_before_or_during_a_peer_borrow_leaves_no_pin(mesh):
+    nc = await nats.connect(mesh.nats.url, connect_timeout=5)
+    try:
+        prompt = list(range(1000, 1100))  # 6 full blocks for prefill-2 to lend
+        sampling = SamplingSpec(max_tokens=4)
+        warm = PrefillRequest(request_id="warm-1", prompt_token_ids=prompt, sampling=sampling)
+        [held] = await send_work(nc, S.prefill("prefill-2"), warm.encode(), S.stream("test", "warm", "prefill"))
+        assert isinstance(held, PrefillResponse) and held.kv is not None
+        await nc.publish(S.release("prefill-2"), ReleaseRequest(request_id="warm-1", pin_token=held.kv.pin_token).encode())
+        for number in range(3):
+            rid = f"borrow-{number}"
+            request = PrefillRequest(request_id=rid, prompt_token_ids=prompt, sampling=sampling, peer=PeerPrefix(worker_id="prefill-2", num_blocks=6))
+            reply = S.stream("test", rid, "prefill")
+            answer = asyncio.create_task(send_work(nc, S.prefill("prefill-1"), request.encode(), reply))
+            await asyncio.sleep(0.01 * number)  # before it arrives, as it arrives, while it borrows
+            await nc.publish(S.cancel, CancelRequest(request_id=rid).encode())
+            [response] = await answer
+            assert isinstance(response, PrefillResponse)
+            assert response.error is not None and response.error.code == "cancelled", response
+        await assert_pools_at_baseline(mesh, ["prefill-1", "prefill-2"])
+    finally:
+        await nc.close()
