@@ -1,10 +1,13 @@
-"""What the mesh's authentication costs: TTFT and throughput with NATS users and etcd roles
-on (the default of `kvmesh up`) against the same mesh anonymous, side by side in one run.
+"""What the mesh's authentication and TLS cost: TTFT and throughput with NATS users, etcd
+roles and TLS on NATS and etcd (the default of `kvmesh up`), with auth alone, and with
+neither (anonymous, plaintext), side by side in one run.
 
-Two local meshes (1 prefill + 1 decode worker each, one thread per worker) run at once;
-requests alternate between them, so both see the same machine. Sequential requests on fresh
-prompts give TTFT; rounds of concurrent requests give output tokens/s. TLS is not wired
-yet, so it is not measured here.
+Three local meshes (1 prefill + 1 decode worker each, one thread per worker) run at once;
+requests go to each in turn (who goes first rotates), so all see the same machine.
+Sequential requests on fresh prompts give TTFT; rounds of concurrent requests give output
+tokens/s (the mesh that goes first rotates too). Then, because a request's few NATS hops
+are what TLS adds to, one NATS request/reply round trip (1 KiB each way, a client and a
+responder as the services connect) is timed on a plaintext and a TLS nats-server.
 
     .venv/bin/python benchmarks/auth_cost.py --json docs/benchmarks-auth.json
 """
@@ -62,8 +65,8 @@ def pct(values: list[float], q: float) -> float:
 
 async def run(args: argparse.Namespace) -> dict:
     meshes = {}
-    for name, auth in (("auth", True), ("anonymous", False)):
-        options = MeshOptions(kv_cache_mib=128, num_threads=1, auth=auth)
+    for name, auth, tls in (("auth_tls", True, True), ("auth", True, False), ("anonymous", False, False)):
+        options = MeshOptions(kv_cache_mib=128, num_threads=1, auth=auth, tls=tls)
         meshes[name] = LocalMesh(options, Path(tempfile.mkdtemp(prefix=f"kvmesh-{name}-")))
         await asyncio.to_thread(meshes[name].start)
     results: dict[str, dict[str, list[float]]] = {name: {"ttft": [], "tok_s": []} for name in meshes}
@@ -73,13 +76,14 @@ async def run(args: argparse.Namespace) -> dict:
             await ttft(client, "warm up", 4)
         number = 0
         for round_number in range(args.rounds):
-            for index in range(args.requests):  # sequential, alternating (who goes first too): TTFT
+            for index in range(args.requests):  # sequential, in turn (who goes first rotates): TTFT
                 order = list(clients.items())
-                for name, client in order if index % 2 else reversed(order):
+                for name, client in order[index % len(order) :] + order[: index % len(order)]:
                     number += 1
                     seconds, _, _ = await ttft(client, prompt(number), args.new_tokens)
                     results[name]["ttft"].append(seconds)
-            for name, client in clients.items():  # a burst of concurrent requests: throughput
+            order = list(clients.items())
+            for name, client in order[round_number % len(order) :] + order[: round_number % len(order)]:  # bursts: throughput
                 started = time.perf_counter()
                 done = await asyncio.gather(*(ttft(client, prompt(number + i + 1), args.new_tokens) for i in range(args.concurrency)))
                 number += args.concurrency
@@ -98,9 +102,50 @@ async def run(args: argparse.Namespace) -> dict:
             "output_tok_s_median": round(statistics.median(values["tok_s"]), 1),
             "requests": len(values["ttft"]),
         }
-    summary["ttft_p50_added_ms"] = round(summary["auth"]["ttft_p50_ms"] - summary["anonymous"]["ttft_p50_ms"], 2)
-    summary["throughput_ratio"] = round(summary["auth"]["output_tok_s_median"] / summary["anonymous"]["output_tok_s_median"], 3)
+    summary["nats_round_trip"] = await nats_round_trips(args.round_trips)
+    base = summary["anonymous"]
+    for name in ("auth_tls", "auth"):
+        summary[f"{name}_ttft_p50_added_ms"] = round(summary[name]["ttft_p50_ms"] - base["ttft_p50_ms"], 2)
+        summary[f"{name}_throughput_ratio"] = round(summary[name]["output_tok_s_median"] / base["output_tok_s_median"], 3)
     return summary
+
+
+async def nats_round_trips(count: int) -> dict[str, float]:
+    """p50 / p99 microseconds of one request/reply through nats-server, plaintext and TLS."""
+    import nats
+
+    from kvmesh.infra.servers import start_nats
+    from kvmesh.security.tls import LOCAL_HOSTS, MeshTLS
+
+    workdir = Path(tempfile.mkdtemp(prefix="kvmesh-nats-rtt-"))
+    tls = MeshTLS.generate(workdir / "tls", {"nats": LOCAL_HOSTS})
+    result: dict[str, float] = {}
+    for name, server_tls in (("plaintext", None), ("tls", tls)):
+        server = start_nats(workdir / name, tls=server_tls)
+        try:
+            responder = await nats.connect(server.address, **server.connect_options())
+            client = await nats.connect(server.address, **server.connect_options())
+
+            async def answer(msg) -> None:
+                await msg.respond(msg.data)
+
+            await responder.subscribe("rtt", cb=answer)
+            await responder.flush()
+            payload = os.urandom(1024)
+            times = []
+            for i in range(count + 100):
+                started = time.perf_counter()
+                await client.request("rtt", payload, timeout=5)
+                if i >= 100:  # the first ones warm up
+                    times.append(time.perf_counter() - started)
+            await client.close()
+            await responder.close()
+        finally:
+            server.stop()
+        result[f"{name}_p50_us"] = round(1e6 * pct(times, 0.5), 1)
+        result[f"{name}_p99_us"] = round(1e6 * pct(times, 0.99), 1)
+    result["tls_added_p50_us"] = round(result["tls_p50_us"] - result["plaintext_p50_us"], 1)
+    return result
 
 
 def main() -> int:
@@ -109,6 +154,7 @@ def main() -> int:
     parser.add_argument("--requests", type=int, default=20, help="sequential requests per mesh per round")
     parser.add_argument("--concurrency", type=int, default=8)
     parser.add_argument("--new-tokens", type=int, default=16)
+    parser.add_argument("--round-trips", type=int, default=2000, help="NATS request/reply round trips per server")
     parser.add_argument("--json")
     args = parser.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
