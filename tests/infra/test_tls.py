@@ -89,6 +89,13 @@ async def test_etcd_with_the_mesh_ca_gets_in(etcd_tls, tls):
         assert (await store.get("/t/a")).value == b"1"
 
 
+async def test_etcd_with_several_endpoints_over_tls(etcd_tls, tls):
+    # One gRPC channel for the list: its name for the certificate check comes from the first.
+    async with EtcdStore([etcd_tls.address, f"localhost:{etcd_tls.port}"], timeout=3, tls_ca=tls.ca_file) as store:
+        await store.put("/t/b", b"2")
+        assert (await store.get("/t/b")).value == b"2"
+
+
 async def test_etcd_plaintext_client_is_refused(etcd_tls):
     async with EtcdStore([etcd_tls.address], timeout=3) as store:
         with pytest.raises(ClusterError, match="UNAVAILABLE"):

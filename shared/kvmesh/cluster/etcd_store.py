@@ -74,7 +74,12 @@ class EtcdStore:
         self.timeout = timeout
         self.token_refresh = token_refresh
         ca_cert = Path(tls_ca).read_bytes() if tls_ca else None  # None: etcd3aio's plaintext channel
-        self._client = Etcd3Client(self.endpoints, watch_max_reconnect_backoff_seconds=1.0, ca_cert=ca_cert)
+        # Several endpoints share one gRPC channel, whose name gRPC cannot take from the list:
+        # the first endpoint's host is checked against every member's certificate.
+        server_name = self.endpoints[0].rpartition(":")[0] if ca_cert and len(self.endpoints) > 1 else None
+        self._client = Etcd3Client(
+            self.endpoints, watch_max_reconnect_backoff_seconds=1.0, ca_cert=ca_cert, tls_server_name=server_name
+        )
         target = _dns_target(self.endpoints)
         if target is not None:
             # etcd3aio names its channel ``ipv4:<endpoints>``, which takes addresses only: a
