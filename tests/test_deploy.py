@@ -239,6 +239,8 @@ def test_kubernetes_secrets_are_valid_and_each_pod_mounts_only_its_own(secrets_d
         assert files in secrets[secret_name]["data"]
     etcd = " ".join(docs[("StatefulSet", "etcd")]["spec"]["template"]["spec"]["containers"][0]["command"])
     assert "--listen-client-urls=https://" in etcd
+    for role in ("prefill-worker", "decode-worker"):  # each StatefulSet has its headless governing Service
+        assert docs[("Service", docs[("StatefulSet", role)]["spec"]["serviceName"])]["spec"]["clusterIP"] == "None"
     job = docs[("Job", "etcd-auth")]["spec"]["template"]["spec"]
     assert job["volumes"][0]["secret"]["secretName"] == "kvmesh-etcd-auth" and "etcd-users.json" in secrets["kvmesh-etcd-auth"]["data"]
 
