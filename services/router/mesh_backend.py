@@ -16,7 +16,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import secrets
 import uuid
 from collections.abc import AsyncGenerator, AsyncIterator
 
@@ -36,8 +35,6 @@ from kvmesh.engine.model.config import ModelConfig
 from kvmesh.engine.tokenizer import Tokenizer
 from kvmesh.errors import ErrorCode, MeshError, is_retryable
 from kvmesh.protocol import (
-    STREAM_KINDS,
-    STREAM_MESSAGE,
     CancelRequest,
     DecodeRequest,
     Keys,
@@ -47,7 +44,6 @@ from kvmesh.protocol import (
     PeerPrefix,
     PrefillRequest,
     PrefillResponse,
-    Progress,
     SamplingSpec,
     StreamPhase,
     Subjects,
@@ -69,6 +65,7 @@ from kvmesh.services.router.attempts import (
 )
 from kvmesh.services.router.backend import HealthReport
 from kvmesh.services.router.progress import RequestProgress
+from kvmesh.services.router.streams import Streams, new_key
 from kvmesh.services.router.worker_choice import Choice, Excluded, LoadBoard, least_loaded
 from kvmesh.telemetry import inject_headers, tracer
 from kvmesh.worker.settings import MeshSettings
@@ -107,7 +104,7 @@ class MeshBackend:
         self.kv_query_timeout = kv_query_timeout
         self.worker_wait = worker_wait  # seconds a request waits for a decode worker to come back
         self._attempts: dict[str, Attempt] = {}  # by attempt id
-        self._streams: dict[str, Attempt] = {}  # by the random key of its stream subjects
+        self.streams = Streams()  # the same, by the random key of their stream subjects
         self._tracer = tracer("kvmesh.router")
         self.nc: nats.NATS
         self.store: EtcdStore
@@ -121,7 +118,7 @@ class MeshBackend:
         from kvmesh.security.senders import from_own_subject  # a load report only on its worker's own subject
 
         await self.nc.subscribe(self.subjects.load, cb=from_own_subject(self._handle_load, LoadReport))
-        await self.nc.subscribe(self.subjects.streams_of(self.router_id), cb=self._handle_stream)
+        await self.nc.subscribe(self.subjects.streams_of(self.router_id), cb=self.streams.handle)
 
     async def close(self) -> None:
         await self.directory.stop()
@@ -156,29 +153,6 @@ class MeshBackend:
             self.board.update(LoadReport.decode(msg.data))
         except ValidationError:
             logger.debug("malformed load report")
-
-    async def _handle_stream(self, msg: Msg) -> None:
-        """A worker's answer on one of our attempts' stream subjects: progress (heard), the
-        prefill's response, the decode ack or a token event (queued), or NATS's word that
-        nobody took the work (a 503 status)."""
-        key, phase = msg.subject.rsplit(".", 2)[-2:]
-        attempt = self._streams.get(key)
-        if attempt is None or phase not in STREAM_KINDS:
-            return
-        if msg.headers and msg.headers.get("Status") == "503":
-            attempt.events.put_nowait(NoResponders(phase))
-            return
-        try:
-            message = STREAM_MESSAGE.validate_json(msg.data)
-        except ValidationError:
-            logger.warning("malformed message on %s", msg.subject)
-            return
-        if not isinstance(message, STREAM_KINDS[phase]) or message.request_id != attempt.attempt_id:
-            logger.warning("dropped a %s on %s: not what that stream carries", type(message).__name__, msg.subject)
-            return
-        attempt.heard()
-        if not isinstance(message, Progress):
-            attempt.events.put_nowait(message)
 
     def _worker_changed(self, worker_id: str, record: WorkerRecord | None) -> None:
         if record is not None:
@@ -299,13 +273,13 @@ class MeshBackend:
             decode.worker.worker_id,
             prefill.worker.worker_id if prefill else None,
             deadline,
-            key=secrets.token_urlsafe(16),
+            key=new_key(),
         )
         attempt.incarnations[decode.worker.worker_id] = decode.worker.started_at
         if prefill is not None:
             attempt.incarnations[prefill.worker.worker_id] = prefill.worker.started_at
         self._attempts[attempt_id] = attempt
-        self._streams[attempt.key] = attempt
+        self.streams.open(attempt)
         self.board.add(decode.worker.worker_id, 1)
         finished = False
         try:
@@ -339,7 +313,7 @@ class MeshBackend:
         finally:
             self.board.add(decode.worker.worker_id, -1)
             self._attempts.pop(attempt_id, None)
-            self._streams.pop(attempt.key, None)
+            self.streams.close(attempt)
             if not finished:
                 await self._cancel(attempt_id)
 

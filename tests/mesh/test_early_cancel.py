@@ -12,8 +12,8 @@ import time
 import nats
 import pytest
 
-from kvmesh.protocol import CancelRequest, PeerPrefix, PrefillRequest, PrefillResponse, ReleaseRequest, SamplingSpec, Subjects
-from tests.mesh.client import send_work, stream
+from kvmesh.protocol import STREAM_MESSAGE, CancelRequest, PeerPrefix, PrefillRequest, PrefillResponse, ReleaseRequest, SamplingSpec, Subjects
+from tests.mesh.client import post, send_work
 from tests.mesh.meshes import MODEL, assert_pools_at_baseline, make_mesh
 
 pytestmark = pytest.mark.slow
@@ -36,15 +36,32 @@ def mesh(tmp_path_factory, default_model_dir):
 
 
 async def test_a_cancel_while_the_decode_worker_waits_to_pull_stops_the_request(mesh):
+    """Once the decode worker has acknowledged the work (an admin spy on the streams sees
+    the ack) it waits 3 s before the pull; the router's cancel comes then (sent here as
+    the router does: when a client leaves, tests/mesh/test_faults.py)."""
     body = {"model": MODEL, "prompt": "The rivers of Europe, from west to east:", "max_tokens": 300,
             "temperature": 0, "ignore_eos": True}  # fmt: skip
-    left = time.monotonic()
-    await stream(mesh.base_url, "/v1/completions", body, leave_after=1)  # the prefill's token, then gone
+    admin = await nats.connect(mesh.nats.url, connect_timeout=5)
+    acked: asyncio.Queue[str] = asyncio.Queue()
+
+    async def spy(msg) -> None:
+        if msg.subject.endswith(".decode"):
+            acked.put_nowait(STREAM_MESSAGE.validate_json(msg.data).request_id)
+
+    await admin.subscribe(f"{S.root}.stream.>", cb=spy)
+    try:
+        await asyncio.sleep(0.2)  # the spy's subscription reaches the server
+        client = asyncio.create_task(post(mesh.base_url, "/v1/completions", body))
+        attempt_id = await asyncio.wait_for(acked.get(), 30)
+        await admin.publish(S.cancel, CancelRequest(request_id=attempt_id).encode())
+        cancelled = time.monotonic()
+        response = await asyncio.wait_for(client, 30)
+        assert response.status_code == 499, response.text  # cancelled, not decoded for nobody
+    finally:
+        await admin.close()
     decode = mesh.workers["decode-3"]
-    deadline = left + PULL_DELAY + 5
-    while "cancelled before decoding started" not in decode.tail(50):
-        assert time.monotonic() < deadline, decode.tail(50)
-        await asyncio.sleep(0.05)
+    assert f"request {attempt_id} failed: cancelled before decoding started" in decode.tail(50)
+    assert time.monotonic() < cancelled + PULL_DELAY + 2
     await assert_pools_at_baseline(mesh, ["prefill-1", "prefill-2", "decode-3"])
 
 
