@@ -48,6 +48,7 @@ async def test_every_service_is_given_the_ca_by_path(mesh):
     for name, process in services.items():
         argv = cmdline(process.pid)
         assert argv[argv.index("--nats-tls-ca") + 1] == ca and argv[argv.index("--etcd-tls-ca") + 1] == ca, name
+        assert "--require-tls" in argv, name
     nats_argv = " ".join(cmdline(mesh.nats.process.pid))
     assert "nats-server.conf" in nats_argv and "--pass" not in nats_argv
     assert "https://" in " ".join(cmdline(mesh.etcd.process.pid))

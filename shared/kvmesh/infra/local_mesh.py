@@ -253,6 +253,8 @@ class LocalMesh:
             argv += ["--nats-credentials", path, "--etcd-credentials", path]
         if self.tls is not None:
             argv += ["--nats-tls-ca", str(self.tls.ca_file), "--etcd-tls-ca", str(self.tls.ca_file)]
+            if self.credentials is not None:  # everything is there: a service missing any of it refuses to start
+                argv.append("--require-tls")
         return argv
 
     def _spawn(self, name: str, argv: list[str]) -> ManagedProcess:
