@@ -31,12 +31,12 @@ async def connect_nats(mesh: MeshSettings, name: str) -> nats.NATS:
     only one its permissions let it subscribe to); anonymous without one. With a CA file,
     TLS before anything else is said (``tls_handshake_first``: the password never goes to a
     server that only claims not to need TLS) and only a certificate from that CA is accepted."""
-    auth: dict = {}
+    options: dict = {}
     if mesh.nats_credentials:
         user = load_credentials(mesh.nats_credentials, "nats")
-        auth = {"user": user.user, "password": user.password, "inbox_prefix": user.inbox_prefix}
+        options.update(user=user.user, password=user.password, inbox_prefix=user.inbox_prefix)
     if mesh.nats_tls_ca:
-        auth.update(tls=client_context(mesh.nats_tls_ca), tls_handshake_first=True)
+        options.update(tls=client_context(mesh.nats_tls_ca), tls_handshake_first=True)
     return await nats.connect(
         mesh.nats_url,
         name=name,
@@ -44,7 +44,7 @@ async def connect_nats(mesh: MeshSettings, name: str) -> nats.NATS:
         max_reconnect_attempts=-1,  # a restarted nats-server is reconnected to, subscriptions and all
         reconnect_time_wait=0.5,
         error_cb=_nats_error,
-        **auth,
+        **options,
     )
 
 
