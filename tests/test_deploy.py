@@ -206,9 +206,12 @@ def test_compose_services_get_credentials_and_ca_as_files_never_in_argv_or_env(s
 def test_kubernetes_secrets_are_valid_and_each_pod_mounts_only_its_own(secrets_dir):
     import kubernetes_validate
 
-    secrets = {d["metadata"]["name"]: d for d in yaml.safe_load_all((secrets_dir / "secrets.yaml").read_text())}
-    for doc in secrets.values():
+    generated = list(yaml.safe_load_all((secrets_dir / "secrets.yaml").read_text()))
+    for doc in generated:
         kubernetes_validate.validate(doc, "1.33", strict=True)
+    assert generated[0] == {"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": "kvmesh"}}  # applied before the rest
+    secrets = {d["metadata"]["name"]: d for d in generated if d["kind"] == "Secret"}
+    assert {d["metadata"]["namespace"] for d in secrets.values()} == {"kvmesh"}
     docs = {(d["kind"], d["metadata"]["name"]): d for d in rendered_manifests()}
     config = docs[("ConfigMap", "kvmesh-config")]["data"]
     assert config["KVMESH_REQUIRE_TLS"] == "1" and config["KVMESH_NATS_TLS_CA"] == config["KVMESH_ETCD_TLS_CA"] == f"{MOUNT}/ca.crt"

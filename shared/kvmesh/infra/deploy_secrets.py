@@ -75,7 +75,8 @@ def generate(out: Path, *, prefill: int, decode: int, mesh_namespace: str = "def
         "kvmesh-prefill-worker": [*(f"{w}.json" for w, role in workers.items() if role == "prefill"), CA],
         "kvmesh-decode-worker": [*(f"{w}.json" for w, role in workers.items() if role == "decode"), CA],
     }
-    docs = [
+    namespace = {"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": k8s_namespace}}  # so the Secrets can go first
+    docs = [namespace] + [
         {
             "apiVersion": "v1",
             "kind": "Secret",
