@@ -177,6 +177,8 @@ def test_generated_secret_files_are_private(secrets_dir):
     assert {"ca.crt", "nats.crt", "nats.key", "etcd.crt", "etcd.key", "nats-server.conf", "nats-users.conf", "etcd-users.json"} <= names
     assert {"router.json", "kv-metadata.json", "prefill-worker-0.json", "decode-worker-0.json", "secrets.yaml"} <= names
     assert "handshake_first: true" in (secrets_dir / "nats-server.conf").read_text()
+    users = (secrets_dir / "nats-users.conf").read_text()  # bcrypt hashes only: reading it lets nobody in
+    assert not [v for v in secret_values(secrets_dir) if v in users] and users.count('"password": "$2b$') == 5
 
 
 def test_compose_services_get_credentials_and_ca_as_files_never_in_argv_or_env(secrets_dir):

@@ -6,6 +6,11 @@ users and roles, and one credentials file per service identity, all mode 0600 in
 Identities: ``router``, ``kv-metadata`` and each worker by its id (``prefill-1``,
 ``decode-2``, ...), each the same user name in NATS and etcd; ``admin`` (NATS) and ``root``
 (etcd) for tools, tests and the supervisor.
+
+nats-server's config holds bcrypt hashes of the NATS passwords, never the passwords: whoever
+reads it (or the Secret it is mounted from) cannot connect as anyone. The passwords are 144
+random bits, so the hash's cost only has to make the config useless, not slow a guess: a
+low cost keeps each connect's check at a few milliseconds.
 """
 
 from __future__ import annotations
@@ -13,6 +18,8 @@ from __future__ import annotations
 import secrets
 from dataclasses import dataclass, field
 from pathlib import Path
+
+import bcrypt
 
 from kvmesh.protocol import Keys, Subjects
 from kvmesh.security.credentials import UserPassword, write_credentials, write_private
@@ -28,8 +35,16 @@ from kvmesh.security.nats_permissions import (
 )
 
 
+BCRYPT_ROUNDS = 6
+
+
 def new_password() -> str:
     return secrets.token_urlsafe(24)
+
+
+def hashed(cred: UserPassword) -> UserPassword:
+    """The same user with its password's bcrypt hash (what nats-server's config takes)."""
+    return UserPassword(cred.user, bcrypt.hashpw(cred.password.encode(), bcrypt.gensalt(BCRYPT_ROUNDS)).decode())
 
 
 @dataclass
@@ -58,7 +73,7 @@ class MeshCredentials:
         subjects, keys = Subjects(namespace), Keys(namespace)
         nats_users = NatsUsers()
         admin = UserPassword(ADMIN, new_password())
-        nats_users.add(admin, ADMIN_PERMISSIONS)
+        nats_users.add(hashed(admin), ADMIN_PERMISSIONS)
         identities = {
             ROUTER: (router_permissions(subjects, ROUTER), router_grants(keys)),
             kv_metadata_id: (kv_metadata_permissions(subjects, kv_metadata_id), kv_metadata_grants(keys, kv_metadata_id)),
@@ -69,7 +84,7 @@ class MeshCredentials:
         files: dict[str, Path] = {}
         for identity, (permissions, grants) in identities.items():
             nats_user, etcd_user = UserPassword(identity, new_password()), UserPassword(identity, new_password())
-            nats_users.add(nats_user, permissions)
+            nats_users.add(hashed(nats_user), permissions)
             etcd_users[identity] = (etcd_user.password, grants)
             files[identity] = write_credentials(directory / f"{identity}.json", nats=nats_user, etcd=etcd_user)
         credentials = cls(directory, admin, new_password(), etcd_users, files)
