@@ -8,6 +8,7 @@ its subject (NATS lets a worker name only itself there) and a borrower may hold 
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import sys
 import time
@@ -48,6 +49,7 @@ class PrefillWorker:
         self.pins: PinTable
         self.cost = CostModel()
         self.in_flight = InFlight()
+        self._lending = asyncio.Lock()  # a borrower's holdings checked and taken as one step
         self.started_at = 0.0  # this incarnation's, as in the etcd record
 
     async def start(self) -> None:
@@ -188,25 +190,8 @@ class PrefillWorker:
             logger.info("refusing a lend request from %s: %s", borrower, exc)
             error = ErrorInfo(code=ErrorCode.BAD_REQUEST, message=str(exc))
         else:
-            loan_id = f"lend:{borrower}:{lend.handle}"  # never a request's id, nor another borrower's
-            held = self.pins.lent_to(borrower)
-            if loan_id in self.pins.pins:
-                error = ErrorInfo(code=ErrorCode.BAD_REQUEST, message=f"loan {lend.handle} is already held")
-            elif held >= cap:
-                logger.warning("refused a lend to %s: it holds %d blocks here, the cap is %d", borrower, held, cap)
-                error = ErrorInfo(code=ErrorCode.OVERLOADED, message=f"{borrower} holds {held} of at most {cap} lent blocks here")
-            else:
-                try:  # at most up to the cap: the borrower computes the rest
-                    block_ids = await rt.engine.lend_cached_blocks(loan_id, hashes[: cap - held])
-                except ValueError as exc:
-                    error = ErrorInfo(code=ErrorCode.BAD_REQUEST, message=str(exc))
-                if block_ids:
-                    pin = self.pins.pin(
-                        loan_id, rt.worker_id.encode(), len(block_ids) * layout.block_bytes, borrower=borrower, num_blocks=len(block_ids)
-                    )
-                    token = pin.token
-                elif error is None:
-                    await rt.engine.release_export(loan_id)  # an empty hold
+            async with self._lending:
+                block_ids, loan_id, token, error = await self._lend(borrower, lend.handle, hashes, cap)
         pool = rt.engine.engine.kv_pool
         reply = KVLendReply(
             block_ids=block_ids,
@@ -218,6 +203,29 @@ class PrefillWorker:
             error=error,
         )
         await msg.respond(reply.encode())
+
+    async def _lend(self, borrower: str, handle: str, hashes: list[int], cap: int) -> tuple[list[int], str, str, ErrorInfo | None]:
+        """Hold what ``borrower`` may still hold here of ``hashes``' leading cached blocks:
+        (block ids, loan id, pin token, error)."""
+        rt = self.runtime
+        loan_id = f"lend:{borrower}:{handle}"  # never a request's id, nor another borrower's
+        held = self.pins.lent_to(borrower)
+        if loan_id in self.pins.pins:
+            return [], loan_id, "", ErrorInfo(code=ErrorCode.BAD_REQUEST, message=f"loan {handle} is already held")
+        if held >= cap:
+            logger.warning("refused a lend to %s: it holds %d blocks here, the cap is %d", borrower, held, cap)
+            message = f"{borrower} holds {held} of at most {cap} lent blocks here"
+            return [], loan_id, "", ErrorInfo(code=ErrorCode.OVERLOADED, message=message)
+        try:  # at most up to the cap: the borrower computes the rest
+            block_ids = await rt.engine.lend_cached_blocks(loan_id, hashes[: cap - held])
+        except ValueError as exc:
+            return [], loan_id, "", ErrorInfo(code=ErrorCode.BAD_REQUEST, message=str(exc))
+        if not block_ids:
+            await rt.engine.release_export(loan_id)  # an empty hold
+            return [], loan_id, "", None
+        num_bytes = len(block_ids) * rt.engine.engine.kv_layout.block_bytes
+        pin = self.pins.pin(loan_id, rt.worker_id.encode(), num_bytes, borrower=borrower, num_blocks=len(block_ids))
+        return block_ids, loan_id, pin.token, None
 
     async def _cancel(self, request_id: str) -> None:
         self.in_flight.cancel(request_id)

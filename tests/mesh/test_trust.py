@@ -330,7 +330,7 @@ async def test_a_release_needs_its_pins_token(mesh):
 
 
 async def test_a_flood_of_lends_from_one_peer_pins_at_most_its_cap(mesh, first_answer):
-    """Twenty lends per cached block from one borrower (the sniffing attack of issue #8
+    """Twenty lends per cached block from one borrower, all at once (the sniffing attack of issue #8
     pinned 45 of a worker's 364 free blocks until the pin TTL): the lender holds at most a
     quarter of its pool for that borrower and refuses the rest by name; another borrower is
     still lent to, and every loan is released with its token."""
@@ -340,13 +340,15 @@ async def test_a_flood_of_lends_from_one_peer_pins_at_most_its_cap(mesh, first_a
         assert snapshot.block_hashes
         stats = await worker_stats(mesh.nats.url, "default", "prefill-1")
         cap = stats.num_blocks // 4
-        loans: list[KVLendReply] = []
-        refusals: list[KVLendReply] = []
-        for number in range(20 * len(snapshot.block_hashes)):
+
+        async def lend(number: int) -> KVLendReply:
             block = snapshot.block_hashes[number % len(snapshot.block_hashes)]
             request = KVLendRequest(handle=f"flood-{number}", block_hashes=[block])
-            reply = KVLendReply.decode((await admin.request(S.kv_lend("prefill-1", "mallory"), request.encode(), timeout=5)).data)
-            (refusals if reply.error else loans).append(reply)
+            return KVLendReply.decode((await admin.request(S.kv_lend("prefill-1", "mallory"), request.encode(), timeout=10)).data)
+
+        replies = await asyncio.gather(*(lend(number) for number in range(20 * len(snapshot.block_hashes))))  # all at once
+        loans = [reply for reply in replies if reply.error is None]
+        refusals = [reply for reply in replies if reply.error is not None]
         assert sum(len(loan.block_ids) for loan in loans) == cap < 20 * len(snapshot.block_hashes)
         assert refusals and {r.error.code for r in refusals if r.error} == {"overloaded"}
         assert refusals[0].error is not None and refusals[0].error.message == f"mallory holds {cap} of at most {cap} lent blocks here"
