@@ -87,3 +87,28 @@ async def test_a_cancel_before_or_during_a_peer_borrow_leaves_no_pin(mesh):
         await assert_pools_at_baseline(mesh, ["prefill-1", "prefill-2"])
     finally:
         await nc.close()
+
+
+async def test_a_cancel_while_the_peer_is_asked_to_lend_stops_the_prefill(mesh):
+    """Deterministically during the borrow: the "peer" is this test, which sends the
+    router's cancel when the lend request reaches it and only then answers (refusing)."""
+    nc = await nats.connect(mesh.nats.url, connect_timeout=5)
+    try:
+        prompt = list(range(2000, 2100))
+
+        async def lender(msg) -> None:
+            await nc.publish(S.cancel, CancelRequest(request_id="ghost-borrow").encode())
+            await nc.flush()
+            await asyncio.sleep(0.3)  # the cancel is handled while the borrower waits
+            await msg.respond(b"{}")  # not a lend reply: the borrower computes instead
+
+        await nc.subscribe(S.kv_lend("ghost", "prefill-1"), cb=lender)
+        await nc.flush()
+        request = PrefillRequest(request_id="ghost-borrow", prompt_token_ids=prompt, sampling=SamplingSpec(max_tokens=4),
+                                 peer=PeerPrefix(worker_id="ghost", num_blocks=6))  # fmt: skip
+        [response] = await send_work(nc, S.prefill("prefill-1"), request.encode(), S.stream("test", "ghost", "prefill"))
+        assert isinstance(response, PrefillResponse)
+        assert response.error is not None and response.error.code == "cancelled", response
+        await assert_pools_at_baseline(mesh, ["prefill-1"])
+    finally:
+        await nc.close()
