@@ -112,6 +112,10 @@ def build_parser() -> argparse.ArgumentParser:
     creds.add_argument("--decode", type=_positive_int, default=1, help="decode workers: decode-worker-0 ...")
     creds.add_argument("--namespace", default="default", help="the mesh's namespace (KVMESH_NAMESPACE)")
     creds.add_argument("--k8s-namespace", default="kvmesh", help="the Kubernetes namespace of the Secrets and services")
+    creds.add_argument(
+        "--request-deadline", type=float, default=1800.0,
+        help="the services' KVMESH_REQUEST_DEADLINE: how long a worker may answer one piece of work (plus 60 s)",
+    )  # fmt: skip
 
     etcd_auth = commands.add_parser("etcd-auth", help="turn etcd's auth on with a deployment's users (the compose / k8s job)")
     etcd_auth.add_argument("--users", default=os.environ.get("KVMESH_ETCD_USERS"), help="etcd-users.json (KVMESH_ETCD_USERS)")
@@ -302,7 +306,10 @@ def _credentials(args: argparse.Namespace) -> int:
     from kvmesh.infra.deploy_secrets import generate
 
     out = Path(args.out).expanduser()
-    secrets = generate(out, prefill=args.prefill, decode=args.decode, mesh_namespace=args.namespace, k8s_namespace=args.k8s_namespace)
+    secrets = generate(
+        out, prefill=args.prefill, decode=args.decode, mesh_namespace=args.namespace, k8s_namespace=args.k8s_namespace,
+        request_deadline=args.request_deadline,
+    )  # fmt: skip
     print(f"wrote the secrets of {len(secrets)} Kubernetes Secrets to {out} (see {out / 'README'})")
     return 0
 

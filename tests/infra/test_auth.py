@@ -47,6 +47,25 @@ def test_mesh_credentials_give_each_identity_a_private_file(tmp_path):
         creds.file_of("decode-3")
 
 
+def test_workers_may_answer_work_for_the_mesh_request_deadline(tmp_path):
+    """A worker's right to answer a piece of work (its stream, ``allow_responses``) lasts the
+    services' request deadline and a margin: a shorter window would cut long streams."""
+    short = MeshCredentials.generate(tmp_path / "a", "ns", {"decode-1": "decode"}, "kv-metadata")
+    long = MeshCredentials.generate(tmp_path / "b", "ns", {"decode-1": "decode"}, "kv-metadata", request_deadline=7200)
+    assert '"expires": "1860s"' in short.nats_config.read_text()
+    assert '"expires": "7260s"' in long.nats_config.read_text()
+
+
+def test_local_mesh_takes_the_window_from_the_services_deadline(tmp_path):
+    from kvmesh.infra.local_mesh import LocalMesh, MeshOptions
+
+    mesh = LocalMesh(MeshOptions(env={"KVMESH_REQUEST_DEADLINE": "7200"}), workdir=tmp_path)
+    assert mesh._request_deadline() == 7200.0
+    bad = LocalMesh(MeshOptions(env={"KVMESH_REQUEST_DEADLINE": "soon"}), workdir=tmp_path)
+    with pytest.raises(ValueError, match="KVMESH_REQUEST_DEADLINE"):
+        bad._request_deadline()
+
+
 @pytest.fixture
 async def etcd_with_auth(tmp_path):
     server = await asyncio.to_thread(start_etcd, tmp_path, auth_token_ttl=1)

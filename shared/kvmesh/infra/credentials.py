@@ -27,9 +27,11 @@ from kvmesh.security.etcd_roles import Grant, kv_metadata_grants, router_grants,
 from kvmesh.security.nats_permissions import (
     ADMIN,
     ADMIN_PERMISSIONS,
+    DEFAULT_REQUEST_DEADLINE,
     ROUTER,
     NatsUsers,
     kv_metadata_permissions,
+    response_window,
     router_permissions,
     worker_permissions,
 )
@@ -66,8 +68,17 @@ class MeshCredentials:
             raise KeyError(f"no credentials were made for {identity!r} at the mesh's start") from None
 
     @classmethod
-    def generate(cls, directory: Path, namespace: str, workers: dict[str, str], kv_metadata_id: str) -> MeshCredentials:
-        """For the router, kv-metadata ``kv_metadata_id`` and ``workers`` (id -> role)."""
+    def generate(
+        cls,
+        directory: Path,
+        namespace: str,
+        workers: dict[str, str],
+        kv_metadata_id: str,
+        *,
+        request_deadline: float = DEFAULT_REQUEST_DEADLINE,
+    ) -> MeshCredentials:
+        """For the router, kv-metadata ``kv_metadata_id`` and ``workers`` (id -> role). A worker
+        may answer a piece of work for the mesh's ``request_deadline`` and a margin."""
         directory.mkdir(parents=True, exist_ok=True)
         directory.chmod(0o700)
         subjects, keys = Subjects(namespace), Keys(namespace)
@@ -79,7 +90,7 @@ class MeshCredentials:
             kv_metadata_id: (kv_metadata_permissions(subjects, kv_metadata_id), kv_metadata_grants(keys, kv_metadata_id)),
         }
         for worker_id, role in workers.items():
-            identities[worker_id] = (worker_permissions(subjects, role, worker_id), worker_grants(keys, role, worker_id))
+            identities[worker_id] = (worker_permissions(subjects, role, worker_id, response_window=response_window(request_deadline)), worker_grants(keys, role, worker_id))
         etcd_users: dict[str, tuple[str, tuple[Grant, ...]]] = {}
         files: dict[str, Path] = {}
         for identity, (permissions, grants) in identities.items():

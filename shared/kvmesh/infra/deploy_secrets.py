@@ -20,6 +20,7 @@ from pathlib import Path
 import yaml
 
 from kvmesh.infra.credentials import MeshCredentials
+from kvmesh.security.nats_permissions import DEFAULT_REQUEST_DEADLINE
 from kvmesh.infra.etcd_auth import write_users
 from kvmesh.security.credentials import write_private
 from kvmesh.security.tls import MeshTLS
@@ -43,12 +44,20 @@ def worker_ids(prefill: int, decode: int) -> dict[str, str]:
     return ids
 
 
-def generate(out: Path, *, prefill: int, decode: int, mesh_namespace: str = "default", k8s_namespace: str = "kvmesh") -> dict[str, list[str]]:
+def generate(
+    out: Path,
+    *,
+    prefill: int,
+    decode: int,
+    mesh_namespace: str = "default",
+    k8s_namespace: str = "kvmesh",
+    request_deadline: float = DEFAULT_REQUEST_DEADLINE,
+) -> dict[str, list[str]]:
     """Write every secret file into ``out``; returns the Kubernetes Secrets' files by Secret name."""
     out.mkdir(parents=True, exist_ok=True)
     out.chmod(0o700)
     workers = worker_ids(prefill, decode)
-    credentials = MeshCredentials.generate(out, mesh_namespace, workers, KV_METADATA_ID)
+    credentials = MeshCredentials.generate(out, mesh_namespace, workers, KV_METADATA_ID, request_deadline=request_deadline)
     credentials.nats_config.rename(out / NATS_USERS_CONF)
     MeshTLS.generate(out, {"nats": service_hosts("nats", k8s_namespace), "etcd": [*service_hosts("etcd", k8s_namespace), "etcd-0.etcd"]})
     nats_conf = "\n".join([

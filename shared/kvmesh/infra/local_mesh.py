@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from kvmesh.infra.credentials import MeshCredentials
+from kvmesh.security.nats_permissions import DEFAULT_REQUEST_DEADLINE
 from kvmesh.infra.processes import ManagedProcess, ProcessStartError, stop_all
 from kvmesh.infra.servers import ETCD_READY, NATS_READY, EtcdServer, NatsServer, start_etcd, start_nats
 from kvmesh.infra.supervisor import RestartPolicy, Supervised, Supervisor
@@ -119,7 +120,9 @@ class LocalMesh:
         progress("starting nats-server and etcd")
         if opts.auth:
             planned = {f"{role}-{self._count + i + 1}": role for i, role in enumerate(["prefill"] * opts.prefill + ["decode"] * opts.decode)}
-            self.credentials = MeshCredentials.generate(self.workdir / "auth", opts.namespace, planned, "kv-metadata")
+            self.credentials = MeshCredentials.generate(
+                self.workdir / "auth", opts.namespace, planned, "kv-metadata", request_deadline=self._request_deadline()
+            )
         if opts.tls:
             self.tls = MeshTLS.generate(self.workdir / "tls", {"nats": LOCAL_HOSTS, "etcd": LOCAL_HOSTS})
         auth = self.credentials
@@ -232,6 +235,15 @@ class LocalMesh:
             temporary.write_text(json.dumps(info, indent=2) + "\n")
             temporary.chmod(0o600)  # the URLs carry the admin's credentials when auth is on
             os.replace(temporary, self.pids_path)
+
+    def _request_deadline(self) -> float:
+        """The services' request deadline (they read it from the environment), which bounds
+        how long a worker's credentials may answer a piece of work."""
+        value = self._env().get("KVMESH_REQUEST_DEADLINE")
+        try:
+            return float(value) if value else DEFAULT_REQUEST_DEADLINE
+        except ValueError:
+            raise ValueError(f"KVMESH_REQUEST_DEADLINE is not a number of seconds: {value!r}") from None
 
     def _env(self) -> dict[str, str]:
         env = dict(os.environ)

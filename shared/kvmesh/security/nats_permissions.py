@@ -44,7 +44,17 @@ ROUTER = "router"
 KV_METADATA = "kv-metadata"
 
 
-DEFAULT_RESPONSE_WINDOW = 1800.0 + 60.0  # the default request deadline, and a margin
+DEFAULT_REQUEST_DEADLINE = 1800.0  # MeshSettings.request_deadline's default
+RESPONSE_MARGIN = 60.0  # seconds a worker may still answer after the router's deadline
+
+
+def response_window(request_deadline: float) -> float:
+    """Seconds a worker may answer a piece of work: the mesh's request deadline and a margin
+    (past it the router has given up anyway; a shorter window would cut long streams)."""
+    return request_deadline + RESPONSE_MARGIN
+
+
+DEFAULT_RESPONSE_WINDOW = response_window(DEFAULT_REQUEST_DEADLINE)
 
 
 @dataclass(slots=True, frozen=True)
