@@ -361,6 +361,12 @@ async def test_the_compose_configuration_serves_on_loopback_and_refuses_outsider
             response = await client.post("/v1/completions", json=body)
         assert response.status_code == 200, response.text
         assert response.json()["choices"][0]["text"]
+        from tests.mesh.meshes import listening
+
+        for name in ("prefill-worker", "decode-worker"):  # the worker executed itself with the bind guard
+            sockets = listening(started[name].pid)
+            assert sockets and {address for address, _ in sockets} <= {"127.0.0.1", "::ffff:127.0.0.1"}, (name, sockets)
+            assert "bind guard: executing again" in started[name].tail(400), name
         forbidden = secret_values(secrets_dir)
         for name, process in started.items():  # nothing secret in any service's argv or environment
             seen = Path(f"/proc/{process.pid}/cmdline").read_bytes() + Path(f"/proc/{process.pid}/environ").read_bytes()

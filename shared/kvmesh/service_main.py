@@ -16,7 +16,18 @@ from collections.abc import Coroutine
 from typing import Any, NoReturn
 
 
+_service_process = False
+
+
+def running_as_service() -> bool:
+    """Is this process a service run by ``run_service`` (its own process, which it may
+    execute again, as a worker does to preload the bind guard), not a test calling a main?"""
+    return _service_process
+
+
 def run_service(main: Coroutine[Any, Any, int | None]) -> NoReturn:
+    global _service_process
+    _service_process = True
     code = asyncio.run(main) or 0
     logging.shutdown()
     sys.stdout.flush()

@@ -24,6 +24,7 @@ import urllib.request
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Literal
 
 from kvmesh.infra.credentials import MeshCredentials
 from kvmesh.security.nats_permissions import DEFAULT_REQUEST_DEADLINE
@@ -93,6 +94,7 @@ class LocalMesh:
         self._hurry = False
         self.credentials: MeshCredentials | None = None
         self.tls: MeshTLS | None = None
+        self._bind_guard: Path | Literal[False] | None = None  # None: not built yet; False: cannot be
 
     @property
     def pids_path(self) -> Path:
@@ -269,12 +271,12 @@ class LocalMesh:
                 argv.append("--require-tls")
         return argv
 
-    def _spawn(self, name: str, argv: list[str]) -> ManagedProcess:
+    def _spawn(self, name: str, argv: list[str], env: dict[str, str] | None = None) -> ManagedProcess:
         return ManagedProcess(
             name,
             argv,
             log_path=self.workdir / "logs" / f"{name}.log",
-            env=self._env(),
+            env=env or self._env(),
             parent_death_signal=SERVICE_DEATH_SIGNAL,
         )
 
@@ -320,9 +322,19 @@ class LocalMesh:
             argv += ["--model", opts.model]
         if not opts.prefix_caching:
             argv.append("--no-prefix-caching")
-        self.workers[worker_id] = self._spawn(worker_id, argv)
+        self.workers[worker_id] = self._spawn(worker_id, argv, self._worker_env())
         self._write_pids()
         return worker_id
+
+    def _worker_env(self) -> dict[str, str]:
+        """A worker's environment: the bind guard already preloaded when it can be built, so
+        the worker need not execute itself again to load it (``transfer.bind_guard``)."""
+        from kvmesh.transfer import bind_guard
+
+        env = self._env()
+        if self._bind_guard is None:
+            self._bind_guard = bind_guard.library() or False
+        return bind_guard.preload_env(self._bind_guard, env) if self._bind_guard else env
 
     def wait_worker_ready(self, worker_id: str) -> None:
         self.workers[worker_id].wait_for_line(

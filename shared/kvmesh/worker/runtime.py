@@ -25,7 +25,9 @@ from kvmesh.cluster.registration import LeasedKey
 from kvmesh.engine.async_engine import AsyncEngine
 from kvmesh.engine.llm_engine import EngineConfig
 from kvmesh.protocol import CancelRequest, Keys, KVLayoutSpec, LoadReport, Stage, Subjects, WorkerRecord, WorkerStats
+from kvmesh.service_main import running_as_service
 from kvmesh.telemetry import setup_tracing, shutdown_tracing, tracer
+from kvmesh.transfer import bind_guard
 from kvmesh.transfer.mooncake_agent import MooncakeAgent
 from kvmesh.worker.callbacks import ControlHandlers
 from kvmesh.worker.health import HealthServer, HealthStatus
@@ -67,6 +69,7 @@ class WorkerRuntime:
     # -- start ---------------------------------------------------------------------------
     async def start(self) -> None:
         s = self.settings
+        bind_guard.enforce(s.advertise_host, s.transfer_port_range, reexec=running_as_service())  # may exec again, same PID
         s.log()
         setup_tracing(f"kvmesh-{s.role}-worker", self.worker_id)
         await self.health.start()  # live (and not ready) while the model loads
