@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Awaitable, Callable
+from typing import Any
 
 import httpx
 import nats
@@ -54,8 +55,9 @@ def streamed_text(events: list[dict]) -> str:
     return "".join(parts)
 
 
-async def worker_stats(nats_url: str, namespace: str, worker_id: str) -> WorkerStats:
-    nc = await nats.connect(nats_url, connect_timeout=5)
+async def worker_stats(nats_url: str, namespace: str, worker_id: str, **connect_options: Any) -> WorkerStats:
+    """``connect_options``: what a TLS server needs (``NatsServer.connect_options()``)."""
+    nc = await nats.connect(nats_url, connect_timeout=5, **connect_options)
     try:
         reply = await nc.request(Subjects(namespace).stats(worker_id), b"", timeout=5)
         return WorkerStats.decode(reply.data)

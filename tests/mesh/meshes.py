@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import asyncio
+import os
+import socket
 from pathlib import Path
 from typing import Any
 
@@ -31,7 +33,7 @@ async def assert_pools_at_baseline(mesh: LocalMesh, worker_ids: list[str]) -> No
     up to 5 s for releases in flight)."""
     for worker_id in worker_ids:
         for _ in range(50):
-            stats = await worker_stats(mesh.nats.url, "default", worker_id)
+            stats = await worker_stats(mesh.nats.url, "default", worker_id, **mesh.nats.connect_options())
             if (stats.num_in_use, stats.num_held, stats.pins) == (0, 0, 0):
                 break
             await asyncio.sleep(0.1)
@@ -45,3 +47,28 @@ def process_gone(pid: int) -> bool:
             return stat.read().rsplit(")", 1)[1].split()[0] == "Z"
     except (FileNotFoundError, ProcessLookupError):  # gone, or going while read
         return True
+
+
+def listening(pid: int) -> list[tuple[str, int]]:
+    """The TCP sockets process ``pid`` listens on, as (address, port): its socket inodes
+    (``/proc/<pid>/fd``) looked up in its network namespace's tables."""
+    inodes = set()
+    for fd in Path(f"/proc/{pid}/fd").iterdir():
+        try:
+            target = os.readlink(fd)
+        except OSError:  # closed meanwhile
+            continue
+        if target.startswith("socket:["):
+            inodes.add(target[8:-1])
+    found = []
+    for table, family in (("tcp", socket.AF_INET), ("tcp6", socket.AF_INET6)):
+        for line in Path(f"/proc/{pid}/net/{table}").read_text().splitlines()[1:]:
+            fields = line.split()
+            local, state, inode = fields[1], fields[3], fields[9]
+            if state != "0A" or inode not in inodes:  # 0A: LISTEN
+                continue
+            hex_address, hex_port = local.split(":")
+            raw = bytes.fromhex(hex_address)  # host-order 32-bit words
+            packed = b"".join(raw[i : i + 4][::-1] for i in range(0, len(raw), 4))
+            found.append((socket.inet_ntop(family, packed), int(hex_port, 16)))
+    return found

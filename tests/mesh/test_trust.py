@@ -1,8 +1,9 @@
-"""Who may do what on a mesh started with LocalMesh's defaults (auth on): nobody anonymous
+"""Who may do what on a mesh started with ``kvmesh up``'s defaults (auth and TLS on): nobody anonymous
 gets into NATS or etcd, a worker's credentials speak only for that worker and only into the
 streams it was handed, a release needs its pin's token, a lender caps what one peer may
 hold, a forged KV batch naming another worker is dropped, implausible worker records are
-not used, and the mesh still answers as before (issue #8)."""
+not used, Mooncake listens on the advertised address only, and the mesh still answers as
+before (issue #8)."""
 
 from __future__ import annotations
 
@@ -38,7 +39,7 @@ from kvmesh.protocol import (
 )
 from kvmesh.security.credentials import load_credentials
 from tests.mesh.client import post, send_work, stream, streamed_text, worker_stats
-from tests.mesh.meshes import assert_pools_at_baseline
+from tests.mesh.meshes import assert_pools_at_baseline, listening
 
 pytestmark = pytest.mark.slow
 
@@ -52,7 +53,7 @@ FAKE_BLOCK = "ab" * 16
 @pytest.fixture(scope="module")
 def mesh(tmp_path_factory, default_model_dir):
     options = MeshOptions(
-        prefill=1, decode=1, kv_cache_mib=32, num_threads=1, request_timeout=20,
+        prefill=1, decode=1, kv_cache_mib=32, num_threads=1, request_timeout=20, tls=True,
         env={"KVMESH_CACHE_DIR": str(default_model_dir.parent.parent)},
     )  # fmt: skip
     local = LocalMesh(options, tmp_path_factory.mktemp("trust"))
@@ -85,7 +86,7 @@ class Connection:
 
         self.nc = await nats.connect(
             mesh.nats.address, user=user.user, password=user.password, inbox_prefix=user.inbox_prefix,
-            error_cb=collect, connect_timeout=5,
+            error_cb=collect, connect_timeout=5, **mesh.nats.connect_options(),
         )  # fmt: skip
         return self
 
@@ -105,11 +106,14 @@ async def kv_stats(nc: nats.NATS) -> KVIndexStats:
 
 async def test_anonymous_nats_connect_is_refused(mesh):
     with pytest.raises(nats.errors.Error, match="Authorization Violation"):
-        await nats.connect(mesh.nats.address, connect_timeout=5, allow_reconnect=False, max_reconnect_attempts=0)
+        await nats.connect(
+            mesh.nats.address, connect_timeout=5, allow_reconnect=False, max_reconnect_attempts=0,
+            **mesh.nats.connect_options(),
+        )  # fmt: skip
 
 
 async def test_anonymous_etcd_get_and_put_are_refused(mesh):
-    async with EtcdStore([mesh.etcd.address], timeout=3) as store:
+    async with EtcdStore([mesh.etcd.address], timeout=3, **mesh.etcd.store_options()) as store:
         with pytest.raises(ClusterError, match="user name is empty"):
             await store.get_prefix(K.workers())
         with pytest.raises(ClusterError, match="user name is empty"):
@@ -117,7 +121,7 @@ async def test_anonymous_etcd_get_and_put_are_refused(mesh):
 
 
 async def test_a_worker_speaks_only_for_itself_on_nats(mesh, first_answer):
-    admin = await nats.connect(mesh.nats.url, connect_timeout=5)
+    admin = await nats.connect(mesh.nats.url, connect_timeout=5, **mesh.nats.connect_options())
     seen: list[str] = []
 
     async def watch(msg) -> None:
@@ -158,7 +162,7 @@ async def test_a_worker_speaks_only_for_itself_on_nats(mesh, first_answer):
 
 
 async def test_a_forged_batch_naming_another_worker_is_dropped(mesh, first_answer):
-    admin = await nats.connect(mesh.nats.url, connect_timeout=5)
+    admin = await nats.connect(mesh.nats.url, connect_timeout=5, **mesh.nats.connect_options())
     worker = await Connection().open(mesh, "decode-2")
     try:
         deadline = time.monotonic() + 10
@@ -210,7 +214,7 @@ async def test_a_worker_writes_only_its_own_etcd_keys(mesh):
                         host="h", pid=1, started_at=time.time())  # fmt: skip
     for identity in ("prefill-1", "decode-2", "router"):
         creds = load_credentials(mesh.credentials.file_of(identity), "etcd")
-        async with EtcdStore([mesh.etcd.address], timeout=3, credentials=creds) as store:
+        async with EtcdStore([mesh.etcd.address], timeout=3, credentials=creds, **mesh.etcd.store_options()) as store:
             workers, _ = await store.get_prefix(K.workers())  # everyone may read the directory
             assert {kv.key for kv in workers} >= {K.worker("prefill", "prefill-1"), K.worker("decode", "decode-2")}
             with pytest.raises(ClusterError, match="permission denied"):
@@ -218,8 +222,29 @@ async def test_a_worker_writes_only_its_own_etcd_keys(mesh):
             other = K.worker("prefill", "prefill-1") if identity == "decode-2" else K.worker("decode", "decode-2")
             with pytest.raises(ClusterError, match="permission denied"):
                 await store.delete(other)
-    async with EtcdStore([mesh.etcd.endpoint], timeout=3) as store:  # as root
+    async with EtcdStore([mesh.etcd.endpoint], timeout=3, **mesh.etcd.store_options()) as store:  # as root
         assert await store.get(K.worker("decode", "evil-1")) is None
+
+
+async def test_mooncake_listens_on_the_advertised_address_only(mesh, first_answer):
+    """Mooncake binds its two listeners to the unspecified address whatever it is told; the
+    bind guard (preloaded into every worker) puts them on the advertised 127.0.0.1. Before,
+    each worker listened on 0.0.0.0 and * (every interface) on its two transfer ports."""
+    async with EtcdStore([mesh.etcd.endpoint], timeout=3, **mesh.etcd.store_options()) as store:  # as root
+        workers, _ = await store.get_prefix(K.workers())
+    records = {record.worker_id: record for record in (WorkerRecord.decode(kv.value) for kv in workers)}
+    for worker_id, process in mesh.workers.items():
+        record = records[worker_id]
+        assert record.host == "127.0.0.1" and record.transfer_endpoint is not None
+        sockets = listening(process.pid)
+        rpc_port = int(record.transfer_endpoint.rsplit(":", 1)[1])
+        transfer = [(address, port) for address, port in sockets if 15000 <= port <= 17000]  # Mooncake's default range
+        assert len(transfer) == 2 and ("127.0.0.1", rpc_port) in transfer, (worker_id, sockets)
+        assert {address for address, _ in sockets} <= {"127.0.0.1", "::ffff:127.0.0.1"}, (worker_id, sockets)
+        assert "listen on every interface" not in process.tail(200)
+    # The greedy request before this test was served by a KV pull through those listeners.
+    decode = await worker_stats(mesh.nats.url, "default", "decode-2", **mesh.nats.connect_options())
+    assert decode.bytes_pulled > 0 and decode.transfers > 0
 
 
 async def test_the_mesh_still_answers_as_before(mesh, first_answer, tmp_path):
@@ -227,7 +252,7 @@ async def test_the_mesh_still_answers_as_before(mesh, first_answer, tmp_path):
     assert response.status_code == 200, response.text
     assert response.json()["choices"][0]["text"] == first_answer != ""
     # Without auth (no credentials anywhere, as before issue #8) the answer is the same.
-    anonymous = LocalMesh(dataclasses.replace(mesh.options, auth=False), tmp_path)
+    anonymous = LocalMesh(dataclasses.replace(mesh.options, auth=False, tls=False), tmp_path)
     await asyncio.to_thread(anonymous.start)
     try:
         assert anonymous.credentials is None and "@" not in anonymous.nats.url
@@ -249,7 +274,7 @@ async def test_a_worker_cannot_stream_into_a_request_it_was_not_handed(mesh, fir
     """Streams are the NATS reply subjects of the work: the decode worker handed the work
     answers there, and nobody else may, though they know the subject (here an admin spy
     tells them) and the attempt id. Before, any worker could publish on stream.>."""
-    admin = await nats.connect(mesh.nats.url, connect_timeout=5)
+    admin = await nats.connect(mesh.nats.url, connect_timeout=5, **mesh.nats.connect_options())
     attackers = [await Connection().open(mesh, "decode-2"), await Connection().open(mesh, "prefill-1")]
     forged_on: list[str] = []
 
@@ -307,18 +332,18 @@ async def test_a_release_needs_its_pins_token(mesh):
     """Any worker may publish on release.<prefill>, so a release counts only with the token
     the pin was made with, which only the handle carries. Before, decode-2's credentials
     (or any worker's) freed another request's pinned blocks under a pull in progress."""
-    admin = await nats.connect(mesh.nats.url, connect_timeout=5)
+    admin = await nats.connect(mesh.nats.url, connect_timeout=5, **mesh.nats.connect_options())
     worker = await Connection().open(mesh, "decode-2")
     try:
         prefill = PrefillRequest(request_id="pinned-1", prompt_token_ids=list(range(300, 340)), sampling=SamplingSpec(max_tokens=4))
         [answer] = await send_work(admin, S.prefill("prefill-1"), prefill.encode(), S.stream("test", "pin", "prefill"))
         assert isinstance(answer, PrefillResponse) and answer.kv is not None
-        assert (await worker_stats(mesh.nats.url, "default", "prefill-1")).pins == 1
+        assert (await worker_stats(mesh.nats.url, "default", "prefill-1", **mesh.nats.connect_options())).pins == 1
         for guess in ("", "guessed", answer.kv.pin_token[:-1] + "x"):
             await worker.nc.publish(S.release("prefill-1"), ReleaseRequest(request_id="pinned-1", pin_token=guess).encode())
         await worker.nc.flush()
         await wait_for_line(mesh.workers["prefill-1"], "refused a release of pinned-1: wrong pin token")
-        assert (await worker_stats(mesh.nats.url, "default", "prefill-1")).pins == 1
+        assert (await worker_stats(mesh.nats.url, "default", "prefill-1", **mesh.nats.connect_options())).pins == 1
         honest = ReleaseRequest(request_id="pinned-1", pin_token=answer.kv.pin_token, ok=False)
         await worker.nc.publish(S.release("prefill-1"), honest.encode())  # as the handle's holder
         await worker.nc.flush()
@@ -334,11 +359,11 @@ async def test_a_flood_of_lends_from_one_peer_pins_at_most_its_cap(mesh, first_a
     pinned 45 of a worker's 364 free blocks until the pin TTL): the lender holds at most a
     quarter of its pool for that borrower and refuses the rest by name; another borrower is
     still lent to, and every loan is released with its token."""
-    admin = await nats.connect(mesh.nats.url, connect_timeout=5)
+    admin = await nats.connect(mesh.nats.url, connect_timeout=5, **mesh.nats.connect_options())
     try:
         snapshot = KVSnapshot.decode((await admin.request(S.kv_snapshot("prefill-1"), b"", timeout=5)).data)
         assert snapshot.block_hashes
-        stats = await worker_stats(mesh.nats.url, "default", "prefill-1")
+        stats = await worker_stats(mesh.nats.url, "default", "prefill-1", **mesh.nats.connect_options())
         cap = stats.num_blocks // 4
 
         async def lend(number: int) -> KVLendReply:
@@ -355,7 +380,7 @@ async def test_a_flood_of_lends_from_one_peer_pins_at_most_its_cap(mesh, first_a
         other = KVLendRequest(handle="alice-1", block_hashes=[snapshot.block_hashes[0]])
         alice = KVLendReply.decode((await admin.request(S.kv_lend("prefill-1", "alice"), other.encode(), timeout=5)).data)
         assert alice.error is None and len(alice.block_ids) == 1
-        assert (await worker_stats(mesh.nats.url, "default", "prefill-1")).pins == cap + 1
+        assert (await worker_stats(mesh.nats.url, "default", "prefill-1", **mesh.nats.connect_options())).pins == cap + 1
         for loan in [*loans, alice]:
             await admin.publish(S.release("prefill-1"), ReleaseRequest(request_id=loan.loan_id, pin_token=loan.pin_token).encode())
         await admin.flush()
@@ -377,7 +402,7 @@ async def test_implausible_worker_records_are_not_used_by_the_router(mesh, first
         K.worker("decode", "evil-4"): WorkerRecord(worker_id="evil-4", role="decode", transfer_endpoint="10.6.6.6:1", **base),  # type: ignore[arg-type]
         K.worker("decode", "evil-5"): WorkerRecord(worker_id="evil-5", role="decode", **{**base, "max_model_len": 10**7}),  # type: ignore[arg-type]
     }
-    admin = await nats.connect(mesh.nats.url, connect_timeout=5)
+    admin = await nats.connect(mesh.nats.url, connect_timeout=5, **mesh.nats.connect_options())
     stolen: list[str] = []
 
     async def steal(msg) -> None:
@@ -386,7 +411,7 @@ async def test_implausible_worker_records_are_not_used_by_the_router(mesh, first
     await admin.subscribe(decoy, cb=steal)
     for worker_id in ("evil-1", "evil-2", "evil-3", "evil-4", "evil-5"):
         await admin.subscribe(S.decode(worker_id), cb=steal)
-    async with EtcdStore([mesh.etcd.endpoint], timeout=3) as store:  # as root
+    async with EtcdStore([mesh.etcd.endpoint], timeout=3, **mesh.etcd.store_options()) as store:  # as root
         try:
             for key, record in fakes.items():
                 await store.put(key, record.encode())
