@@ -37,6 +37,7 @@ EXEC_MARK = "KVMESH_BIND_GUARD_EXEC"  # set across the one re-exec, so that it h
 MOONCAKE_DEFAULT_PORTS = (15000, 17000)
 
 State = Literal["loaded", "off", "available"]
+last_failure = ""  # why ``library`` last returned None, one line
 
 
 def guard_host(host: str) -> str | None:
@@ -65,7 +66,8 @@ def compiler() -> str | None:
 
 def library(cache: Path | None = None) -> Path | None:
     """The compiled guard, built now if needed (atomically, keyed on the source's hash);
-    None without a C compiler or when it fails to build (the reason logged at debug)."""
+    None without a C compiler or when it fails to build (why: ``last_failure``)."""
+    global last_failure
     from kvmesh.engine.loader.default_model import cache_dir
 
     source = SOURCE.read_bytes()
@@ -74,7 +76,7 @@ def library(cache: Path | None = None) -> Path | None:
         return path
     cc = compiler()
     if cc is None:
-        logger.debug("bind guard: no C compiler (cc)")
+        last_failure = "no C compiler (cc)"
         return None
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
@@ -86,7 +88,7 @@ def library(cache: Path | None = None) -> Path | None:
                 capture_output=True, text=True, timeout=60,
             )  # fmt: skip
             if result.returncode != 0:
-                logger.debug("bind guard: %s failed: %s", cc, result.stderr.strip())
+                last_failure = f"{cc} failed: {' '.join(result.stderr.split())[:300]}"
                 return None
             os.chmod(temporary, 0o755)
             os.replace(temporary, path)  # another process building it at once is harmless
@@ -94,7 +96,7 @@ def library(cache: Path | None = None) -> Path | None:
             if os.path.exists(temporary):
                 os.unlink(temporary)
     except (OSError, subprocess.SubprocessError) as exc:
-        logger.debug("bind guard: building %s failed: %s", path, exc)
+        last_failure = f"building {path} failed: {exc}"
         return None
     return path
 
@@ -131,7 +133,7 @@ def enforce(host: str, port_range: tuple[int, int] | None, *, reexec: bool = Tru
         return "off"
     path = library()
     if path is None:
-        logger.warning("%s: the bind guard needs a C compiler (cc) to build (apt-get install gcc libc6-dev)", unguarded)
+        logger.warning("%s: the bind guard was not built (%s; it needs a C compiler: apt-get install gcc libc6-dev)", unguarded, last_failure)
         return "off"
     if not reexec:
         return "available"
