@@ -160,6 +160,24 @@ def secret_values(directory: Path) -> list[str]:
     return values
 
 
+def test_compose_keeps_the_mesh_on_an_internal_network():
+    """NATS, etcd, kv-metadata and the workers (their Mooncake transfer ports) are reachable
+    only from the mesh's own containers; only the router (and Jaeger's UI) publish a port."""
+    done = subprocess.run(
+        [str(compose_binary()), "-f", str(ROOT / "deploy/compose/compose.yaml"), "--profile", "*", "config", "--format", "json"],
+        capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    config = json.loads(done.stdout)
+    internal = {name for name, net in config["networks"].items() if net.get("internal")}
+    assert internal, "no internal network"
+    for name, service in config["services"].items():
+        networks = set(service.get("networks") or {"default"})
+        if name in ("router", "jaeger"):
+            assert networks & internal and networks - internal, name
+        else:
+            assert networks <= internal and not service.get("ports"), name
+
+
 def rendered_compose(secrets: Path) -> dict:
     done = subprocess.run(
         [str(compose_binary()), "-f", str(ROOT / "deploy/compose/compose.yaml"), "config", "--format", "json"],
