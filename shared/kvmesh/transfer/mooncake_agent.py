@@ -15,7 +15,8 @@ import time
 from dataclasses import dataclass
 
 from kvmesh.errors import KvmeshError
-from kvmesh.transfer.runs import BlockRun, byte_ranges
+from kvmesh.transfer.layout import PoolLayout
+from kvmesh.transfer.runs import BlockRun, byte_ranges, layout_byte_ranges
 
 logger = logging.getLogger(__name__)
 
@@ -95,8 +96,21 @@ class MooncakeAgent:
         local_base: int,
         block_bytes: int,
     ) -> TransferStats:
-        """Pull block runs from a peer's pool into ours, one batched read."""
+        """Pull block runs from a peer's pool into ours, one batched read (both pools
+        block-major with blocks of ``block_bytes``)."""
         peer_addrs, local_addrs, lengths = byte_ranges(runs, src_base=peer_base, dst_base=local_base, block_bytes=block_bytes)
+        return self._read(peer_endpoint, peer_addrs, local_addrs, lengths)
+
+    def read_layout(self, peer_endpoint: str, runs: list[BlockRun], *, peer: PoolLayout, local: PoolLayout) -> TransferStats:
+        """Pull block runs from a peer's pool, laid out as ``peer`` (its published layout),
+        into ours, laid out as ``local``: one batched read of every range."""
+        try:
+            peer_addrs, local_addrs, lengths = layout_byte_ranges(runs, src=peer, dst=local)
+        except ValueError as exc:
+            raise TransferError(str(exc)) from exc
+        return self._read(peer_endpoint, peer_addrs, local_addrs, lengths)
+
+    def _read(self, peer_endpoint: str, peer_addrs: list[int], local_addrs: list[int], lengths: list[int]) -> TransferStats:
         if not lengths:
             return TransferStats(0, 0, 0.0)
         started = time.perf_counter()
@@ -111,3 +125,8 @@ class MooncakeAgent:
 
     async def read_blocks_async(self, peer_endpoint: str, runs: list[BlockRun], **layout: int) -> TransferStats:
         return await asyncio.to_thread(self.read_blocks, peer_endpoint, runs, **layout)
+
+    async def read_layout_async(
+        self, peer_endpoint: str, runs: list[BlockRun], *, peer: PoolLayout, local: PoolLayout
+    ) -> TransferStats:
+        return await asyncio.to_thread(lambda: self.read_layout(peer_endpoint, runs, peer=peer, local=local))

@@ -1,13 +1,17 @@
 """Coalescing block copies into as few byte ranges as possible.
 
 A transfer costs tens of microseconds however small it is, so adjacent blocks that are
-adjacent on both sides move as one range.
+adjacent on both sides move as one range. ``layout_byte_ranges`` finds the ranges from the
+two pools' published layouts (``kvmesh.transfer.layout``): one per run for block-major
+pools, one per layer per run for layer-major ones.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+
+from kvmesh.transfer.layout import PoolLayout
 
 
 @dataclass(slots=True, frozen=True)
@@ -40,3 +44,50 @@ def byte_ranges(
     dst = [dst_base + run.dst_block * block_bytes for run in runs]
     lengths = [run.num_blocks * block_bytes for run in runs]
     return src, dst, lengths
+
+
+def layout_byte_ranges(
+    runs: Sequence[BlockRun], *, src: PoolLayout, dst: PoolLayout
+) -> tuple[list[int], list[int], list[int]]:
+    """(source addresses, destination addresses, lengths) copying the runs' blocks, every
+    layer, from a pool laid out as ``src`` into one laid out as ``dst``; ranges adjacent on
+    both sides are merged. Raises ``ValueError`` for layouts that do not match or a block
+    outside either pool."""
+    reason = src.mismatch(dst)
+    if reason is not None:
+        raise ValueError(f"KV layouts do not match: {reason}")
+    for run in runs:
+        if run.num_blocks < 1 or run.src_block < 0 or run.dst_block < 0:
+            raise ValueError(f"bad block run {run}")
+        if run.src_block + run.num_blocks > src.num_blocks or run.dst_block + run.num_blocks > dst.num_blocks:
+            raise ValueError(f"block run {run} reaches past a pool ({src.num_blocks} and {dst.num_blocks} blocks)")
+    out = _Ranges()
+    if src.block_contiguous and dst.block_contiguous:
+        for run in runs:
+            out.add(src.segment_address(0, run.src_block), dst.segment_address(0, run.dst_block), run.num_blocks * src.block_bytes)
+        return out.src, out.dst, out.lengths
+    segment = src.segment_bytes
+    adjacent = src.block_stride == segment and dst.block_stride == segment  # a run is one range per layer
+    for layer in range(src.num_layers):
+        for run in runs:
+            if adjacent:
+                out.add(src.segment_address(layer, run.src_block), dst.segment_address(layer, run.dst_block), run.num_blocks * segment)
+                continue
+            for i in range(run.num_blocks):
+                out.add(src.segment_address(layer, run.src_block + i), dst.segment_address(layer, run.dst_block + i), segment)
+    return out.src, out.dst, out.lengths
+
+
+@dataclass(slots=True)
+class _Ranges:
+    src: list[int] = field(default_factory=list)
+    dst: list[int] = field(default_factory=list)
+    lengths: list[int] = field(default_factory=list)
+
+    def add(self, src: int, dst: int, length: int) -> None:
+        if self.lengths and self.src[-1] + self.lengths[-1] == src and self.dst[-1] + self.lengths[-1] == dst:
+            self.lengths[-1] += length
+        else:
+            self.src.append(src)
+            self.dst.append(dst)
+            self.lengths.append(length)
