@@ -5,7 +5,6 @@ from __future__ import annotations
 import pytest
 from pydantic import ValidationError
 
-from kvmesh.engine.kv_cache import KVLayout
 from kvmesh.engine.request import SamplingParams
 from kvmesh.protocol import (
     STREAM_MESSAGE,
@@ -20,6 +19,7 @@ from kvmesh.protocol import (
     Subjects,
     TokenEvent,
 )
+from kvmesh.transfer.layout import VLLM_CPU_ARRANGEMENT, PoolLayout, block_major
 
 
 def test_subjects_of_a_namespace():
@@ -48,14 +48,36 @@ def test_etcd_keys():
 def test_sampling_and_layout_round_trip():
     params = SamplingParams(temperature=0.7, top_p=0.9, top_k=5, seed=3, max_tokens=9, stop=("x",), stop_token_ids=(7,), ignore_eos=True)
     assert SamplingSpec.decode(SamplingSpec.from_params(params).encode()).to_params() == params
-    layout = KVLayout(100, 16, 30, 3, 64, "bfloat16")
+    layout = block_major(dtype="bfloat16", block_size=16, num_blocks=100, num_layers=30, num_kv_heads=3, head_dim=64, base_address=2**40)
     assert KVLayoutSpec.decode(KVLayoutSpec.from_layout(layout).encode()).to_layout() == layout
+    segment = 2 * 128 * 3 * 64 * 4  # vLLM on CPU: 30 layer tensors [blocks, heads, tokens, 2 * dim]
+    vllm = PoolLayout(
+        engine="vllm", dtype="float32", block_size=128, num_blocks=10, num_layers=30, num_kv_heads=3, head_dim=64,
+        layer_stride=10 * segment, block_stride=segment, arrangement=VLLM_CPU_ARRANGEMENT, base_address=4096,
+        pool_bytes=300 * segment,
+    )  # fmt: skip
+    assert KVLayoutSpec.decode(KVLayoutSpec.from_layout(vllm).encode()).to_layout() == vllm
+
+
+def test_a_layout_published_before_strides_reads_as_kvmesh_block_major():
+    old = KVLayoutSpec.decode(b'{"num_blocks":100,"block_size":16,"num_layers":30,"num_kv_heads":3,"head_dim":64,"dtype":"bfloat16"}')
+    assert old.to_layout(default_base=8192) == block_major(
+        dtype="bfloat16", block_size=16, num_blocks=100, num_layers=30, num_kv_heads=3, head_dim=64, base_address=8192
+    )
+
+
+def test_a_layout_whose_strides_overlap_or_overrun_its_pool_is_refused():
+    fields = dict(num_blocks=4, block_size=16, num_layers=2, num_kv_heads=2, head_dim=8, dtype="float32")  # 2 KiB segments
+    with pytest.raises(ValidationError, match="shorter than"):
+        KVLayoutSpec(**fields, layer_stride=1024)
+    with pytest.raises(ValidationError, match="reaches byte"):
+        KVLayoutSpec(**fields, pool_bytes=4 * 2 * 2048 - 1)
 
 
 def test_decode_request_round_trip_and_strictness():
     handle = KVHandle(
         prefill_worker_id="p", transfer_endpoint="127.0.0.1:1", kv_base_address=2**40,
-        layout=KVLayoutSpec.from_layout(KVLayout(8, 16, 2, 2, 8, "float32")), block_ids=(3, 4), num_tokens=20, pin_key="/k",
+        layout=KVLayoutSpec(num_blocks=8, block_size=16, num_layers=2, num_kv_heads=2, head_dim=8, dtype="float32"), block_ids=(3, 4), num_tokens=20, pin_key="/k",
         pin_token="t", producer_started_at=1.5,
     )  # fmt: skip
     request = DecodeRequest(

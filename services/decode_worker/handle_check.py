@@ -4,7 +4,8 @@ The handle must agree with itself (one block per ``block_size`` tokens of the pr
 ids inside the producer's pool, no block twice, the producer's pin key for this request)
 and with the producer's own etcd record (the incarnation that made it, the transfer
 endpoint, pool address and layout it registered), and its layout must be one this worker
-can copy byte for byte. Anything else is refused with a clear error: a bad handle never
+can copy segment for segment; the pull's byte ranges come from the producer's published
+layout (``producer_layout``). Anything else is refused with a clear error: a bad handle never
 allocates blocks, never reaches the transfer engine.
 
 A handle from an earlier incarnation of its producer (restarted in place under the same id:
@@ -16,15 +17,15 @@ pin's token): its etcd key is written beside the reply, so it may not be there y
 
 from __future__ import annotations
 
-from kvmesh.engine.kv_cache import KVLayout
 from kvmesh.errors import ErrorCode, MeshError
 from kvmesh.protocol import DecodeRequest, WorkerRecord
+from kvmesh.transfer.layout import PoolLayout
 
 
 def check_handle(
     request: DecodeRequest,
     producer: WorkerRecord | None,
-    local_layout: KVLayout,
+    local_layout: PoolLayout,
     *,
     vocab_size: int,
     pin_key: str,
@@ -50,9 +51,10 @@ def check_handle(
             ErrorCode.BAD_REQUEST,
             f"the KV handle disagrees with {kv.prefill_worker_id}'s registered endpoint, pool address or layout",
         )
-    layout = kv.layout.to_layout()
-    if not layout.compatible_with(local_layout):
-        raise MeshError(ErrorCode.BAD_REQUEST, f"KV layout of {kv.prefill_worker_id} does not match this worker's")
+    layout = producer_layout(producer)
+    mismatch = layout.mismatch(local_layout)
+    if mismatch is not None:
+        raise MeshError(ErrorCode.BAD_REQUEST, f"KV layout of {kv.prefill_worker_id} does not match this worker's: {mismatch}")
     if kv.num_tokens != len(request.prompt_token_ids):
         raise MeshError(
             ErrorCode.BAD_REQUEST,
@@ -67,3 +69,10 @@ def check_handle(
         raise MeshError(ErrorCode.BAD_REQUEST, f"the handle's block ids are not distinct blocks of a {layout.num_blocks}-block pool")
     if kv.pin_key != pin_key:
         raise MeshError(ErrorCode.BAD_REQUEST, "the handle's pin key is not the producer's pin of this request")
+
+
+def producer_layout(producer: WorkerRecord | None) -> PoolLayout:
+    """The pool layout a prefill worker published: what its blocks' byte ranges are read from."""
+    if producer is None or producer.kv_layout is None or producer.kv_base_address is None:
+        raise MeshError(ErrorCode.KV_LOST, "the prefill worker has published no KV pool")
+    return producer.kv_layout.to_layout(default_base=producer.kv_base_address)

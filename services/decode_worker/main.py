@@ -14,15 +14,14 @@ import sys
 from nats.aio.msg import Msg
 from pydantic import ValidationError
 
-from kvmesh.engine.async_engine import EngineDeadError
-from kvmesh.engine.request import FinishReason
 from kvmesh.errors import ErrorCode, MeshError
 from kvmesh.protocol import QUEUE_GROUP, DecodeAck, DecodeRequest, ErrorInfo, ReleaseRequest, Stage, TokenEvent
-from kvmesh.services.decode_worker.handle_check import check_handle
+from kvmesh.services.decode_worker.handle_check import check_handle, producer_layout
 from kvmesh.telemetry import extract_context, inject_headers, record_queue_wait
 from kvmesh.transfer.mooncake_agent import TransferError
 from kvmesh.transfer.runs import coalesce
 from kvmesh.worker.in_flight import InFlight
+from kvmesh.worker.engine_api import EngineDeadError, FinishReason
 from kvmesh.worker.runtime import WorkerRuntime
 from kvmesh.worker.settings import worker_settings
 
@@ -153,15 +152,16 @@ class DecodeWorker:
         rt = self.runtime
         kv = request.kv
         assert kv is not None and rt.directory is not None
-        local = rt.engine.engine.kv_layout
+        local = rt.engine.kv_layout
         ok = False
         bytes_pulled = 0
         try:
+            producer = rt.directory.workers.get(kv.prefill_worker_id)
             check_handle(
                 request,
-                rt.directory.workers.get(kv.prefill_worker_id),
+                producer,
                 local,
-                vocab_size=rt.engine.engine.model_config.vocab_size,
+                vocab_size=rt.engine.vocab_size,
                 pin_key=rt.keys.pin(kv.prefill_worker_id, request.request_id),
             )
             if rt.settings.fault_pull_delay:
@@ -171,12 +171,8 @@ class DecodeWorker:
                 # A cancel while waiting for room or reading the blocks gives them back (below).
                 try:
                     runs = coalesce(kv.block_ids, block_ids)
-                    stats = await rt.agent.read_blocks_async(
-                        kv.transfer_endpoint,
-                        runs,
-                        peer_base=kv.kv_base_address,
-                        local_base=rt.engine.engine.kv_pool.base_address,
-                        block_bytes=local.block_bytes,
+                    stats = await rt.agent.read_layout_async(
+                        kv.transfer_endpoint, runs, peer=producer_layout(producer), local=local
                     )
                 except BaseException:
                     await rt.engine.release_import(request.request_id)
@@ -208,7 +204,7 @@ class DecodeWorker:
         loop = asyncio.get_running_loop()
         # A retry waits less: another decode worker (one just restarted, say) may have room.
         give_up = loop.time() + (min(RESUMED_IMPORT_WAIT, rt.settings.import_wait) if resumed else rt.settings.import_wait)
-        needed = -(-num_tokens // rt.engine.engine.kv_layout.block_size)
+        needed = -(-num_tokens // rt.engine.kv_layout.block_size)
         while True:
             self._check_cancelled(request_id)
             load = rt.engine.load_now()

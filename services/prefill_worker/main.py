@@ -16,8 +16,6 @@ import time
 from nats.aio.msg import Msg
 from pydantic import ValidationError
 
-from kvmesh.engine.request import FinishReason
-from kvmesh.engine.async_engine import EngineDeadError
 from kvmesh.errors import ErrorCode, KvmeshError
 from kvmesh.protocol import (
     QUEUE_GROUP,
@@ -35,6 +33,7 @@ from kvmesh.services.prefill_worker.peer_prefix import CostModel, borrow_prefix
 from kvmesh.services.prefill_worker.pins import PinTable
 from kvmesh.telemetry import extract_context, record_queue_wait
 from kvmesh.worker.in_flight import InFlight
+from kvmesh.worker.engine_api import EngineDeadError, FinishReason
 from kvmesh.worker.runtime import WorkerRuntime
 from kvmesh.worker.settings import worker_settings
 
@@ -130,15 +129,15 @@ class PrefillWorker:
                 await rt.engine.release_export(rid)
                 await self._respond_cancelled(msg, rid)
                 return
-            pool = rt.engine.engine.kv_pool
+            layout = rt.engine.kv_layout
             with rt.tracer.start_as_current_span("pin") as pin_span:
-                pin = self.pins.pin(rid, rt.worker_id.encode(), len(export.block_ids) * export.layout.block_bytes)
+                pin = self.pins.pin(rid, rt.worker_id.encode(), len(export.block_ids) * layout.block_bytes)
                 pin_span.set_attribute("kvmesh.blocks", len(export.block_ids))
             handle = KVHandle(
                 prefill_worker_id=rt.worker_id,
                 transfer_endpoint=rt.agent.endpoint,
-                kv_base_address=pool.base_address,
-                layout=KVLayoutSpec.from_layout(export.layout),
+                kv_base_address=layout.base_address,
+                layout=KVLayoutSpec.from_layout(layout),
                 block_ids=export.block_ids,
                 num_tokens=export.num_tokens,
                 pin_key=rt.keys.pin(rt.worker_id, rid),
@@ -177,7 +176,7 @@ class PrefillWorker:
         mid-pull cannot leak them) and say where they are. The borrower is the subject's
         last token; what it may hold here at once is capped."""
         rt = self.runtime
-        layout = rt.engine.engine.kv_layout
+        layout = rt.engine.kv_layout
         borrower = Subjects.sender(msg.subject)
         cap = max(1, int(layout.num_blocks * LEND_CAP_FRACTION))
         block_ids: list[int] = []
@@ -192,11 +191,10 @@ class PrefillWorker:
         else:
             async with self._lending:
                 block_ids, loan_id, token, error = await self._lend(borrower, lend.handle, hashes, cap)
-        pool = rt.engine.engine.kv_pool
         reply = KVLendReply(
             block_ids=block_ids,
             transfer_endpoint=rt.agent.endpoint,
-            kv_base_address=pool.base_address,
+            kv_base_address=layout.base_address,
             layout=KVLayoutSpec.from_layout(layout),
             loan_id=loan_id if block_ids else "",
             pin_token=token,
@@ -223,7 +221,7 @@ class PrefillWorker:
         if not block_ids:
             await rt.engine.release_export(loan_id)  # an empty hold
             return [], loan_id, "", None
-        num_bytes = len(block_ids) * rt.engine.engine.kv_layout.block_bytes
+        num_bytes = len(block_ids) * rt.engine.kv_layout.block_bytes
         pin = self.pins.pin(loan_id, rt.worker_id.encode(), num_bytes, borrower=borrower, num_blocks=len(block_ids))
         return block_ids, loan_id, pin.token, None
 

@@ -47,9 +47,10 @@ class CostModel:
 async def borrow_prefix(rt: WorkerRuntime, cost: CostModel, request_id: str, prompt: list[int], peer: PeerPrefix, span) -> int:
     """Pull what the peer holds beyond our own cached prefix; returns blocks pulled."""
     engine = rt.engine
-    block_size = engine.engine.kv_layout.block_size
-    block_bytes = engine.engine.kv_layout.block_bytes
-    hashes = engine.engine.block_hashes(prompt)
+    layout = engine.kv_layout
+    block_size = layout.block_size
+    block_bytes = layout.block_bytes
+    hashes = engine.block_hashes(prompt)
     usable = min(peer.num_blocks, (len(prompt) - 1) // block_size, len(hashes))
     local = await engine.cached_prefix_length(hashes[:usable])
     missing = usable - local
@@ -85,19 +86,16 @@ async def borrow_prefix(rt: WorkerRuntime, cost: CostModel, request_id: str, pro
         if problem is not None:
             logger.warning("not pulling from %s: %s", peer.worker_id, problem)
             return 0
-        if not reply.layout.to_layout().compatible_with(engine.engine.kv_layout):
+        peer_layout = reply.layout.to_layout(default_base=reply.kv_base_address)  # as the lender published it
+        if not peer_layout.compatible_with(layout):
             return 0
         local_ids = await engine.allocate_import(handle, len(reply.block_ids) * block_size)
         if local_ids is None:
             return 0
         started = time.perf_counter()
         try:
-            stats = await rt.agent.read_blocks_async(
-                reply.transfer_endpoint,
-                coalesce(reply.block_ids, local_ids),
-                peer_base=reply.kv_base_address,
-                local_base=engine.engine.kv_pool.base_address,
-                block_bytes=block_bytes,
+            stats = await rt.agent.read_layout_async(
+                reply.transfer_endpoint, coalesce(reply.block_ids, local_ids), peer=peer_layout, local=layout
             )
         except TransferError as exc:
             await engine.release_import(handle)

@@ -70,6 +70,10 @@ class EngineError(KvmeshError, RuntimeError):
     """The engine cannot serve requests."""
 
 
+class EngineDeadError(EngineError):
+    """The engine stopped (shut down or failed); no request can proceed."""
+
+
 class MeshError(KvmeshError):
     """A request failed in the mesh, with one of the ``ErrorCode``s."""
 

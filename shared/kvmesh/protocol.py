@@ -11,11 +11,11 @@ import re
 
 from typing import Annotated, Literal
 
-from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, TypeAdapter
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, TypeAdapter, model_validator
 
-from kvmesh.engine.kv_layout import KVLayout
 from kvmesh.errors import ErrorCode, as_error_code
 from kvmesh.engine.request import SamplingParams
+from kvmesh.transfer.layout import KVMESH_ARRANGEMENT, PoolLayout, block_major
 
 Role = Literal["prefill", "decode", "router", "kv-metadata"]
 Stage = Literal["prefill", "pull", "decode"]  # where a request is on a worker (``Progress``)
@@ -179,18 +179,51 @@ class SamplingSpec(Message):
 
 
 class KVLayoutSpec(Message):
+    """A worker's KV pool layout (``kvmesh.transfer.layout.PoolLayout``). The fields after
+    ``dtype`` came with the engine interface; a record without them describes kvmesh's
+    block-major pool, whose base is the record's (or handle's) ``kv_base_address``."""
+
     num_blocks: int
     block_size: int
     num_layers: int
     num_kv_heads: int
     head_dim: int
     dtype: str
+    engine: str = "kvmesh"
+    arrangement: str = KVMESH_ARRANGEMENT
+    layer_stride: int | None = None  # None: block-major (one segment)
+    block_stride: int | None = None  # None: block-major (a segment per layer)
+    base_address: int | None = None  # None: the enclosing record's kv_base_address
+    pool_bytes: int | None = None  # None: the blocks' bytes
 
-    def to_layout(self) -> KVLayout:
-        return KVLayout(**self.model_dump())
+    @model_validator(mode="after")
+    def _a_layout(self) -> KVLayoutSpec:
+        self.to_layout()  # strides that overlap segments or reach past the pool are refused here
+        return self
+
+    def to_layout(self, default_base: int = 0) -> PoolLayout:
+        """The layout; ``default_base`` is the pool address when the spec names none."""
+        base = self.base_address if self.base_address is not None else default_base
+        kvmesh = block_major(
+            dtype=self.dtype,
+            block_size=self.block_size,
+            num_blocks=self.num_blocks,
+            num_layers=self.num_layers,
+            num_kv_heads=self.num_kv_heads,
+            head_dim=self.head_dim,
+            base_address=base,
+            engine=self.engine,
+        )
+        return dataclasses.replace(
+            kvmesh,
+            arrangement=self.arrangement,
+            layer_stride=self.layer_stride if self.layer_stride is not None else kvmesh.layer_stride,
+            block_stride=self.block_stride if self.block_stride is not None else kvmesh.block_stride,
+            pool_bytes=self.pool_bytes if self.pool_bytes is not None else kvmesh.pool_bytes,
+        )
 
     @classmethod
-    def from_layout(cls, layout: KVLayout) -> KVLayoutSpec:
+    def from_layout(cls, layout: PoolLayout) -> KVLayoutSpec:
         return cls(**dataclasses.asdict(layout))
 
 

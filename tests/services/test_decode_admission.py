@@ -16,7 +16,7 @@ from kvmesh.services.decode_worker.main import DecodeWorker
 class Engine:
     def __init__(self, free: int, running: int) -> None:
         self.free, self.running = free, running
-        self.engine = SimpleNamespace(kv_layout=SimpleNamespace(block_size=16))
+        self.kv_layout = SimpleNamespace(block_size=16)
         self.allocated: list[str] = []
 
     def load_now(self) -> dict[str, int]:

@@ -5,12 +5,12 @@ from __future__ import annotations
 
 import pytest
 
-from kvmesh.engine.kv_cache import KVLayout
 from kvmesh.errors import ErrorCode, MeshError
 from kvmesh.protocol import DecodeRequest, KVHandle, KVLayoutSpec, Keys, SamplingSpec, WorkerRecord
 from kvmesh.services.decode_worker.handle_check import check_handle
+from kvmesh.transfer.layout import PoolLayout, block_major
 
-LAYOUT = KVLayout(num_blocks=64, block_size=16, num_layers=2, num_kv_heads=2, head_dim=8, dtype="float32")
+LAYOUT = block_major(dtype="float32", block_size=16, num_blocks=64, num_layers=2, num_kv_heads=2, head_dim=8, base_address=4096)
 SPEC = KVLayoutSpec.from_layout(LAYOUT)
 PIN_KEY = Keys("default").pin("prefill-1", "r1")
 
@@ -39,7 +39,7 @@ def request(*, num_prompt: int = 20, first_token: int | None = 7, **kv_overrides
     )
 
 
-def check(req: DecodeRequest, producer: WorkerRecord | None = None, local: KVLayout = LAYOUT) -> None:
+def check(req: DecodeRequest, producer: WorkerRecord | None = None, local: PoolLayout = LAYOUT) -> None:
     check_handle(req, producer if producer is not None else record(), local, vocab_size=100, pin_key=PIN_KEY)
 
 
@@ -90,6 +90,6 @@ def test_a_handle_from_before_its_producer_restarted_in_place_is_lost_kv_not_a_b
 
 
 def test_a_layout_this_worker_cannot_copy_is_refused():
-    other = KVLayout(num_blocks=64, block_size=16, num_layers=2, num_kv_heads=2, head_dim=8, dtype="bfloat16")
-    with pytest.raises(MeshError, match="does not match"):
+    other = block_major(dtype="bfloat16", block_size=16, num_blocks=64, num_layers=2, num_kv_heads=2, head_dim=8, base_address=0)
+    with pytest.raises(MeshError, match="does not match this worker's: dtype float32 vs bfloat16"):
         check(request(), local=other)

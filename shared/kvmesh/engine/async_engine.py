@@ -20,17 +20,16 @@ from collections.abc import AsyncIterator, Callable
 from typing import Any, TypeVar
 
 from kvmesh.engine.kv_cache_manager import PoolStats
-from kvmesh.engine.llm_engine import EngineConfig, LLMEngine, RequestOutput
+from kvmesh.engine.llm_engine import EngineConfig, LLMEngine
+from kvmesh.engine.outputs import RequestOutput
 from kvmesh.engine.request import SamplingParams
-from kvmesh.errors import EngineError
+from kvmesh.errors import EngineDeadError
 
 logger = logging.getLogger(__name__)
 
 T = TypeVar("T")
 
-
-class EngineDeadError(EngineError):
-    """The engine thread stopped (shut down or failed); no request can proceed."""
+__all__ = ["AsyncEngine", "EngineDeadError"]
 
 
 class AsyncEngine:

@@ -23,6 +23,7 @@ from kvmesh.engine.model.config import ModelConfig
 from kvmesh.engine.model.llama import LlamaModel
 from kvmesh.engine.model.weights import load_weights
 from kvmesh.engine.model_runner import ModelRunner
+from kvmesh.engine.outputs import KVExport, RequestOutput
 from kvmesh.engine.request import FinishReason, Request, SamplingParams
 from kvmesh.engine.scheduler import Scheduler, SchedulerConfig, max_model_len
 from kvmesh.engine.tokenizer import Tokenizer
@@ -53,33 +54,6 @@ class EngineConfig:
             raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {self.dtype!r}")
         if min(self.block_size, self.max_num_seqs, self.max_num_batched_tokens, self.max_failed_steps) < 1:
             raise ValueError("block_size, max_num_seqs, max_num_batched_tokens and max_failed_steps must be positive")
-
-
-@dataclass(slots=True, frozen=True)
-class KVExport:
-    """KV of a finished prefill, held in this engine's blocks until released."""
-
-    block_ids: tuple[int, ...]
-    num_tokens: int
-    layout: KVLayout
-
-
-@dataclass(slots=True)
-class RequestOutput:
-    request_id: str
-    new_token_ids: list[int]
-    text: str  # new text since the previous output
-    finished: bool
-    finish_reason: FinishReason | None
-    num_prompt_tokens: int
-    num_cached_tokens: int
-    kv_export: KVExport | None = None
-    queue_seconds: float | None = None  # arrival to first schedule; on the first output only
-    error: str | None = None  # with FinishReason.ERROR: what failed, for the client
-    # With FinishReason.ERROR: ``request_failed`` when this request's own sampling or output
-    # failed (it would anywhere); ``internal`` when its whole step did (a co-batched
-    # request, the device): another worker may well succeed.
-    error_code: ErrorCode | None = None
 
 
 class LLMEngine:

@@ -10,10 +10,9 @@ import uuid
 import nats
 from nats.aio.msg import Msg
 
-from kvmesh.engine.async_engine import AsyncEngine
-from kvmesh.engine.block_pool import AllBlocksCleared, BlockRemoved, BlockStored, KVCacheEvent
 from kvmesh.hashing import hash_to_hex
 from kvmesh.protocol import KVEventBatch, KVEventSpec, KVSnapshot, Subjects
+from kvmesh.worker.engine_api import AllBlocksCleared, BlockRemoved, BlockStored, Engine, KVCacheEvent
 
 logger = logging.getLogger(__name__)
 
@@ -30,7 +29,7 @@ def event_spec(event: KVCacheEvent) -> KVEventSpec:
 
 class KVEventPublisher:
     def __init__(
-        self, engine: AsyncEngine, nc: nats.NATS, subjects: Subjects, worker_id: str, *, interval: float = 0.1
+        self, engine: Engine, nc: nats.NATS, subjects: Subjects, worker_id: str, *, interval: float = 0.1
     ) -> None:
         self.engine = engine
         self.nc = nc
@@ -39,7 +38,7 @@ class KVEventPublisher:
         self.interval = interval
         self.epoch = uuid.uuid4().hex[:12]
         self.seq = -1  # the last batch published
-        self.block_size = engine.engine.kv_layout.block_size
+        self.block_size = engine.kv_layout.block_size
         self._lock = asyncio.Lock()  # a snapshot and a batch never interleave
         self._task: asyncio.Task | None = None
 

@@ -22,14 +22,14 @@ from kvmesh.cluster.connect import connect_mesh
 from kvmesh.cluster.directory import WorkerDirectory
 from kvmesh.cluster.etcd_store import EtcdStore
 from kvmesh.cluster.registration import LeasedKey
-from kvmesh.engine.async_engine import AsyncEngine
-from kvmesh.engine.llm_engine import EngineConfig
 from kvmesh.protocol import CancelRequest, Keys, KVLayoutSpec, LoadReport, Stage, Subjects, WorkerRecord, WorkerStats
 from kvmesh.service_main import running_as_service
 from kvmesh.telemetry import setup_tracing, shutdown_tracing, tracer
 from kvmesh.transfer import bind_guard
 from kvmesh.transfer.mooncake_agent import MooncakeAgent
 from kvmesh.worker.callbacks import ControlHandlers
+from kvmesh.worker.engine_api import Engine
+from kvmesh.worker.engines import create_engine
 from kvmesh.worker.health import HealthServer, HealthStatus
 from kvmesh.worker.heartbeat import Heartbeat
 from kvmesh.worker.kv_events import KVEventPublisher
@@ -46,7 +46,7 @@ class WorkerRuntime:
         self.keys = Keys(settings.mesh.namespace)
         self.timeout = settings.mesh.request_timeout
         self.tracer = tracer(f"kvmesh.{settings.role}")
-        self.engine: AsyncEngine
+        self.engine: Engine
         self.agent: MooncakeAgent
         self.nc: nats.NATS
         self.store: EtcdStore
@@ -74,23 +74,10 @@ class WorkerRuntime:
         setup_tracing(f"kvmesh-{s.role}-worker", self.worker_id)
         await self.health.start()  # live (and not ready) while the model loads
         logger.info("loading the model")
-        self.engine = await AsyncEngine.create(
-            EngineConfig(
-                model=s.model,
-                served_model_name=s.served_model_name,
-                device=s.device,
-                dtype=s.dtype,
-                block_size=s.block_size,
-                kv_cache_bytes=s.kv_cache_bytes,
-                max_num_seqs=s.max_num_seqs,
-                max_num_batched_tokens=s.max_num_batched_tokens,
-                enable_prefix_caching=s.enable_prefix_caching,
-                num_threads=s.num_threads,
-            )
-        )
-        pool = self.engine.engine.kv_pool
+        self.engine = await create_engine(s)
+        pool = self.engine.kv_layout
         self.agent = MooncakeAgent(s.advertise_host, port_range=s.transfer_port_range)
-        self.agent.register(pool.base_address, pool.nbytes)
+        self.agent.register(pool.base_address, pool.pool_bytes)
         self._background.append(asyncio.create_task(self._watch_engine(), name="engine-watch"))
         self.nc, self.store = await connect_mesh(s.mesh, f"{s.role}-{self.worker_id}")
         self.directory = WorkerDirectory(self.store, self.keys)
@@ -104,7 +91,7 @@ class WorkerRuntime:
         self.on_close(self.kv_events.stop)
 
     def record(self) -> WorkerRecord:
-        engine = self.engine.engine
+        engine = self.engine
         role_subject = self.subjects.prefill if self.settings.role == "prefill" else self.subjects.decode
         return WorkerRecord(
             worker_id=self.worker_id,
@@ -113,7 +100,7 @@ class WorkerRuntime:
             max_model_len=engine.max_model_len,
             subject=role_subject(self.worker_id),
             transfer_endpoint=self.agent.endpoint,
-            kv_base_address=engine.kv_pool.base_address,
+            kv_base_address=engine.kv_layout.base_address,
             kv_layout=KVLayoutSpec.from_layout(engine.kv_layout),
             host=self.settings.advertise_host,
             pid=os.getpid(),
@@ -231,7 +218,7 @@ class WorkerRuntime:
                     running=load["running"],
                     waiting=load["waiting"],
                     free_blocks=load["free_blocks"],
-                    total_blocks=self.engine.engine.kv_layout.num_blocks,
+                    total_blocks=self.engine.kv_layout.num_blocks,
                     draining=self.draining,
                     ready=self.health_status().ready,
                     timestamp=time.time(),

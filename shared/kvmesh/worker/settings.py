@@ -12,6 +12,7 @@ from typing import overload
 
 from kvmesh.protocol import Role
 from kvmesh.transfer.mooncake_agent import parse_port_range
+from kvmesh.worker.engines import ENGINES, unavailable
 
 logger = logging.getLogger(__name__)
 
@@ -54,6 +55,7 @@ class WorkerSettings:
     role: Role
     mesh: MeshSettings
     worker_id: str = field(default_factory=lambda: f"{socket.gethostname()}-{uuid.uuid4().hex[:8]}")
+    engine: str = "kvmesh"  # which engine the worker hosts (``kvmesh.worker.engines``)
     model: str | None = None
     served_model_name: str | None = None
     device: str = "cpu"
@@ -186,6 +188,10 @@ def worker_parser(role: Role) -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog=f"kvmesh-{role}-worker", description=f"kvmesh {role} worker")
     add_mesh_args(parser)
     parser.add_argument("--worker-id", default=_env("WORKER_ID"))
+    parser.add_argument(
+        "--engine", default=_env("ENGINE", "kvmesh"), choices=ENGINES,
+        help="the engine this worker hosts: kvmesh (its own); vllm is not available yet (KVMESH_ENGINE)",
+    )
     parser.add_argument("--model", default=_env("MODEL"), help="model dir or .gguf (default: SmolLM2-135M-Instruct)")
     parser.add_argument("--served-model-name", default=_env("SERVED_MODEL_NAME"))
     parser.add_argument("--device", default=_env("DEVICE", "cpu"))
@@ -228,10 +234,14 @@ def resolve_advertise_host(value: str) -> str:
 def worker_settings(role: Role, argv: list[str] | None = None) -> WorkerSettings:
     parser = worker_parser(role)
     args = parser.parse_args(argv)
+    reason = unavailable(args.engine)
+    if reason is not None:
+        parser.error(reason)
     extra = {"worker_id": args.worker_id} if args.worker_id else {}
     return WorkerSettings(
         role=role,
         mesh=mesh_settings(args, parser),
+        engine=args.engine,
         model=args.model,
         served_model_name=args.served_model_name,
         device=args.device,
