@@ -66,7 +66,7 @@ from kvmesh.services.router.attempts import (
 from kvmesh.services.router.backend import HealthReport
 from kvmesh.services.router.progress import RequestProgress
 from kvmesh.services.router.streams import Streams, new_key
-from kvmesh.services.router.worker_choice import Choice, Excluded, LoadBoard, least_loaded
+from kvmesh.services.router.worker_choice import Choice, Excluded, LayoutPairing, LoadBoard, least_loaded
 from kvmesh.telemetry import inject_headers, tracer
 from kvmesh.worker.settings import MeshSettings
 
@@ -101,6 +101,7 @@ class MeshBackend:
         self.eos_token_ids = tuple(dict.fromkeys((*self.tokenizer.eos_token_ids, *model_config.eos_token_ids)))
         self.board = LoadBoard()
         self.scorer = load_scorer_config(routing_config)  # how prefill workers are chosen
+        self.pairing = LayoutPairing()  # prefill workers only for decode workers that can pull their KV
         self.kv_query_timeout = kv_query_timeout
         self.worker_wait = worker_wait  # seconds a request waits for a decode worker to come back
         self._attempts: dict[str, Attempt] = {}  # by attempt id
@@ -262,7 +263,7 @@ class MeshBackend:
         Yields events whose token ids are new (their text is ignored: the router
         detokenizes)."""
         decode = await self._decode_worker(excluded, deadline)
-        routed = await self._choose_prefill(attempt_id, prompt, excluded, session_id, span)
+        routed = await self._choose_prefill(attempt_id, prompt, excluded, session_id, span, decode.worker)
         prefill, peer = routed if routed is not None else (None, None)
         span.set_attribute("kvmesh.decode_worker", decode.worker.worker_id)
         span.set_attribute("kvmesh.decode_choice", decode.reason)
@@ -337,16 +338,22 @@ class MeshBackend:
                 pass
 
     async def _choose_prefill(
-        self, attempt_id: str, prompt: list[int], excluded: Excluded, session_id: str | None, span: trace.Span
+        self,
+        attempt_id: str,
+        prompt: list[int],
+        excluded: Excluded,
+        session_id: str | None,
+        span: trace.Span,
+        decode: WorkerRecord,
     ) -> tuple[Choice, PeerPrefix | None] | None:
         """The prefill worker with the best weighted score (prefix cached there, load,
-        session affinity, ...), as the routing config says. The decision and every score
-        go on the request's span."""
-        records = {
-            w.worker_id: w
-            for w in self.directory.alive("prefill")
-            if w.worker_id not in excluded and self.board.usable(w.worker_id)
-        }
+        session affinity, ...), as the routing config says, among those whose KV layout
+        ``decode`` can pull (None: the decode worker prefills itself). The decision and
+        every score go on the request's span."""
+        pairable, skipped = self.pairing.pairable(self.directory.alive("prefill"), decode)
+        if skipped:
+            span.set_attribute("kvmesh.route.skipped_prefill", [f"{w}: {why}" for w, why in skipped.items()])
+        records = {w.worker_id: w for w in pairable if w.worker_id not in excluded and self.board.usable(w.worker_id)}
         if not records:
             return None
         layout = next(iter(records.values())).kv_layout

@@ -1,14 +1,18 @@
 """Choosing a worker: the least loaded live one, by its latest load report and the requests
-this router has sent it since. (KV-aware scoring plugins come with the cluster KV cache.)"""
+this router has sent it since (KV-aware scoring plugins come with the cluster KV cache); and
+which prefill workers a decode worker can pull from at all (``layout_mismatch``)."""
 
 from __future__ import annotations
 
+import logging
 import random
 import time
-from collections.abc import Container, Mapping
-from dataclasses import dataclass
+from collections.abc import Container, Iterable, Mapping
+from dataclasses import dataclass, field
 
 from kvmesh.protocol import LoadReport, WorkerRecord
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass(slots=True)
@@ -92,3 +96,42 @@ def least_loaded(candidates: list[WorkerRecord], board: LoadBoard, exclude: Cont
     best = [w for w in usable if board.load(w.worker_id) == lowest]
     worker = random.choice(best)
     return Choice(worker, f"least loaded ({lowest:g} queued) of {len(usable)}")
+
+
+def layout_mismatch(prefill: WorkerRecord, decode: WorkerRecord) -> str | None:
+    """Why ``decode`` cannot pull the KV blocks of ``prefill`` (``None``: it can): their
+    published pool layouts must agree on block size, dtype, layers, heads, head dim and K/V
+    arrangement (strides and engines may differ)."""
+    if prefill.kv_layout is None or decode.kv_layout is None:
+        missing = prefill if prefill.kv_layout is None else decode
+        return f"{missing.worker_id} has published no KV layout"
+    mismatch = prefill.kv_layout.to_layout().mismatch(decode.kv_layout.to_layout())
+    if mismatch is None:
+        return None
+    return f"{prefill.worker_id}'s KV layout does not match {decode.worker_id}'s ({mismatch})"
+
+
+@dataclass(slots=True)
+class LayoutPairing:
+    """Which prefill workers a decode worker can pull from. Each skipped pair (of two
+    incarnations) is logged once; the reasons also go with every request's route."""
+
+    _logged: set[tuple[str, float, str, float]] = field(default_factory=set)
+
+    def pairable(
+        self, prefills: Iterable[WorkerRecord], decode: WorkerRecord
+    ) -> tuple[list[WorkerRecord], dict[str, str]]:
+        """The prefill workers ``decode`` can pull from, and why each other one is skipped."""
+        kept: list[WorkerRecord] = []
+        skipped: dict[str, str] = {}
+        for prefill in prefills:
+            reason = layout_mismatch(prefill, decode)
+            if reason is None:
+                kept.append(prefill)
+                continue
+            skipped[prefill.worker_id] = reason
+            pair = (prefill.worker_id, prefill.started_at, decode.worker_id, decode.started_at)
+            if pair not in self._logged:
+                self._logged.add(pair)
+                logger.warning("not pairing prefill worker %s with decode worker %s: %s", prefill.worker_id, decode.worker_id, reason)
+        return kept, skipped

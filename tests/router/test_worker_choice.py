@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import time
 
-from kvmesh.protocol import LoadReport, WorkerRecord
-from kvmesh.services.router.worker_choice import Excluded, LoadBoard, least_loaded
+from kvmesh.protocol import KVLayoutSpec, LoadReport, WorkerRecord
+from kvmesh.services.router.worker_choice import Excluded, LayoutPairing, LoadBoard, layout_mismatch, least_loaded
 
 
 def record(worker_id: str, started_at: float = 1.0) -> WorkerRecord:
@@ -64,3 +64,46 @@ def test_the_incarnation_given_up_on_is_the_one_excluded():
     workers["d1"] = record("d1", started_at=2.0)  # already replaced
     excluded.add("d1", started_at=1.0)
     assert "d1" not in excluded
+
+
+def spec(**overrides) -> KVLayoutSpec:
+    fields = dict(num_blocks=64, block_size=16, num_layers=30, num_kv_heads=3, head_dim=64, dtype="float32")
+    fields.update(overrides)
+    return KVLayoutSpec(**fields)
+
+
+def worker(worker_id: str, role: str, layout: KVLayoutSpec | None, started_at: float = 1.0) -> WorkerRecord:
+    return WorkerRecord(
+        worker_id=worker_id, role=role, model="m", max_model_len=64, subject=f"s.{worker_id}", host="127.0.0.1", pid=1,
+        started_at=started_at, kv_base_address=4096, kv_layout=layout,
+    )  # fmt: skip
+
+
+def test_prefill_workers_are_paired_only_with_decode_workers_that_can_pull_their_layout(caplog):
+    segment = 2 * 128 * 3 * 64 * 4
+    vllm = spec(engine="vllm", block_size=128, arrangement="head,kv,token,dim", layer_stride=64 * segment, block_stride=segment)
+    prefills = [
+        worker("p-same", "prefill", spec(num_blocks=512)),  # another pool size: fine
+        worker("p-bf16", "prefill", spec(dtype="bfloat16")),
+        worker("p-vllm", "prefill", vllm),
+        worker("p-bare", "prefill", None),
+    ]
+    decode = worker("d1", "decode", spec())
+    pairing = LayoutPairing()
+    with caplog.at_level("WARNING"):
+        kept, skipped = pairing.pairable(prefills, decode)
+        pairing.pairable(prefills, decode)  # said once per pair, not per request
+    assert [w.worker_id for w in kept] == ["p-same"]
+    assert skipped == {
+        "p-bf16": "p-bf16's KV layout does not match d1's (dtype bfloat16 vs float32)",
+        "p-vllm": "p-vllm's KV layout does not match d1's (block size 128 vs 16)",
+        "p-bare": "p-bare has published no KV layout",
+    }
+    assert [r.getMessage() for r in caplog.records] == [
+        f"not pairing prefill worker {w} with decode worker d1: {why}" for w, why in skipped.items()
+    ]
+    same_shape = spec(engine="vllm", arrangement="head,kv,token,dim")
+    assert layout_mismatch(worker("p", "prefill", same_shape), decode) == (
+        "p's KV layout does not match d1's (arrangement head,kv,token,dim vs kv,token,head,dim)"
+    )
+    assert layout_mismatch(worker("p", "prefill", same_shape), worker("d2", "decode", same_shape)) is None
