@@ -51,6 +51,7 @@ class MeshOptions:
     port: int = 0  # the router's; 0 picks a free one
     host: str = "127.0.0.1"
     model: str | None = None
+    engine: str = "kvmesh"  # what every worker hosts (``kvmesh.worker.engines``)
     dtype: str = "float32"
     kv_cache_mib: int = 256
     block_size: int = 16
@@ -311,6 +312,7 @@ class LocalMesh:
         argv = [
             sys.executable, "-m", f"kvmesh.services.{role}_worker", *self._mesh_args(worker_id),
             "--worker-id", worker_id,
+            "--engine", opts.engine,
             "--dtype", opts.dtype,
             "--kv-cache-mib", str(opts.kv_cache_mib),
             "--block-size", str(opts.block_size),

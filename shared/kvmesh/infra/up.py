@@ -89,8 +89,17 @@ def check_api_key_file(path: str | None) -> None:
         raise UpUsageError(f"--api-key-file: {exc}") from None
 
 
+def check_engine(engine: str) -> None:
+    from kvmesh.worker.engines import unavailable
+
+    reason = unavailable(engine)
+    if reason is not None:
+        raise UpUsageError(reason)
+
+
 def check_args(args: argparse.Namespace) -> Path:
     """Everything that can be checked without starting anything; returns the workdir."""
+    check_engine(args.engine)
     check_model(args.model)
     check_port(args.host, args.port)
     workdir = check_workdir(args.workdir)
@@ -114,6 +123,7 @@ def run_up(args: argparse.Namespace) -> int:
             host=args.host,
             port=args.port,
             model=args.model,
+            engine=args.engine,
             dtype=args.dtype,
             kv_cache_mib=args.kv_cache_mib,
             api_key_file=str(Path(args.api_key_file).expanduser().resolve()) if args.api_key_file else None,
