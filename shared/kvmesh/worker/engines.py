@@ -34,21 +34,6 @@ async def create_engine(settings: WorkerSettings) -> Engine:
     reason = unavailable(settings.engine)
     if reason is not None:
         raise ValueError(reason)
-    from kvmesh.engine.llm_engine import EngineConfig
     from kvmesh.worker.kvmesh_engine import KvmeshEngine
 
-    s = settings
-    return await KvmeshEngine.create(
-        EngineConfig(
-            model=s.model,
-            served_model_name=s.served_model_name,
-            device=s.device,
-            dtype=s.dtype,
-            block_size=s.block_size,
-            kv_cache_bytes=s.kv_cache_bytes,
-            max_num_seqs=s.max_num_seqs,
-            max_num_batched_tokens=s.max_num_batched_tokens,
-            enable_prefix_caching=s.enable_prefix_caching,
-            num_threads=s.num_threads,
-        )
-    )
+    return await KvmeshEngine.start(settings)

@@ -10,6 +10,7 @@ from kvmesh.engine.async_engine import AsyncEngine
 from kvmesh.engine.llm_engine import EngineConfig, LLMEngine
 from kvmesh.transfer.layout import KVMESH_ARRANGEMENT, PoolLayout
 from kvmesh.worker.engine_api import Engine
+from kvmesh.worker.settings import WorkerSettings
 
 
 class KvmeshEngine(AsyncEngine):
@@ -23,6 +24,24 @@ class KvmeshEngine(AsyncEngine):
     async def create(cls, config: EngineConfig | None = None) -> KvmeshEngine:
         """Load the model off the event loop, then start the engine thread."""
         return cls(await asyncio.to_thread(LLMEngine, config))
+
+    @classmethod
+    async def start(cls, s: WorkerSettings) -> KvmeshEngine:
+        """The engine a worker's settings describe."""
+        return await cls.create(
+            EngineConfig(
+                model=s.model,
+                served_model_name=s.served_model_name,
+                device=s.device,
+                dtype=s.dtype,
+                block_size=s.block_size,
+                kv_cache_bytes=s.kv_cache_bytes,
+                max_num_seqs=s.max_num_seqs,
+                max_num_batched_tokens=s.max_num_batched_tokens,
+                enable_prefix_caching=s.enable_prefix_caching,
+                num_threads=s.num_threads,
+            )
+        )
 
     @property
     def model_name(self) -> str:
