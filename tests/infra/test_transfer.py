@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from kvmesh.transfer.layout import VLLM_CPU_ARRANGEMENT, PoolLayout
 from kvmesh.transfer.mooncake_agent import MooncakeAgent, TransferError
 from kvmesh.transfer.runs import BlockRun, byte_ranges, coalesce
 
@@ -40,6 +41,33 @@ def test_pull_blocks_between_two_pools():
     assert local.bytes_read == 4 * block_bytes
     with pytest.raises(TransferError):  # beyond what the peer registered
         local.read_blocks(peer.endpoint, [BlockRun(16, 0, 1)], peer_base=peer_pool.data_ptr(), local_base=local_pool.data_ptr(), block_bytes=block_bytes)
+
+
+
+def test_pull_a_layer_major_pool_by_its_published_layout():
+    """vLLM-on-CPU-like pools: a tensor [blocks, heads, tokens, 2 * dim] per layer, all views
+    of one storage; every layer's segments of the blocks land where the local layout says."""
+    layers, heads, tokens, dim = 3, 2, 16, 8
+    peer_kv = torch.randn(layers, 8, heads, tokens, 2 * dim)
+    local_kv = torch.zeros(layers, 12, heads, tokens, 2 * dim)  # another pool size: other layer stride
+
+    def layout(kv: torch.Tensor) -> PoolLayout:
+        return PoolLayout(
+            engine="vllm", dtype="float32", block_size=tokens, num_blocks=kv.shape[1], num_layers=layers, num_kv_heads=heads,
+            head_dim=dim, layer_stride=kv.stride(0) * 4, block_stride=kv.stride(1) * 4, arrangement=VLLM_CPU_ARRANGEMENT,
+            base_address=kv.data_ptr(), pool_bytes=kv.numel() * 4,
+        )  # fmt: skip
+
+    peer, local = MooncakeAgent(), MooncakeAgent()
+    peer.register(peer_kv.data_ptr(), peer_kv.numel() * 4)
+    local.register(local_kv.data_ptr(), local_kv.numel() * 4)
+    src, dst = [2, 3, 6], [9, 10, 0]
+    stats = local.read_layout(peer.endpoint, coalesce(src, dst), peer=layout(peer_kv), local=layout(local_kv))
+    assert stats.ranges == 2 * layers and stats.bytes == 3 * layers * heads * tokens * 2 * dim * 4
+    assert torch.equal(local_kv[:, dst], peer_kv[:, src])
+    assert local_kv.sum(dim=(0, 2, 3, 4)).nonzero().flatten().tolist() == sorted(dst)  # nothing else written
+    with pytest.raises(TransferError, match="reaches past a pool"):
+        local.read_layout(peer.endpoint, [BlockRun(7, 0, 2)], peer=layout(peer_kv), local=layout(local_kv))
 
 
 LISTENERS = """

@@ -107,3 +107,25 @@ def test_prefill_workers_are_paired_only_with_decode_workers_that_can_pull_their
         "p's KV layout does not match d1's (arrangement head,kv,token,dim vs kv,token,head,dim)"
     )
     assert layout_mismatch(worker("p", "prefill", same_shape), worker("d2", "decode", same_shape)) is None
+
+
+async def test_the_router_prefills_only_where_the_chosen_decode_worker_can_pull(tiny_model_dir):
+    from types import SimpleNamespace
+
+    from opentelemetry import trace
+
+    from kvmesh.services.router.mesh_backend import MeshBackend
+    from kvmesh.worker.settings import MeshSettings
+
+    backend = MeshBackend(MeshSettings("nats://127.0.0.1:1", ("127.0.0.1:1",)), model=str(tiny_model_dir))
+    workers = {
+        "prefill": [worker("p-bf16", "prefill", spec(dtype="bfloat16")), worker("p-ok", "prefill", spec())],
+        "decode": [worker("d1", "decode", spec())],
+        "kv-metadata": [],
+    }
+    backend.directory = SimpleNamespace(alive=lambda role: workers[role], workers={})  # type: ignore[assignment]
+    span = trace.get_tracer("test").start_span("request")
+    routed = await backend._choose_prefill("a-0", list(range(40)), Excluded({}), None, span, workers["decode"][0])
+    assert routed is not None and routed[0].worker.worker_id == "p-ok"
+    workers["prefill"] = workers["prefill"][:1]  # nobody it can pull from: the decode worker prefills itself
+    assert await backend._choose_prefill("a-1", list(range(40)), Excluded({}), None, span, workers["decode"][0]) is None
