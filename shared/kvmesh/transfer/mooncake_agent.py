@@ -123,9 +123,6 @@ class MooncakeAgent:
             self.transfers += 1
         return TransferStats(sum(lengths), len(lengths), seconds)
 
-    async def read_blocks_async(self, peer_endpoint: str, runs: list[BlockRun], **layout: int) -> TransferStats:
-        return await asyncio.to_thread(self.read_blocks, peer_endpoint, runs, **layout)
-
     async def read_layout_async(
         self, peer_endpoint: str, runs: list[BlockRun], *, peer: PoolLayout, local: PoolLayout
     ) -> TransferStats:
