@@ -95,6 +95,6 @@ def test_what_arrives_on_a_stream_is_told_apart_by_its_kind():
         TokenEvent(request_id="r", seq=0, token_ids=[1]),
     ):
         assert STREAM_MESSAGE.validate_json(message.encode()) == message
-    lend = KVLendReply(block_ids=[1], transfer_endpoint="h:1", kv_base_address=0, layout=KVLayoutSpec.from_layout(KVLayout(8, 16, 2, 2, 8, "float32")))
+    lend = KVLendReply(block_ids=[1], transfer_endpoint="h:1", kv_base_address=0, layout=KVLayoutSpec(num_blocks=8, block_size=16, num_layers=2, num_kv_heads=2, head_dim=8, dtype="float32"))
     with pytest.raises(ValidationError):  # an honest lender's reply sent to a forged reply subject
         STREAM_MESSAGE.validate_json(lend.encode())

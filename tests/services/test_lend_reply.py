@@ -6,11 +6,10 @@ from __future__ import annotations
 
 import pytest
 
-from kvmesh.engine.kv_cache import KVLayout
 from kvmesh.protocol import KVLayoutSpec, KVLendReply, WorkerRecord
 from kvmesh.services.prefill_worker.peer_prefix import lend_reply_problem
 
-SPEC = KVLayoutSpec.from_layout(KVLayout(num_blocks=64, block_size=16, num_layers=2, num_kv_heads=2, head_dim=8, dtype="float32"))
+SPEC = KVLayoutSpec(num_blocks=64, block_size=16, num_layers=2, num_kv_heads=2, head_dim=8, dtype="float32")
 LENDER = WorkerRecord(
     worker_id="prefill-2", role="prefill", model="m", max_model_len=1024, subject="kvmesh.default.prefill.prefill-2",
     transfer_endpoint="127.0.0.1:5000", kv_base_address=4096, kv_layout=SPEC, host="127.0.0.1", pid=1, started_at=0.0,
