@@ -157,7 +157,8 @@ async def test_prefix_reuse_is_reported(mesh):
 
 async def test_decode_workers_prefill_themselves_without_prefill_workers(tmp_path, default_model_dir, single_process):
     env = {"KVMESH_CACHE_DIR": str(default_model_dir.parent.parent)}
-    local = LocalMesh(MeshOptions(prefill=0, decode=1, kv_cache_mib=32, env=env), tmp_path)
+    # Anonymous: the prefill worker started below has no credentials made at the mesh's start.
+    local = LocalMesh(MeshOptions(prefill=0, decode=1, kv_cache_mib=32, auth=False, env=env), tmp_path)
     await asyncio.to_thread(local.start)
     try:
         response = await post(local.base_url, "/v1/completions", completion_body(PROMPTS[0]))
@@ -165,8 +166,35 @@ async def test_decode_workers_prefill_themselves_without_prefill_workers(tmp_pat
         assert response.json()["choices"][0]["text"] == single_process["texts"][0]
         stats = await worker_stats(local.nats.url, "default", "decode-1")
         assert stats.transfers == 0 and stats.num_in_use == 0  # no KV moved: prefilled in place
+        # A prefill worker whose KV layout the decode worker cannot pull (other blocks) is
+        # never paired with it; the router says why, and the decode worker goes on prefilling.
+        prefill = local.start_worker("prefill", ["--block-size", "32"])
+        await asyncio.to_thread(local.wait_worker_ready, prefill)
+        await until_ready(local.base_url, "prefill")
+        response = await post(local.base_url, "/v1/completions", completion_body(PROMPTS[0]))
+        assert response.json()["choices"][0]["text"] == single_process["texts"][0]
+        stats = await worker_stats(local.nats.url, "default", "decode-1")
+        assert stats.transfers == 0
+        router_log = (tmp_path / "logs" / "router.log").read_text()
+        assert (
+            f"not pairing prefill worker {prefill} with decode worker decode-1: "
+            f"{prefill}'s KV layout does not match decode-1's (block size 32 vs 16)"
+        ) in router_log
     finally:
         await asyncio.to_thread(local.stop)
+
+
+async def until_ready(base_url: str, role: str, timeout: float = 30.0) -> None:
+    """Wait for the router to count a ready worker of ``role``."""
+    import httpx
+
+    async with httpx.AsyncClient(base_url=base_url, timeout=5) as client:
+        for _ in range(int(timeout / 0.2)):
+            response = await client.get("/health")
+            if response.status_code == 200 and response.json()["workers"].get(role):
+                return
+            await asyncio.sleep(0.2)
+    raise AssertionError(f"the router never counted a ready {role} worker")
 
 
 async def test_kv_events_and_snapshots_name_the_prompts_blocks(mesh, default_model_dir):

@@ -21,7 +21,7 @@ import threading
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
@@ -302,8 +302,9 @@ class LocalMesh:
         os.chmod(path, 0o600)
         return str(path)
 
-    def start_worker(self, role: str) -> str:
-        """Start one more worker process; returns its id (wait with ``wait_worker_ready``)."""
+    def start_worker(self, role: str, extra_args: Sequence[str] = ()) -> str:
+        """Start one more worker process (``extra_args``: flags of its own, after the mesh's);
+        returns its id (wait with ``wait_worker_ready``)."""
         opts = self.options
         self._count += 1
         worker_id = f"{role}-{self._count}"
@@ -324,6 +325,7 @@ class LocalMesh:
             argv += ["--model", opts.model]
         if not opts.prefix_caching:
             argv.append("--no-prefix-caching")
+        argv += extra_args
         self.workers[worker_id] = self._spawn(worker_id, argv, self._worker_env())
         self._write_pids()
         return worker_id
