@@ -50,10 +50,11 @@ def parse_port_range(text: str) -> tuple[int, int]:
 
 
 class MooncakeAgent:
-    """The transfer engine listens on two TCP ports on every interface, unauthenticated
-    (Mooncake 0.3.13 binds INADDR_ANY whatever the hostname); ``port_range`` keeps both in a
-    known range so a NetworkPolicy or firewall can fence them to the workers (it applies to
-    the first agent of a process: Mooncake reads it once)."""
+    """The transfer engine listens on two TCP ports, unauthenticated. Mooncake 0.3.13 binds
+    INADDR_ANY whatever the hostname; in a worker process the bind guard
+    (``transfer.bind_guard``, preloaded) moves both onto the advertised address.
+    ``port_range`` keeps both in a known range, which the guard and a NetworkPolicy or
+    firewall fence (it applies to the first agent of a process: Mooncake reads it once)."""
 
     def __init__(
         self,
