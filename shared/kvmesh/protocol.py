@@ -14,7 +14,7 @@ from typing import Annotated, Literal
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, TypeAdapter, model_validator
 
 from kvmesh.errors import ErrorCode, as_error_code
-from kvmesh.engine.request import SamplingParams
+from kvmesh.engine.request import PENALTY_RANGE, SamplingParams
 from kvmesh.transfer.layout import KVMESH_ARRANGEMENT, PoolLayout, block_major
 
 Role = Literal["prefill", "decode", "router", "kv-metadata"]
@@ -160,7 +160,15 @@ class ErrorInfo(Message):
     message: str
 
 
+def _is_zero(value: object) -> bool:
+    return not value
+
+
 class SamplingSpec(Message):
+    """``SamplingParams`` on the wire. The logits-processing fields are left out of the JSON
+    at their defaults (which change nothing): a plain request reads as it did before them, to
+    an older worker too, and an older router's payload means what it meant."""
+
     temperature: float = 0.0
     top_p: float = 1.0
     top_k: int = 0
@@ -169,6 +177,14 @@ class SamplingSpec(Message):
     stop: tuple[str, ...] = ()
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
+    presence_penalty: float = Field(default=0.0, ge=PENALTY_RANGE[0], le=PENALTY_RANGE[1], exclude_if=_is_zero)
+    frequency_penalty: float = Field(default=0.0, ge=PENALTY_RANGE[0], le=PENALTY_RANGE[1], exclude_if=_is_zero)
+    repetition_penalty: float = Field(default=1.0, gt=0.0, allow_inf_nan=False, exclude_if=lambda v: v == 1.0)
+    logit_bias: dict[Annotated[int, Field(ge=0)], Annotated[float, Field(allow_inf_nan=False)]] = Field(
+        default_factory=dict, exclude_if=_is_zero
+    )
+    min_p: float = Field(default=0.0, ge=0.0, le=1.0, exclude_if=_is_zero)
+    min_tokens: int = Field(default=0, ge=0, exclude_if=_is_zero)
 
     def to_params(self) -> SamplingParams:
         return SamplingParams(**self.model_dump())

@@ -110,6 +110,8 @@ class LLMEngine:
         vocab = self.model_config.vocab_size
         if any(not 0 <= t < vocab for t in prompt_token_ids):
             raise ValueError(f"prompt token ids must lie in [0, {vocab})")
+        if any(not 0 <= t < vocab for t in params.logit_bias):
+            raise ValueError(f"logit_bias token ids must lie in [0, {vocab})")
         return Request(request_id, list(prompt_token_ids), params, self.eos_token_ids, export_kv=export_kv)
 
     def add_request(

@@ -15,6 +15,8 @@ if TYPE_CHECKING:
 
 # Below this a temperature means greedy (vLLM's ``_SAMPLING_EPS``).
 SAMPLING_EPS = 1e-5
+PENALTY_RANGE = (-2.0, 2.0)  # presence and frequency penalties, OpenAI's range
+LOGIT_BIAS_RANGE = (-100.0, 100.0)  # a bias outside is clamped to it, as OpenAI and vLLM do
 
 
 class FinishReason(str, enum.Enum):
@@ -40,10 +42,31 @@ class SamplingParams:
     stop: tuple[str, ...] = ()
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
+    # Logits processing (``kvmesh.engine.logits_processors``); the defaults leave logits as they are.
+    presence_penalty: float = 0.0  # OpenAI: minus this for each token already generated
+    frequency_penalty: float = 0.0  # OpenAI: minus this times how often it was generated
+    repetition_penalty: float = 1.0  # HF / vLLM: prompt and generated tokens' logits / (or *) this
+    logit_bias: dict[int, float] = field(default_factory=dict)  # token id -> added to its logit
+    min_p: float = 0.0  # drop tokens less likely than min_p x the most likely one
+    min_tokens: int = 0  # no EOS or stop token id before this many generated tokens
 
     def __post_init__(self) -> None:
         self.stop = tuple(self.stop)
         self.stop_token_ids = tuple(self.stop_token_ids)
+        low, high = LOGIT_BIAS_RANGE
+        self.logit_bias = {int(t): min(max(float(b), low), high) for t, b in self.logit_bias.items()}
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            if not PENALTY_RANGE[0] <= value <= PENALTY_RANGE[1]:
+                raise ValueError(f"{name} must be in [{PENALTY_RANGE[0]:g}, {PENALTY_RANGE[1]:g}], got {value}")
+        if not self.repetition_penalty > 0 or self.repetition_penalty == float("inf"):
+            raise ValueError(f"repetition_penalty must be a finite number > 0, got {self.repetition_penalty}")
+        if any(t < 0 for t in self.logit_bias) or any(b != b for b in self.logit_bias.values()):
+            raise ValueError("logit_bias maps token ids >= 0 to numbers")
+        if not 0.0 <= self.min_p <= 1.0:
+            raise ValueError(f"min_p must be in [0, 1], got {self.min_p}")
+        if not 0 <= self.min_tokens <= self.max_tokens:
+            raise ValueError(f"min_tokens must be in [0, max_tokens={self.max_tokens}], got {self.min_tokens}")
         if not self.temperature >= 0:  # NaN too
             raise ValueError(f"temperature must be >= 0, got {self.temperature}")
         if self.top_k < 0:
@@ -58,6 +81,18 @@ class SamplingParams:
     @property
     def greedy(self) -> bool:
         return self.temperature < SAMPLING_EPS or self.top_k == 1
+
+    @property
+    def processes_logits(self) -> bool:
+        """Whether anything before sampling changes this request's logits (its row is then
+        processed; the plain path skips it)."""
+        return bool(
+            self.presence_penalty
+            or self.frequency_penalty
+            or self.repetition_penalty != 1.0
+            or self.logit_bias
+            or self.min_tokens
+        )
 
 
 @dataclass(slots=True, eq=False)

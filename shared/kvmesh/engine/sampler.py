@@ -7,7 +7,10 @@ float32; top-p drops a token once the tokens above it reach top_p (the rule of v
 ``apply_top_k_top_p``, there on an ascending sort) but always keeps the most likely one
 (vLLM's ``top_p_mask[:, -1] = False``), so a top-p that is 0.0 in float32 means the
 argmax. Beyond vLLM, a row whose probabilities still come out non-finite or all zero takes
-the argmax instead of raising.
+the argmax instead of raising. Penalties, logit bias and min_tokens change the logits first, for
+greedy and sampled rows alike (``kvmesh.engine.logits_processors``); ``min_p`` drops, after the
+temperature, the tokens less likely than ``min_p`` times the most likely one (vLLM's order, and
+transformers' ``MinPLogitsWarper``).
 """
 
 from __future__ import annotations
@@ -17,6 +20,7 @@ from collections.abc import Sequence
 
 import torch
 
+from kvmesh.engine.logits_processors import process_logits
 from kvmesh.engine.request import Request
 
 logger = logging.getLogger(__name__)
@@ -24,9 +28,13 @@ logger = logging.getLogger(__name__)
 MIN_TEMPERATURE = 1e-2
 
 
-def _filtered_scores(logits: torch.Tensor, req: Request) -> torch.Tensor:
+def filtered_scores(logits: torch.Tensor, req: Request) -> torch.Tensor:
+    """One row's scores to sample from: temperature, then min-p, top-k and top-p masks."""
     params = req.sampling
     scores = logits / max(params.temperature, MIN_TEMPERATURE)
+    if params.min_p > 0.0:
+        probs = torch.softmax(scores, dim=-1)
+        scores = scores.masked_fill(probs < params.min_p * probs.max(), float("-inf"))
     if params.top_k and params.top_k < scores.shape[-1]:
         kth = torch.topk(scores, params.top_k).values[-1]
         scores = scores.masked_fill(scores < kth, float("-inf"))
@@ -42,18 +50,38 @@ def _filtered_scores(logits: torch.Tensor, req: Request) -> torch.Tensor:
 
 
 def _sample_row(logits: torch.Tensor, req: Request) -> int:
-    probs = torch.softmax(_filtered_scores(logits, req), dim=-1)
+    probs = torch.softmax(filtered_scores(logits, req), dim=-1)
     if not bool(torch.isfinite(probs).all() & (probs.sum() > 0)):
         logger.warning("request %s: no valid distribution to sample; taking the argmax", req.request_id)
         return int(torch.argmax(torch.nan_to_num(logits, nan=float("-inf"))).item())
     return int(torch.multinomial(probs, 1, generator=req.generator).item())
 
 
+def _processed(logits: torch.Tensor, requests: Sequence[Request]) -> tuple[torch.Tensor, dict[int, Exception]]:
+    """The processed logits, batched; should that raise, row by row, and the rows that raise
+    are failed alone."""
+    try:
+        return process_logits(logits, requests), {}
+    except Exception:  # noqa: BLE001 - find the request at fault
+        rows = list(logits)
+        failed: dict[int, Exception] = {}
+        for row, req in enumerate(requests):
+            try:
+                rows[row] = process_logits(logits[row : row + 1], [req])[0]
+            except Exception as exc:  # noqa: BLE001
+                failed[row] = exc
+        return torch.stack(rows), failed
+
+
 def sample_rows(logits: torch.Tensor, requests: Sequence[Request]) -> list[int | Exception]:
     """One token per row of ``logits`` (N, vocab), float32, for the matching request; a row
     whose sampling raised gives that exception instead, and the other rows are unaffected."""
+    logits, failed = _processed(logits, requests)
     chosen: list[int | Exception] = list(torch.argmax(logits, dim=-1).tolist())
     for row, req in enumerate(requests):
+        if row in failed:
+            chosen[row] = failed[row]
+            continue
         if req.sampling.greedy:
             continue
         try:
