@@ -16,7 +16,6 @@ import contextlib
 import functools
 import logging
 import time
-import uuid
 from collections.abc import AsyncIterator, Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, TypeVar
@@ -27,17 +26,16 @@ from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from kvmesh.protocol import TokenEvent
+from kvmesh import __version__
 from kvmesh.services.router.api_keys import DEFAULT_NAME, ApiKeys
-from kvmesh.services.router.auth import BearerAuth, key_name
+from kvmesh.services.router.auth import BearerAuth
 from kvmesh.services.router.backend import GenerationBackend, HealthReport
+from kvmesh.services.router.generation import CHAT_COMPLETIONS, COMPLETIONS, SESSION_HEADER, Generation
 from kvmesh.services.router.limits import BodyLimit, Limits
-from kvmesh.services.router.metrics import RequestTracker, RouterMetrics
+from kvmesh.services.router.metrics import RouterMetrics
 from kvmesh.services.router.openai_api import (
     APIError,
     ChatCompletionRequest,
-    ChatFormat,
-    CompletionFormat,
     CompletionRequest,
     error_json,
 )
@@ -46,19 +44,12 @@ from kvmesh.services.router.rate_limit import RateLimited, RateLimiter
 from kvmesh.services.router.rate_limits import RateLimitConfig
 from kvmesh.services.router.rate_store import CounterStore
 from kvmesh.services.router.shutdown import Shutdown
-from kvmesh.services.router.streaming import (
-    CLIENT_CLOSED,
-    EventStream,
-    EventStreamResponse,
-    aclose,
-    as_api_error,
-    check_event,
-    unless_disconnected,
-)
+from kvmesh.services.router.streaming import CLIENT_CLOSED
 
 __all__ = [
     "CHAT_COMPLETIONS",
     "COMPLETIONS",
+    "SESSION_HEADER",
     "RouterMetrics",
     "chat_prompt_ids",
     "completion_prompt_ids",
@@ -68,9 +59,6 @@ __all__ = [
 
 logger = logging.getLogger(__name__)
 
-COMPLETIONS = "/v1/completions"
-CHAT_COMPLETIONS = "/v1/chat/completions"
-SESSION_HEADER = "x-session-id"
 GENERATION_PATHS = frozenset({COMPLETIONS, CHAT_COMPLETIONS})
 HEALTH_TIMEOUT = 2.0  # seconds the backend has to answer a health check
 TOKENIZER_THREADS = 2
@@ -111,113 +99,11 @@ def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
             msg = "the request body must be a JSON object (Content-Type: application/json)"
         field = ".".join(loc)
         params.append(field)
+        if err.get("type") == "extra_forbidden":  # a field kvmesh does not implement: named, never ignored
+            parts.append(f"unsupported parameter: {field}")
+            continue
         parts.append(f"{field}: {msg}" if field else msg)
     return "; ".join(parts) or "invalid request", (params[0] or None) if params else None
-
-
-# --------------------------------------------------------------------------- generation
-def _failed(tracker: RequestTracker, exc: BaseException) -> APIError | None:
-    """Record a request that ended in ``exc``: the error to answer with, or None to re-raise ``exc``."""
-    if not isinstance(exc, Exception):  # cancelled: the client or the server went away
-        tracker.finish(CLIENT_CLOSED)
-        return None
-    error = as_api_error(exc, tracker.request_id)
-    tracker.finish(error.status)
-    return error
-
-
-class _Generation:
-    """Runs one validated request against the backend and shapes its answer."""
-
-    def __init__(
-        self, backend: GenerationBackend, metrics: RouterMetrics, shutdown: Shutdown, limiter: RateLimiter | None
-    ) -> None:
-        self.backend = backend
-        self.metrics = metrics
-        self.shutdown = shutdown
-        self.limiter = limiter
-
-    async def serve(
-        self,
-        request: Request,
-        endpoint: str,
-        body: CompletionRequest | ChatCompletionRequest,
-        prompt_ids: list[int],
-    ) -> Response:
-        param = "prompt" if endpoint == COMPLETIONS else "messages"
-        max_tokens = resolve_max_tokens(
-            len(prompt_ids), body.requested_max_tokens, self.backend.max_model_len, param=param
-        )
-        request_id = uuid.uuid4().hex
-        fmt_cls = CompletionFormat if endpoint == COMPLETIONS else ChatFormat
-        fmt = fmt_cls(request_id, self.backend.model_name, include_usage=body.include_usage)
-        key = key_name(request.scope)
-        admission = await self.limiter.admit(key, len(prompt_ids)) if self.limiter is not None else None
-        try:
-            events = self.backend.generate(
-                request_id,
-                prompt_ids,
-                body.sampling_spec(max_tokens),
-                session_id=request.headers.get(SESSION_HEADER),
-            )
-        except BaseException as exc:
-            if admission is not None:
-                admission.release()
-            if not isinstance(exc, Exception):
-                raise
-            raise as_api_error(exc, request_id) from exc
-        tracker = RequestTracker(self.metrics, endpoint, request_id, len(prompt_ids), key=key, admission=admission)
-        if body.stream:
-            return await self._stream(request, events, fmt, tracker)
-        return await self._complete(request, events, fmt, tracker)
-
-    async def _complete(
-        self,
-        request: Request,
-        events: AsyncIterator[TokenEvent],
-        fmt: CompletionFormat | ChatFormat,
-        tracker: RequestTracker,
-    ) -> Response:
-        try:
-            text = await unless_disconnected(request, self._collect(events, tracker), self.shutdown)
-        except BaseException as exc:
-            error = _failed(tracker, exc)
-            if error is None:
-                raise
-            raise error from exc
-        tracker.finish(200)
-        self.metrics.count(tracker.endpoint, 200)
-        return JSONResponse(fmt.response(text, tracker.finish_reason, tracker.usage()))
-
-    @staticmethod
-    async def _collect(events: AsyncIterator[TokenEvent], tracker: RequestTracker) -> str:
-        texts: list[str] = []
-        try:
-            while True:
-                event = check_event(await anext(events, None))
-                tracker.on_event(event)
-                texts.append(event.text)
-                if event.finished:
-                    return "".join(texts)
-        finally:
-            await aclose(events)
-
-    async def _stream(
-        self,
-        request: Request,
-        events: AsyncIterator[TokenEvent],
-        fmt: CompletionFormat | ChatFormat,
-        tracker: RequestTracker,
-    ) -> Response:
-        try:
-            first = check_event(await unless_disconnected(request, anext(events, None), self.shutdown))
-        except BaseException as exc:
-            await aclose(events)
-            error = _failed(tracker, exc)
-            if error is None:
-                raise
-            raise error from exc
-        return EventStreamResponse(EventStream(events, first, fmt, tracker, self.shutdown))
 
 
 # --------------------------------------------------------------------------- the app
@@ -255,7 +141,7 @@ def create_app(
     limiter = None
     if rate_limits is not None and not rate_limits.empty:
         limiter = RateLimiter(rate_limits, rate_store, clock=clock, on_reject=metrics.reject, shared=shared_rate_store)
-    generation = _Generation(backend, metrics, shutdown, limiter)
+    generation = Generation(backend, metrics, shutdown, limiter)
     created = int(time.time())
     tokenizing = ThreadPoolExecutor(TOKENIZER_THREADS, thread_name_prefix="kvmesh-tokenize")
 
@@ -308,6 +194,13 @@ def create_app(
 
     @app.exception_handler(StarletteHTTPException)
     async def on_http_error(request: Request, exc: StarletteHTTPException) -> Response:
+        if exc.status_code == 404:  # OpenAI's words for a path it does not serve
+            return rejected(request, APIError(404, f"Invalid URL ({request.method} {request.url.path})", code="not_found"))
+        if exc.status_code == 405:
+            return rejected(
+                request,
+                APIError(405, f"Method not allowed ({request.method} {request.url.path})", code="method_not_allowed"),
+            )
         return rejected(request, APIError(exc.status_code, str(exc.detail)))
 
     def check_accepting(model: str) -> None:
@@ -359,6 +252,10 @@ def create_app(
     async def prometheus_metrics() -> Response:
         return Response(metrics.render(), media_type=CONTENT_TYPE_LATEST)
 
+    @app.get("/version")
+    async def version() -> JSONResponse:
+        return JSONResponse({"version": __version__})
+
     @app.get("/v1/models")
     async def list_models() -> JSONResponse:
         return JSONResponse({"object": "list", "data": [model_card()]})
@@ -371,13 +268,13 @@ def create_app(
     @app.post(COMPLETIONS)
     async def completions(body: CompletionRequest, request: Request) -> Response:
         check_accepting(body.model)
-        prompt_ids = await off_loop(completion_prompt_ids, body, backend.tokenizer, backend.max_model_len)
-        return await generation.serve(request, COMPLETIONS, body, prompt_ids)
+        prompts = await off_loop(completion_prompt_ids, body, backend.tokenizer, backend.max_model_len)
+        return await generation.serve(request, COMPLETIONS, body, prompts)
 
     @app.post(CHAT_COMPLETIONS)
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
         check_accepting(body.model)
         prompt_ids = await off_loop(chat_prompt_ids, body, backend.tokenizer, backend.max_model_len)
-        return await generation.serve(request, CHAT_COMPLETIONS, body, prompt_ids)
+        return await generation.serve(request, CHAT_COMPLETIONS, body, [prompt_ids])
 
     return app

@@ -7,26 +7,32 @@ into a ``SamplingSpec`` and prompt, and the answer is built as plain dicts.
 from __future__ import annotations
 
 import json
-import re
 import time
-from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Annotated, Any, Literal
 
-from pydantic import (
-    AfterValidator,
-    BaseModel,
-    BeforeValidator,
-    ConfigDict,
-    Field,
-    GetCoreSchemaHandler,
-    GetJsonSchemaHandler,
-    WithJsonSchema,
-)
-from pydantic.json_schema import JsonSchemaValue
-from pydantic_core import CoreSchema, core_schema
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationInfo, WithJsonSchema, field_validator
 
+from kvmesh.engine.request import PENALTY_RANGE
 from kvmesh.protocol import SamplingSpec
+from kvmesh.services.router.openai_fields import (
+    CONTENT_SCHEMA,
+    LOGIT_BIAS_SCHEMA,
+    METADATA_SCHEMA,
+    PROMPT_SCHEMA,
+    STOP_SCHEMA,
+    Text,
+    _is_off,
+    _is_one,
+    _is_zero,
+    _only_off,
+    _parse_content,
+    _parse_logit_bias,
+    _parse_metadata,
+    _parse_prompt,
+    _parse_stop,
+    unicode_problem,
+)
 
 __all__ = [
     "APIError",
@@ -42,16 +48,14 @@ __all__ = [
     "error_json",
     "error_type",
     "sse_event",
+    "unicode_problem",
 ]
 
-MAX_STOP_SEQUENCES = 4  # OpenAI's limit
-MAX_STOP_CHARS = 1024  # per stop sequence; four of them stay far below what a NATS message carries
 MAX_STOP_TOKEN_IDS = 64
 MAX_MESSAGES = 2048  # OpenAI's limit
 MAX_TOKEN_ID = 2**31 - 1
 SEED_RANGE = (-(2**63), 2**64 - 1)  # what torch.Generator.manual_seed takes
 SSE_DONE = "data: [DONE]\n\n"
-_SURROGATE = re.compile("[\ud800-\udfff]")
 
 
 # --------------------------------------------------------------------------- errors
@@ -92,135 +96,16 @@ def error_json(body: dict[str, Any]) -> bytes:
     return json.dumps(body, ensure_ascii=True, separators=(",", ":")).encode("ascii")
 
 
-# --------------------------------------------------------------------------- text
-def unicode_problem(text: str) -> str | None:
-    """Why ``text`` is not valid Unicode (a lone surrogate, which JSON's ``\\ud800`` escapes
-    can carry but UTF-8 cannot), or None when it is."""
-    match = _SURROGATE.search(text)
-    if match is None:
-        return None
-    return f"must be valid Unicode text, but has a lone surrogate U+{ord(match.group()):04X} at character {match.start()}"
-
-
-def _valid_text(value: str) -> str:
-    problem = unicode_problem(value)
-    if problem is not None:
-        raise ValueError(problem)
-    return value
-
-
-Text = Annotated[str, AfterValidator(_valid_text)]
-
-
-# --------------------------------------------------------------------------- field parsers
-def _parse_prompt(value: Any) -> Any:
-    if isinstance(value, str):
-        return _valid_text(value)
-    if isinstance(value, list):
-        if any(isinstance(item, (str, list)) for item in value):
-            raise ValueError("only one prompt per request (batches of prompts are not supported)")
-        if all(type(item) is int or (type(item) is float and item.is_integer()) for item in value):
-            return [int(item) for item in value]  # 7.0 is an integer to JSON Schema, so to us
-    raise ValueError("prompt must be a string or a list of token ids")
-
-
-def _parse_stop(value: Any) -> tuple[str, ...]:
-    if value is None:
-        return ()
-    stops = [value] if isinstance(value, str) else value
-    if not isinstance(stops, list) or not all(isinstance(s, str) for s in stops):
-        raise ValueError("stop must be a string or a list of strings")
-    if len(stops) > MAX_STOP_SEQUENCES:
-        raise ValueError(f"at most {MAX_STOP_SEQUENCES} stop sequences are allowed, got {len(stops)}")
-    for i, stop in enumerate(stops):
-        if stop == "":
-            raise ValueError("stop sequences must not be empty strings")
-        if len(stop) > MAX_STOP_CHARS:
-            raise ValueError(f"stop sequence {i} has {len(stop)} characters; at most {MAX_STOP_CHARS} are allowed")
-        problem = unicode_problem(stop)
-        if problem is not None:
-            raise ValueError(f"stop sequence {i} {problem}")
-    return tuple(stops)
-
-
-def _parse_content(value: Any) -> str:
-    """A message's content: a string, or text parts joined by newlines."""
-    if isinstance(value, str):
-        return _valid_text(value)
-    if isinstance(value, list):
-        texts = []
-        for i, part in enumerate(value):
-            if not isinstance(part, dict) or part.get("type") != "text":
-                kind = part.get("type") if isinstance(part, dict) else type(part).__name__
-                raise ValueError(f"only text content parts are supported, got {kind!r}")
-            if not isinstance(part.get("text"), str):
-                raise ValueError("a text content part needs a string 'text'")
-            problem = unicode_problem(part["text"])
-            if problem is not None:
-                raise ValueError(f"text part {i} {problem}")
-            texts.append(part["text"])
-        return "\n".join(texts)
-    raise ValueError("content must be a string or a list of text parts")
-
-
-def _is_off(value: Any) -> bool:
-    return value is None or value is False
-
-
-def _is_zero(value: Any) -> bool:
-    return value is None or (not isinstance(value, bool) and value == 0)
-
-
-def _is_one(value: Any) -> bool:
-    return value is None or (not isinstance(value, bool) and value == 1)
-
-
-@dataclass(frozen=True)
-class _OnlyOff:
-    """A field we accept only at its "off" values (``off``, or null); anything else is a clear
-    400. Its JSON schema names those values, so what is generated from /openapi.json is valid."""
-
-    accepted: Callable[[Any], bool]
-    message: str
-    off: tuple[Any, ...]
-
-    def __get_pydantic_core_schema__(self, source: Any, handler: GetCoreSchemaHandler) -> CoreSchema:
-        return core_schema.no_info_before_validator_function(self._check, handler(source))
-
-    def __get_pydantic_json_schema__(self, schema: CoreSchema, handler: GetJsonSchemaHandler) -> JsonSchemaValue:
-        return {"anyOf": [*({"const": value} for value in self.off), {"type": "null"}]}
-
-    def _check(self, value: Any) -> Any:
-        if not self.accepted(value):
-            raise ValueError(self.message)
-        return value
-
-
-def _only_off(accepted: Callable[[Any], bool], message: str, *off: Any) -> _OnlyOff:
-    return _OnlyOff(accepted, message, off)
-
-
-def _text_schema(**bounds: int) -> dict[str, Any]:
-    return {"type": "string", **{f"{k}Length": v for k, v in bounds.items()}}
-
-
-# What the parsers above accept, for /openapi.json (pydantic would describe their output).
-_STOP = _text_schema(min=1, max=MAX_STOP_CHARS)
-STOP_SCHEMA = {"anyOf": [_STOP, {"type": "array", "items": _STOP, "maxItems": MAX_STOP_SEQUENCES}, {"type": "null"}]}
-PROMPT_SCHEMA = {
-    "anyOf": [_text_schema(min=1), {"type": "array", "items": {"type": "integer", "minimum": 0}, "minItems": 1}]
-}
-_TEXT_PART = {
-    "type": "object",
-    "properties": {"type": {"const": "text"}, "text": {"type": "string"}},
-    "required": ["type", "text"],
-}
-CONTENT_SCHEMA = {"anyOf": [{"type": "string"}, {"type": "array", "items": _TEXT_PART}]}
-
-
 # --------------------------------------------------------------------------- requests
+# Every model forbids fields it does not declare: a field kvmesh does not implement is a 400
+# naming it ("unsupported parameter: guided_json"), never silently ignored. Declared fields it
+# implements only in part are refused at their other values (``_only_off``).
+_STRICT = ConfigDict(extra="forbid")
+_PENALTY = Field(default=None, ge=PENALTY_RANGE[0], le=PENALTY_RANGE[1])
+
+
 class StreamOptions(BaseModel):
-    model_config = ConfigDict(extra="allow")
+    model_config = _STRICT
 
     include_usage: bool | None = False
 
@@ -228,12 +113,13 @@ class StreamOptions(BaseModel):
 class _GenerationRequest(BaseModel):
     """Fields shared by /v1/completions and /v1/chat/completions."""
 
-    model_config = ConfigDict(extra="allow")
+    model_config = _STRICT
 
     model: Text
     temperature: float | None = Field(default=None, ge=0.0, le=2.0)
     top_p: float | None = Field(default=None, gt=0.0, le=1.0)
     top_k: int | None = Field(default=None, ge=-1)  # extension; 0 and -1 mean off
+    min_p: float | None = Field(default=None, ge=0.0, le=1.0)  # extension (vLLM)
     seed: int | None = Field(default=None, ge=SEED_RANGE[0], le=SEED_RANGE[1])
     stop: Annotated[tuple[str, ...], BeforeValidator(_parse_stop), WithJsonSchema(STOP_SCHEMA)] = ()
     stream: bool | None = False
@@ -242,19 +128,31 @@ class _GenerationRequest(BaseModel):
     stop_token_ids: (
         list[Annotated[int, Field(ge=0, le=MAX_TOKEN_ID)]] | None
     ) = Field(default=None, max_length=MAX_STOP_TOKEN_IDS)  # extension
-    user: str | None = None
+    presence_penalty: float | None = _PENALTY
+    frequency_penalty: float | None = _PENALTY
+    repetition_penalty: float | None = Field(default=None, gt=0.0, le=100.0)  # extension (vLLM)
+    logit_bias: Annotated[
+        dict[int, float] | None, BeforeValidator(_parse_logit_bias), WithJsonSchema(LOGIT_BIAS_SCHEMA)
+    ] = None
+    min_tokens: int | None = Field(default=None, ge=0)  # extension (vLLM)
+    # accepted, for the client's own bookkeeping: nothing is stored, so nothing reads them
+    user: Text | None = None
+    metadata: Annotated[
+        dict[str, str] | None, BeforeValidator(_parse_metadata), WithJsonSchema(METADATA_SCHEMA)
+    ] = None
     # accepted only at their "off" values
+    store: Annotated[Any, _only_off(_is_off, "store is not supported (completions are not stored)", False)] = None
     n: Annotated[Any, _only_off(_is_one, "only n=1 is supported (one choice per request)", 1)] = 1
     logprobs: Annotated[Any, _only_off(_is_off, "logprobs are not supported", False)] = None
-    presence_penalty: Annotated[Any, _only_off(_is_zero, "presence_penalty is not supported (only 0)", 0)] = None
-    frequency_penalty: Annotated[
-        Any, _only_off(_is_zero, "frequency_penalty is not supported (only 0)", 0)
-    ] = None
-    logit_bias: Annotated[
-        Any, _only_off(lambda v: v is None or v == {}, "logit_bias is not supported", {})
-    ] = None
 
     max_tokens: int | None = Field(default=None, ge=1)
+
+    @field_validator("stream_options")
+    @classmethod
+    def _only_when_streaming(cls, value: StreamOptions | None, info: ValidationInfo) -> StreamOptions | None:
+        if value is not None and not info.data.get("stream"):
+            raise ValueError("stream_options is only allowed when stream is true")
+        return value
 
     @property
     def requested_max_tokens(self) -> int | None:
@@ -276,22 +174,43 @@ class _GenerationRequest(BaseModel):
             stop=self.stop,
             stop_token_ids=tuple(self.stop_token_ids or ()),
             ignore_eos=self.ignore_eos,
+            presence_penalty=self.presence_penalty or 0.0,
+            frequency_penalty=self.frequency_penalty or 0.0,
+            repetition_penalty=1.0 if self.repetition_penalty is None else self.repetition_penalty,
+            logit_bias=self.logit_bias or {},
+            min_p=self.min_p or 0.0,
+            min_tokens=self.min_tokens or 0,
         )
 
 
 class CompletionRequest(_GenerationRequest):
-    prompt: Annotated[str | list[int], BeforeValidator(_parse_prompt), WithJsonSchema(PROMPT_SCHEMA)]
+    prompt: Annotated[
+        str | list[int] | list[str] | list[list[int]], BeforeValidator(_parse_prompt), WithJsonSchema(PROMPT_SCHEMA)
+    ]
     max_tokens: int | None = Field(default=16, ge=1)
     best_of: Annotated[Any, _only_off(_is_one, "best_of > 1 is not supported", 1)] = None
     echo: Annotated[Any, _only_off(_is_off, "echo is not supported", False)] = None
     suffix: Annotated[Any, _only_off(lambda v: v is None or v == "", "suffix is not supported", "")] = None
 
+    @property
+    def prompts(self) -> list[str | list[int]]:
+        """Each prompt of the request, one choice each: a string or token ids."""
+        prompt = self.prompt
+        if isinstance(prompt, str) or not prompt or isinstance(prompt[0], int):
+            return [prompt]  # type: ignore[list-item]
+        return list(prompt)  # type: ignore[arg-type]
+
 
 class ChatMessage(BaseModel):
-    model_config = ConfigDict(extra="allow")
+    model_config = _STRICT
 
-    role: Literal["system", "user", "assistant"]
+    role: Literal["system", "developer", "user", "assistant"]
     content: Annotated[str, BeforeValidator(_parse_content), WithJsonSchema(CONTENT_SCHEMA)]
+
+    @property
+    def template_role(self) -> str:
+        """The role the chat template sees: OpenAI's ``developer`` is the system prompt."""
+        return "system" if self.role == "developer" else self.role
 
 
 class ChatCompletionRequest(_GenerationRequest):
@@ -318,7 +237,7 @@ class ChatCompletionRequest(_GenerationRequest):
 
     def template_messages(self) -> list[dict[str, str]]:
         """The messages as the chat template wants them: role and string content."""
-        return [{"role": m.role, "content": m.content} for m in self.messages]
+        return [{"role": m.template_role, "content": m.content} for m in self.messages]
 
 
 # --------------------------------------------------------------------------- responses
@@ -327,6 +246,15 @@ class Usage:
     prompt_tokens: int
     completion_tokens: int
     cached_tokens: int = 0
+
+    @classmethod
+    def total(cls, usages: list[Usage]) -> Usage:
+        """One request's usage over its choices."""
+        return cls(
+            sum(u.prompt_tokens for u in usages),
+            sum(u.completion_tokens for u in usages),
+            sum(u.cached_tokens for u in usages),
+        )
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -369,6 +297,13 @@ class _Format:
     def opening_chunks(self) -> list[dict[str, Any]]:
         return []
 
+    def response_choices(self, results: list[tuple[str, str | None]], usage: Usage) -> dict[str, Any]:
+        raise NotImplementedError
+
+    def response(self, text: str, finish_reason: str | None, usage: Usage) -> dict[str, Any]:
+        """A one-choice answer."""
+        return self.response_choices([(text, finish_reason)], usage)
+
     def usage_chunk(self, usage: Usage) -> dict[str, Any]:
         return {**self._envelope(self.chunk_object, []), "usage": usage.to_dict()}
 
@@ -379,18 +314,22 @@ class CompletionFormat(_Format):
     id_prefix = "cmpl-"
     chunk_object = "text_completion"
 
-    def response(self, text: str, finish_reason: str | None, usage: Usage) -> dict[str, Any]:
-        choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}
-        return {**self._envelope("text_completion", [choice]), "usage": usage.to_dict()}
+    def response_choices(self, results: list[tuple[str, str | None]], usage: Usage) -> dict[str, Any]:
+        """One choice per prompt: (text, finish reason), in prompt order."""
+        choices = [
+            {"index": i, "text": text, "logprobs": None, "finish_reason": reason}
+            for i, (text, reason) in enumerate(results)
+        ]
+        return {**self._envelope("text_completion", choices), "usage": usage.to_dict()}
 
-    def content_chunk(self, text: str) -> dict[str, Any]:
+    def content_chunk(self, text: str, index: int = 0) -> dict[str, Any]:
         return self._chunk(
-            self.chunk_object, {"index": 0, "text": text, "logprobs": None, "finish_reason": None}
+            self.chunk_object, {"index": index, "text": text, "logprobs": None, "finish_reason": None}
         )
 
-    def final_chunk(self, finish_reason: str | None) -> dict[str, Any]:
+    def final_chunk(self, finish_reason: str | None, index: int = 0) -> dict[str, Any]:
         return self._chunk(
-            self.chunk_object, {"index": 0, "text": "", "logprobs": None, "finish_reason": finish_reason}
+            self.chunk_object, {"index": index, "text": "", "logprobs": None, "finish_reason": finish_reason}
         )
 
 
@@ -400,27 +339,30 @@ class ChatFormat(_Format):
     id_prefix = "chatcmpl-"
     chunk_object = "chat.completion.chunk"
 
-    def response(self, text: str, finish_reason: str | None, usage: Usage) -> dict[str, Any]:
-        choice = {
-            "index": 0,
-            "message": {"role": "assistant", "content": text},
-            "logprobs": None,
-            "finish_reason": finish_reason,
-        }
-        return {**self._envelope("chat.completion", [choice]), "usage": usage.to_dict()}
+    def response_choices(self, results: list[tuple[str, str | None]], usage: Usage) -> dict[str, Any]:
+        choices = [
+            {
+                "index": i,
+                "message": {"role": "assistant", "content": text},
+                "logprobs": None,
+                "finish_reason": reason,
+            }
+            for i, (text, reason) in enumerate(results)
+        ]
+        return {**self._envelope("chat.completion", choices), "usage": usage.to_dict()}
 
     def opening_chunks(self) -> list[dict[str, Any]]:
         return [self._delta({"role": "assistant", "content": ""}, None)]
 
-    def content_chunk(self, text: str) -> dict[str, Any]:
-        return self._delta({"content": text}, None)
+    def content_chunk(self, text: str, index: int = 0) -> dict[str, Any]:
+        return self._delta({"content": text}, None, index)
 
-    def final_chunk(self, finish_reason: str | None) -> dict[str, Any]:
-        return self._delta({}, finish_reason)
+    def final_chunk(self, finish_reason: str | None, index: int = 0) -> dict[str, Any]:
+        return self._delta({}, finish_reason, index)
 
-    def _delta(self, delta: dict[str, Any], finish_reason: str | None) -> dict[str, Any]:
+    def _delta(self, delta: dict[str, Any], finish_reason: str | None, index: int = 0) -> dict[str, Any]:
         return self._chunk(
-            self.chunk_object, {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}
+            self.chunk_object, {"index": index, "delta": delta, "logprobs": None, "finish_reason": finish_reason}
         )
 
 

@@ -13,6 +13,8 @@ from kvmesh.services.router.openai_api import APIError, ChatCompletionRequest, C
 __all__ = [
     "PROMPT_CHARS_PER_TOKEN",
     "chat_prompt_ids",
+    "check_logit_bias",
+    "check_min_tokens",
     "check_prompt_chars",
     "completion_prompt_ids",
     "resolve_max_tokens",
@@ -37,13 +39,17 @@ def check_prompt_chars(chars: int, max_model_len: int, *, param: str) -> None:
         )
 
 
-def completion_prompt_ids(request: CompletionRequest, tokenizer: Tokenizer, max_model_len: int) -> list[int]:
-    """The prompt's token ids: a string is encoded with special tokens, ids are range-checked."""
-    if isinstance(request.prompt, str):
-        check_prompt_chars(len(request.prompt), max_model_len, param="prompt")
-        ids = tokenizer.encode(request.prompt, add_special_tokens=True)
+def completion_prompt_ids(request: CompletionRequest, tokenizer: Tokenizer, max_model_len: int) -> list[list[int]]:
+    """Each prompt's token ids: a string is encoded with special tokens, ids are range-checked."""
+    return [_prompt_ids(prompt, tokenizer, max_model_len) for prompt in request.prompts]
+
+
+def _prompt_ids(prompt: str | list[int], tokenizer: Tokenizer, max_model_len: int) -> list[int]:
+    if isinstance(prompt, str):
+        check_prompt_chars(len(prompt), max_model_len, param="prompt")
+        ids = tokenizer.encode(prompt, add_special_tokens=True)
     else:
-        ids = list(request.prompt)
+        ids = list(prompt)
         vocab = tokenizer.vocab_size
         bad = next((i for i in ids if not 0 <= i < vocab), None)
         if bad is not None:
@@ -91,3 +97,19 @@ def resolve_max_tokens(prompt_tokens: int, requested: int | None, max_model_len:
             code="context_length_exceeded",
         )
     return requested
+
+
+def check_min_tokens(min_tokens: int | None, budgets: list[int]) -> None:
+    """``min_tokens`` fits every choice's completion budget (vLLM refuses it above max_tokens)."""
+    if min_tokens and min_tokens > min(budgets):
+        raise APIError(
+            400, f"min_tokens ({min_tokens}) must not exceed max_tokens ({min(budgets)})", param="min_tokens"
+        )
+
+
+def check_logit_bias(logit_bias: dict[int, float] | None, vocab_size: int) -> None:
+    bad = next((t for t in logit_bias or () if not 0 <= t < vocab_size), None)
+    if bad is not None:
+        raise APIError(
+            400, f"logit_bias token id {bad} is out of range for a vocabulary of {vocab_size}", param="logit_bias"
+        )

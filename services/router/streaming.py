@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import AsyncGenerator, AsyncIterator, Awaitable
+from dataclasses import dataclass
 from typing import Any, TypeVar
 
 import anyio
@@ -21,7 +22,7 @@ from starlette.types import Receive, Scope, Send
 from kvmesh.errors import ERROR_KINDS, ErrorCode, MeshError
 from kvmesh.protocol import TokenEvent
 from kvmesh.services.router.metrics import RequestTracker
-from kvmesh.services.router.openai_api import SSE_DONE, APIError, ChatFormat, CompletionFormat, sse_event
+from kvmesh.services.router.openai_api import SSE_DONE, APIError, ChatFormat, CompletionFormat, Usage, sse_event
 from kvmesh.services.router.shutdown import Shutdown
 
 __all__ = [
@@ -29,6 +30,7 @@ __all__ = [
     "ClientGone",
     "EventStream",
     "EventStreamResponse",
+    "StreamedChoice",
     "aclose",
     "as_api_error",
     "check_event",
@@ -102,79 +104,98 @@ async def unless_disconnected(request: Request, work: Awaitable[T], shutdown: Sh
     return task.result()
 
 
+@dataclass(slots=True)
+class StreamedChoice:
+    """One choice of a streamed answer: its backend events, the first already received."""
+
+    events: AsyncIterator[TokenEvent]
+    first: TokenEvent
+    tracker: RequestTracker
+
+
 class EventStream:
-    """One streamed answer: its SSE chunks, and a cleanup that runs once however the stream ends."""
+    """One streamed answer: its SSE chunks (each choice's events as they come, tagged with its
+    index), and a cleanup that runs once however the stream ends."""
 
     def __init__(
         self,
-        events: AsyncIterator[TokenEvent],
-        first: TokenEvent,
+        choices: list[StreamedChoice],
         fmt: CompletionFormat | ChatFormat,
-        tracker: RequestTracker,
         shutdown: Shutdown,
     ) -> None:
-        self._events = events
-        self._first = first
+        self._choices = choices
         self._fmt = fmt
-        self._tracker = tracker
         self._shutdown = shutdown
         self.status = CLIENT_CLOSED  # unless the stream runs to its end
         self._closed = False
-        self._pending: asyncio.Future[TokenEvent | None] | None = None
+        self._pending: dict[int, asyncio.Future[TokenEvent | None]] = {}
 
     async def chunks(self) -> AsyncGenerator[str, None]:
-        fmt, tracker = self._fmt, self._tracker
+        fmt, choices = self._fmt, self._choices
         try:
             for chunk in fmt.opening_chunks():
                 yield sse_event(chunk)
-            event = self._first
-            while True:
-                tracker.on_event(event)
-                if event.text:
-                    yield sse_event(fmt.content_chunk(event.text))
-                if event.finished:
-                    break
-                event = check_event(await self._next_event())
-            yield sse_event(fmt.final_chunk(tracker.finish_reason))
+            ready = [(index, choice.first) for index, choice in enumerate(choices)]
+            while ready:
+                for index, event in ready:
+                    tracker = choices[index].tracker
+                    tracker.on_event(event)
+                    if event.text:
+                        yield sse_event(fmt.content_chunk(event.text, index))
+                    if event.finished:
+                        yield sse_event(fmt.final_chunk(tracker.finish_reason, index))
+                    else:
+                        self._fetch(index)
+                ready = [(index, check_event(event)) for index, event in await self._next_events()]
             if fmt.include_usage:
-                yield sse_event(fmt.usage_chunk(tracker.usage()))
+                yield sse_event(fmt.usage_chunk(Usage.total([c.tracker.usage() for c in choices])))
             self.status = 200
             yield SSE_DONE
         except Exception as exc:
-            error = as_api_error(exc, tracker.request_id)
+            error = as_api_error(exc, choices[0].tracker.request_id)
             self.status = error.status
             yield sse_event(error.body())
             yield SSE_DONE
         finally:
             await self.close()
 
-    async def _next_event(self) -> TokenEvent | None:
-        """The backend's next event, fetched in a task of its own.
+    def _fetch(self, index: int) -> None:
+        """Ask a choice's backend for its next event, in a task of its own.
 
         Starlette stops a stream whose client left by cancelling an anyio scope, which re-cancels
         every later await in that scope; were the backend iterated here, its cleanup (telling the
-        mesh to cancel) could not await anything. ``close`` cancels this task instead, once.
-        The router shutting down ends the wait with its 503 ``APIError``.
+        mesh to cancel) could not await anything. ``close`` cancels these tasks instead, once.
         """
-        self._pending = asyncio.ensure_future(_anext_or_none(self._events))
+        self._pending[index] = asyncio.ensure_future(_anext_or_none(self._choices[index].events))
+
+    async def _next_events(self) -> list[tuple[int, TokenEvent | None]]:
+        """The events that arrived, by choice index; none once every choice has finished. The
+        router shutting down ends the wait with its 503 ``APIError``."""
+        if not self._pending:
+            return []
         stopping = self._shutdown.future()
-        await asyncio.wait({self._pending, stopping}, return_when=asyncio.FIRST_COMPLETED)
-        if not self._pending.done():
+        await asyncio.wait({*self._pending.values(), stopping}, return_when=asyncio.FIRST_COMPLETED)
+        done = sorted(index for index, task in self._pending.items() if task.done())
+        if not done:
             raise self._shutdown.error()
-        return self._pending.result()
+        return [(index, self._pending.pop(index).result()) for index in done]
 
     async def close(self) -> None:
-        """Close the backend iterator (cancelling an unfinished request) and record the outcome."""
+        """Close the backend iterators (cancelling unfinished requests) and record the outcome."""
         if self._closed:
             return
         self._closed = True
         with anyio.CancelScope(shield=True):
-            if self._pending is not None and not self._pending.done():
-                self._pending.cancel()
-                await asyncio.wait([self._pending])
-        await aclose(self._events)
-        self._tracker.finish(self.status)
-        self._tracker.metrics.count(self._tracker.endpoint, self.status)
+            waiting = [task for task in self._pending.values() if not task.done()]
+            for task in waiting:
+                task.cancel()
+            if waiting:
+                await asyncio.wait(waiting)
+        for choice in self._choices:
+            await aclose(choice.events)
+            choice.tracker.finish(self.status)
+        tracker = self._choices[0].tracker
+        tracker.metrics.count(tracker.endpoint, self.status)
 
 
 class EventStreamResponse(StreamingResponse):

@@ -48,6 +48,8 @@ def pinned_schema(raw: dict[str, Any], *, vocab_size: int, valid_only: bool) -> 
                 props[key] = {"anyOf": [{"type": "integer", "minimum": 1, "maximum": MAX_TOKENS}, {"type": "null"}]}
         if "prompt" in props:
             props["prompt"]["anyOf"][1]["items"]["maximum"] = vocab_size - 1
+            for listed in props["prompt"]["anyOf"][2:]:  # a list of prompts: a few, each its own request
+                listed["maxItems"] = 3
     return schema
 
 

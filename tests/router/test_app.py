@@ -150,26 +150,26 @@ async def post_error(client: httpx.AsyncClient, path: str, payload: object, stat
 @pytest.mark.parametrize(
     ("extra", "message", "param"),
     [
-        (
-            {"prompt": ["a", "b"]},
-            "prompt: only one prompt per request (batches of prompts are not supported)",
-            "prompt",
-        ),
         ({"n": 2}, "n: only n=1 is supported (one choice per request)", "n"),
         ({"logprobs": 2}, "logprobs: logprobs are not supported", "logprobs"),
         ({"echo": True}, "echo: echo is not supported", "echo"),
         ({"best_of": 2}, "best_of: best_of > 1 is not supported", "best_of"),
+        ({"presence_penalty": 2.5}, "presence_penalty: Input should be less than or equal to 2", "presence_penalty"),
+        ({"frequency_penalty": -3}, "frequency_penalty: Input should be greater than or equal to -2", "frequency_penalty"),
+        ({"repetition_penalty": 0}, "repetition_penalty: Input should be greater than 0", "repetition_penalty"),
+        ({"min_p": 1.5}, "min_p: Input should be less than or equal to 1", "min_p"),
+        ({"min_tokens": -1}, "min_tokens: Input should be greater than or equal to 0", "min_tokens"),
+        ({"min_tokens": 17}, "min_tokens (17) must not exceed max_tokens (16)", "min_tokens"),
         (
-            {"presence_penalty": 1.0},
-            "presence_penalty: presence_penalty is not supported (only 0)",
-            "presence_penalty",
+            {"logit_bias": {"one": 5}},
+            "logit_bias: logit_bias keys must be token ids (non-negative integers), got 'one'",
+            "logit_bias",
         ),
-        (
-            {"frequency_penalty": 0.5},
-            "frequency_penalty: frequency_penalty is not supported (only 0)",
-            "frequency_penalty",
-        ),
-        ({"logit_bias": {"1": 5}}, "logit_bias: logit_bias is not supported", "logit_bias"),
+        ({"logit_bias": {"1": "5"}}, "logit_bias: logit_bias['1'] must be a finite number, got '5'", "logit_bias"),
+        ({"logit_bias": {"512": 5}}, "logit_bias token id 512 is out of range for a vocabulary of 512", "logit_bias"),
+        ({"store": True}, "store: store is not supported (completions are not stored)", "store"),
+        ({"guided_json": {"type": "object"}}, "unsupported parameter: guided_json", "guided_json"),
+        ({"stream_options": {"include_usage": True}}, "stream_options: stream_options is only allowed when stream is true", "stream_options"),
         ({"temperature": 2.5}, "temperature: Input should be less than or equal to 2", "temperature"),
         ({"top_p": 0}, "top_p: Input should be greater than 0", "top_p"),
         ({"max_tokens": 0}, "max_tokens: Input should be greater than or equal to 1", "max_tokens"),
@@ -221,7 +221,7 @@ async def test_chat_prompt_filling_the_context_is_400(client: httpx.AsyncClient,
         ({"messages": []}, "messages: List should have at least 1 item after validation, not 0", "messages"),
         (
             {"messages": [{"role": "tool", "content": "x"}]},
-            "messages.0.role: Input should be 'system', 'user' or 'assistant'",
+            "messages.0.role: Input should be 'system', 'developer', 'user' or 'assistant'",
             "messages.0.role",
         ),
         (
@@ -302,7 +302,25 @@ async def test_wrong_model_is_404(client: httpx.AsyncClient, fake: FakeBackend) 
 
 async def test_unknown_route_has_an_openai_error_body(client: httpx.AsyncClient) -> None:
     resp = await client.get("/v1/nothing")
-    assert (resp.status_code, resp.json()) == (404, error("Not Found"))
+    assert (resp.status_code, resp.json()) == (404, error("Invalid URL (GET /v1/nothing)", code="not_found"))
+    resp = await client.post("/v1/responses", json={})
+    assert (resp.status_code, resp.json()) == (404, error("Invalid URL (POST /v1/responses)", code="not_found"))
+    resp = await client.get("/v1/completions")
+    assert (resp.status_code, resp.json()) == (
+        405,
+        error("Method not allowed (GET /v1/completions)", code="method_not_allowed"),
+    )
+
+
+async def test_version_and_one_model(client: httpx.AsyncClient) -> None:
+    from kvmesh import __version__
+
+    resp = await client.get("/version")
+    assert (resp.status_code, resp.json()) == (200, {"version": __version__})
+    resp = await client.get(f"/v1/models/{MODEL}")
+    assert resp.status_code == 200 and resp.json()["id"] == MODEL and resp.json()["object"] == "model"
+    resp = await client.get("/v1/models/gpt-4")
+    assert resp.status_code == 404 and resp.json()["error"]["code"] == "model_not_found"
 
 
 # --------------------------------------------------------------------------- backend errors

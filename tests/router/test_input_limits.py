@@ -262,7 +262,7 @@ async def test_integral_floats_are_token_ids_but_fractions_and_bools_are_not(
         resp = await client.post(COMPLETIONS, json={"model": MODEL, "prompt": prompt})
         assert (resp.status_code, resp.json()) == (
             400,
-            error("prompt: prompt must be a string or a list of token ids", param="prompt"),
+            error("prompt: prompt must be a string, a list of token ids, or a non-empty list of either", param="prompt"),
         )
 
 

@@ -69,7 +69,7 @@ def test_top_k_minus_one_means_off_and_stop_list_is_kept() -> None:
     assert (spec.top_k, spec.stop) == (0, ("a", "b"))
 
 
-def test_unknown_and_default_valued_openai_fields_are_tolerated() -> None:
+def test_default_valued_openai_fields_are_accepted() -> None:
     req = CompletionRequest.model_validate(
         {
             "model": "m",
@@ -81,11 +81,52 @@ def test_unknown_and_default_valued_openai_fields_are_tolerated() -> None:
             "n": 1,
             "best_of": 1,
             "echo": False,
+            "store": False,
+            "user": "u-1",
+            "metadata": {"team": "search"},
             "temperature": None,
-            "some_future_field": {"a": 1},
         }
     )
-    assert req.sampling_spec(1).temperature == 1.0
+    assert req.sampling_spec(1) == SamplingSpec(temperature=1.0, max_tokens=1, top_p=1.0)
+
+
+@pytest.mark.parametrize("field", ["some_future_field", "guided_json", "parallel_tool_calls", "reasoning_effort"])
+def test_unknown_fields_are_refused_by_name(field: str) -> None:
+    with pytest.raises(ValidationError) as info:
+        CompletionRequest.model_validate({"model": "m", "prompt": "x", field: {"a": 1}})
+    (error,) = info.value.errors()
+    assert (error["type"], error["loc"]) == ("extra_forbidden", (field,))
+
+
+def test_new_sampling_fields_reach_the_spec() -> None:
+    req = ChatCompletionRequest.model_validate(
+        {
+            "model": "m",
+            "messages": [{"role": "developer", "content": [{"type": "text", "text": "Be brief."}]}],
+            "presence_penalty": 0.5,
+            "frequency_penalty": -0.25,
+            "repetition_penalty": 1.2,
+            "logit_bias": {"7": 100, "9": -300},
+            "min_p": 0.05,
+            "min_tokens": 3,
+        }
+    )
+    spec = req.sampling_spec(8)
+    assert (spec.presence_penalty, spec.frequency_penalty, spec.repetition_penalty) == (0.5, -0.25, 1.2)
+    assert (spec.logit_bias, spec.min_p, spec.min_tokens) == ({7: 100.0, 9: -300.0}, 0.05, 3)
+    assert spec.to_params().logit_bias == {7: 100.0, 9: -100.0}  # clamped by the engine
+    assert req.template_messages() == [{"role": "system", "content": "Be brief."}]
+
+
+def test_prompt_lists() -> None:
+    def prompts(value: object) -> list:
+        return CompletionRequest.model_validate({"model": "m", "prompt": value}).prompts
+
+    assert prompts("a") == ["a"]
+    assert prompts([1, 2]) == [[1, 2]]
+    assert prompts(["a", "b"]) == ["a", "b"]
+    assert prompts([[1, 2], [3.0]]) == [[1, 2], [3]]
+    assert prompts(["only"]) == ["only"]
 
 
 @pytest.mark.parametrize(
@@ -95,16 +136,24 @@ def test_unknown_and_default_valued_openai_fields_are_tolerated() -> None:
         ("logprobs", 1, "logprobs are not supported"),
         ("echo", True, "echo is not supported"),
         ("best_of", 3, "best_of > 1 is not supported"),
-        ("presence_penalty", 0.5, "presence_penalty is not supported"),
-        ("frequency_penalty", -1, "frequency_penalty is not supported"),
-        ("logit_bias", {"5": 10}, "logit_bias is not supported"),
+        ("presence_penalty", 2.5, "less than or equal to 2"),
+        ("frequency_penalty", -2.5, "greater than or equal to -2"),
+        ("logit_bias", {"-5": 10}, "logit_bias keys must be token ids"),
+        ("logit_bias", {"5": float("nan")}, "must be a finite number"),
+        ("logit_bias", {str(i): 1 for i in range(301)}, "at most 300 entries"),
+        ("metadata", {"k": 1}, "metadata must be an object of string values"),
+        ("metadata", {str(i): "v" for i in range(17)}, "at most 16 pairs"),
+        ("store", True, "store is not supported"),
+        ("min_p", -0.1, "greater than or equal to 0"),
+        ("repetition_penalty", -1, "greater than 0"),
         ("suffix", "end", "suffix is not supported"),
         ("stop", ["a", "b", "c", "d", "e"], "at most 4 stop sequences are allowed, got 5"),
         ("stop", [""], "stop sequences must not be empty strings"),
         ("stop", 3, "stop must be a string or a list of strings"),
-        ("prompt", ["a", "b"], "only one prompt per request"),
-        ("prompt", [[1, 2], [3]], "only one prompt per request"),
-        ("prompt", [1, True], "prompt must be a string or a list of token ids"),
+        ("prompt", ["a", [1]], "prompt must be a string, a list of token ids, or a non-empty list of either"),
+        ("prompt", [[1, 2], []], "prompt must be a string, a list of token ids, or a non-empty list of either"),
+        ("prompt", [1, True], "prompt must be a string, a list of token ids, or a non-empty list of either"),
+        ("prompt", ["a"] * 65, "at most 64 prompts are allowed in one request, got 65"),
     ],
 )
 def test_completion_rejects_unsupported_values(field: str, value: object, message: str) -> None:
@@ -157,23 +206,31 @@ def test_chat_joins_text_parts_and_prefers_max_completion_tokens() -> None:
     assert req.include_usage is True
 
 
-def test_chat_max_tokens_defaults_to_none_and_usage_needs_stream() -> None:
-    req = ChatCompletionRequest.model_validate(
-        {
-            "model": "m",
-            "messages": [{"role": "user", "content": "x"}],
-            "stream_options": {"include_usage": True},
-        }
-    )
+def test_chat_max_tokens_defaults_to_none_and_stream_options_need_stream() -> None:
+    req = ChatCompletionRequest.model_validate({"model": "m", "messages": [{"role": "user", "content": "x"}]})
     assert req.requested_max_tokens is None
     assert req.include_usage is False
+    with pytest.raises(ValidationError, match="stream_options is only allowed when stream is true"):
+        ChatCompletionRequest.model_validate(
+            {"model": "m", "messages": [{"role": "user", "content": "x"}], "stream_options": {"include_usage": True}}
+        )
+    streamed = {"model": "m", "messages": [{"role": "user", "content": "x"}], "stream": True}
+    assert ChatCompletionRequest.model_validate({**streamed, "stream_options": {"include_usage": True}}).include_usage
+    with pytest.raises(ValidationError, match="stream_options.continuous_usage_stats"):
+        ChatCompletionRequest.model_validate({**streamed, "stream_options": {"continuous_usage_stats": True}})
 
 
 @pytest.mark.parametrize(
     ("messages", "loc", "message"),
     [
         ([], ("messages",), "at least 1 item"),
-        ([{"role": "tool", "content": "x"}], ("messages", 0, "role"), "'system', 'user' or 'assistant'"),
+        ([{"role": "tool", "content": "x"}], ("messages", 0, "role"), "'system', 'developer', 'user' or 'assistant'"),
+        ([{"role": "user", "content": "x", "name": "bob"}], ("messages", 0, "name"), "Extra inputs are not permitted"),
+        (
+            [{"role": "user", "content": [{"type": "text", "text": "x", "cache_control": {}}]}],
+            ("messages", 0, "content"),
+            "unsupported parameter in text part 0: cache_control",
+        ),
         (
             [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}],
             ("messages", 0, "content"),
