@@ -13,6 +13,7 @@ the temperature (``kvmesh.engine.sampler``).
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Sequence
 
 import torch
@@ -72,34 +73,34 @@ def _mask_early_stops(logits: torch.Tensor, reqs: list[Request]) -> None:
 
 
 def _penalize(logits: torch.Tensor, reqs: list[Request]) -> None:
-    vocab = logits.shape[-1]
+    """The penalties, computed only at the tokens that occurred (as transformers gathers and
+    scatters them): a token that occurs twice is written twice with the same value."""
     device = logits.device
     repeat = [row for row, req in enumerate(reqs) if req.sampling.repetition_penalty != 1.0]
     if repeat:
-        seen = _token_counts([reqs[row].token_ids for row in repeat], vocab, device) > 0
-        penalty = torch.tensor([reqs[row].sampling.repetition_penalty for row in repeat], device=device).unsqueeze(1)
-        index = torch.tensor(repeat, device=device)
-        sub = logits.index_select(0, index)
-        penalized = torch.where(sub > 0, sub / penalty, sub * penalty)
-        logits.index_copy_(0, index, torch.where(seen, penalized, sub))
+        rows, ids, lengths = _occurrences(repeat, [reqs[row].token_ids for row in repeat], device)
+        penalty = torch.tensor([reqs[row].sampling.repetition_penalty for row in repeat], device=device)
+        penalty = penalty.repeat_interleave(lengths)
+        values = logits[rows, ids]
+        logits[rows, ids] = torch.where(values > 0, values / penalty, values * penalty)
     additive = [
         row for row, req in enumerate(reqs) if req.sampling.presence_penalty or req.sampling.frequency_penalty
     ]
     if additive:
-        counts = _token_counts([reqs[row].output_token_ids for row in additive], vocab, device)
-        frequency = torch.tensor([reqs[row].sampling.frequency_penalty for row in additive], device=device)
-        presence = torch.tensor([reqs[row].sampling.presence_penalty for row in additive], device=device)
-        index = torch.tensor(additive, device=device)
-        delta = frequency.unsqueeze(1) * counts + presence.unsqueeze(1) * (counts > 0)
-        logits.index_copy_(0, index, logits.index_select(0, index) - delta)
+        rows, ids, lengths = _occurrences(additive, [reqs[row].output_token_ids for row in additive], device)
+        if ids.numel():
+            counts = torch.zeros(logits.shape, device=device)
+            counts.index_put_((rows, ids), torch.ones(ids.shape, device=device), accumulate=True)
+            frequency = torch.tensor([reqs[row].sampling.frequency_penalty for row in additive], device=device)
+            presence = torch.tensor([reqs[row].sampling.presence_penalty for row in additive], device=device)
+            delta = frequency.repeat_interleave(lengths) * counts[rows, ids] + presence.repeat_interleave(lengths)
+            logits[rows, ids] = logits[rows, ids] - delta
 
 
-def _token_counts(token_lists: list[list[int]], vocab: int, device: torch.device) -> torch.Tensor:
-    """(len(token_lists), vocab) float32: how often each token occurs in each list."""
-    width = max((len(tokens) for tokens in token_lists), default=0)
-    counts = torch.zeros(len(token_lists), vocab + 1, device=device)
-    if width:
-        padded = [tokens + [vocab] * (width - len(tokens)) for tokens in token_lists]  # vocab: a spare column
-        ids = torch.tensor(padded, device=device)
-        counts.scatter_add_(1, ids, torch.ones(ids.shape, device=device))
-    return counts[:, :vocab]
+def _occurrences(
+    rows: list[int], token_lists: list[list[int]], device: torch.device
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Each token of each list with its row, flat; and each list's length."""
+    lengths = torch.tensor([len(tokens) for tokens in token_lists], device=device)
+    ids = torch.tensor(list(itertools.chain.from_iterable(token_lists)), dtype=torch.long, device=device)
+    return torch.tensor(rows, device=device).repeat_interleave(lengths), ids, lengths
