@@ -201,7 +201,7 @@ class MeshBackend:
                 attempt_number += 1
                 attempt_id = f"{request_id}-{attempt_number}"
                 span.set_attribute("kvmesh.attempts", attempt_number + 1)
-                attempt_sampling = sampling.model_copy(update={"max_tokens": progress.remaining_tokens})
+                attempt_sampling = progress.attempt_sampling()
                 attempt = self._attempt(
                     attempt_id,
                     prompt_token_ids + progress.emitted,

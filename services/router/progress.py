@@ -28,7 +28,7 @@ class RequestProgress:
         self.num_cached_tokens = 0
         self.emitted: list[int] = []
         self.finish_reason: str | None = None
-        self._text = OutputText(tokenizer, tuple(sampling.stop))
+        self._text = OutputText(tokenizer, tuple(sampling.stop), sampling.min_tokens)
         self._seq = 0
 
     @property
@@ -38,6 +38,13 @@ class RequestProgress:
     @property
     def remaining_tokens(self) -> int:
         return self.sampling.max_tokens - len(self.emitted)
+
+    def attempt_sampling(self) -> SamplingSpec:
+        """The sampling of the next attempt, whose prompt ends with the tokens already sent:
+        the rest of the budget, and those tokens counted as generated (penalties, min_tokens)."""
+        return self.sampling.model_copy(
+            update={"max_tokens": self.remaining_tokens, "prior_output_tokens": len(self.emitted)}
+        )
 
     def add(self, token_ids: list[int], worker_finish_reason: str | None = None) -> TokenEvent | None:
         """Take new tokens; returns the event for the client (None if nothing to say)."""

@@ -185,6 +185,7 @@ class SamplingSpec(Message):
     )
     min_p: float = Field(default=0.0, ge=0.0, le=1.0, exclude_if=_is_zero)
     min_tokens: int = Field(default=0, ge=0, exclude_if=_is_zero)
+    prior_output_tokens: int = Field(default=0, ge=0, exclude_if=_is_zero)  # a resumed request's (SamplingParams)
 
     def to_params(self) -> SamplingParams:
         return SamplingParams(**self.model_dump())

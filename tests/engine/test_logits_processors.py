@@ -271,3 +271,31 @@ def test_spec_round_trip_and_old_payloads():
     for bad in ('{"min_p": 2}', '{"repetition_penalty": 0}', '{"presence_penalty": -3}', '{"logit_bias": {"-1": 1}}', '{"min_tokens": -1}'):
         with pytest.raises(ValueError):
             SamplingSpec.decode(bad.encode())
+
+
+@pytest.mark.parametrize("k", [1, 3])
+def test_a_resumed_request_continues_as_if_uninterrupted(engine, prompt, k):
+    """A retry's prompt ends with the tokens already sent; counted as generated
+    (``prior_output_tokens``), the penalties and min_tokens go on as before the fault."""
+    eos = engine.eos_token_ids[0]
+    opts = dict(presence_penalty=0.8, frequency_penalty=0.6, logit_bias={eos: 100.0}, min_tokens=6)
+    [whole] = engine.generate([prompt], SamplingParams(max_tokens=NEW_TOKENS, **opts))
+    assert len(whole.new_token_ids) == 7 and whole.new_token_ids[-1] == eos
+    sent = whole.new_token_ids[:k]
+    resumed = SamplingParams(max_tokens=NEW_TOKENS - k, prior_output_tokens=k, **opts)
+    [rest] = engine.generate([prompt + sent], resumed)
+    assert rest.new_token_ids == whole.new_token_ids[k:]
+    [naive] = engine.generate([prompt + sent], SamplingParams(max_tokens=NEW_TOKENS - k, **opts))
+    assert naive.new_token_ids != rest.new_token_ids  # without it the retry answers otherwise
+
+
+def test_stop_strings_wait_for_min_tokens(engine, prompt):
+    [plain] = engine.generate([prompt], SamplingParams(max_tokens=NEW_TOKENS, ignore_eos=True))
+    pieces = [engine.tokenizer.decode(plain.new_token_ids[: i + 1]) for i in range(NEW_TOKENS)]
+    stop = pieces[1][-2:]  # ends within the second token's text
+    assert stop and stop not in pieces[0]
+    [early] = engine.generate([prompt], SamplingParams(max_tokens=NEW_TOKENS, ignore_eos=True, stop=(stop,)))
+    assert len(early.new_token_ids) == 2
+    [held] = engine.generate([prompt], SamplingParams(max_tokens=NEW_TOKENS, ignore_eos=True, stop=(stop,), min_tokens=5))
+    assert len(held.new_token_ids) > 5
+    assert held.new_token_ids[:5] == plain.new_token_ids[:5]

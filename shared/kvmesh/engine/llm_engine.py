@@ -56,6 +56,11 @@ class EngineConfig:
             raise ValueError("block_size, max_num_seqs, max_num_batched_tokens and max_failed_steps must be positive")
 
 
+def _output_text(tokenizer: Tokenizer, params: SamplingParams) -> OutputText:
+    """Stop strings count once min_tokens tokens were generated, by earlier attempts too."""
+    return OutputText(tokenizer, params.stop, max(0, params.min_tokens - params.prior_output_tokens))
+
+
 class LLMEngine:
     def __init__(self, config: EngineConfig | None = None) -> None:
         self.config = config = config or EngineConfig()
@@ -128,7 +133,7 @@ class LLMEngine:
         worker to pull."""
         req = self._new_request(request_id, prompt_token_ids, params or SamplingParams(), export_kv)
         self.scheduler.add_request(req, first=first)
-        self._texts[request_id] = OutputText(self.tokenizer, req.sampling.stop)
+        self._texts[request_id] = _output_text(self.tokenizer, req.sampling)
         return req
 
     def add_imported_request(
@@ -151,7 +156,7 @@ class LLMEngine:
         req.num_cached_tokens = len(prompt_token_ids)
         req.token_ids.append(first_token_id)
         self.scheduler.add_running(req)
-        self._texts[request_id] = OutputText(self.tokenizer, req.sampling.stop)
+        self._texts[request_id] = _output_text(self.tokenizer, req.sampling)
         reason = self.scheduler.token_stop_reason(req, first_token_id)
         if reason is not None:
             self.scheduler.finish(req, reason)

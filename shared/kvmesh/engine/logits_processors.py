@@ -6,7 +6,7 @@ ids are masked while fewer than ``min_tokens`` tokens were generated, then the p
 positive logit (multiplies a negative one) of every token in the prompt or the output, as
 transformers' ``RepetitionPenaltyLogitsProcessor`` does; then OpenAI's
 ``logit -= frequency_penalty * count + presence_penalty * (count > 0)`` over the generated
-tokens only. All of it runs batched over the rows of the requests that use any of it; the others
+tokens only (those an earlier attempt of a resumed request generated too). All of it runs batched over the rows of the requests that use any of it; the others
 are not touched, and a batch where none does is returned as it is. ``min_p`` comes later, after
 the temperature (``kvmesh.engine.sampler``).
 """
@@ -60,7 +60,7 @@ def _mask_early_stops(logits: torch.Tensor, reqs: list[Request]) -> None:
     tokens: list[int] = []
     for row, req in enumerate(reqs):
         params = req.sampling
-        if req.num_output_tokens >= params.min_tokens:
+        if req.num_generated_tokens >= params.min_tokens:
             continue
         stops = set(params.stop_token_ids)
         if not params.ignore_eos:
@@ -87,7 +87,7 @@ def _penalize(logits: torch.Tensor, reqs: list[Request]) -> None:
         row for row, req in enumerate(reqs) if req.sampling.presence_penalty or req.sampling.frequency_penalty
     ]
     if additive:
-        rows, ids, lengths = _occurrences(additive, [reqs[row].output_token_ids for row in additive], device)
+        rows, ids, lengths = _occurrences(additive, [reqs[row].generated_token_ids for row in additive], device)
         if ids.numel():
             counts = torch.zeros(logits.shape, device=device)
             counts.index_put_((rows, ids), torch.ones(ids.shape, device=device), accumulate=True)

@@ -49,6 +49,9 @@ class SamplingParams:
     logit_bias: dict[int, float] = field(default_factory=dict)  # token id -> added to its logit
     min_p: float = 0.0  # drop tokens less likely than min_p x the most likely one
     min_tokens: int = 0  # no EOS or stop token id before this many generated tokens
+    # A request resumed on another worker: the prompt's last this-many tokens were generated
+    # before, and the penalties and min_tokens count them as generated.
+    prior_output_tokens: int = 0
 
     def __post_init__(self) -> None:
         self.stop = tuple(self.stop)
@@ -65,7 +68,9 @@ class SamplingParams:
             raise ValueError("logit_bias maps token ids >= 0 to numbers")
         if not 0.0 <= self.min_p <= 1.0:
             raise ValueError(f"min_p must be in [0, 1], got {self.min_p}")
-        if not 0 <= self.min_tokens <= self.max_tokens:
+        if self.prior_output_tokens < 0:
+            raise ValueError(f"prior_output_tokens must be >= 0, got {self.prior_output_tokens}")
+        if not 0 <= self.min_tokens <= self.max_tokens + self.prior_output_tokens:
             raise ValueError(f"min_tokens must be in [0, max_tokens={self.max_tokens}], got {self.min_tokens}")
         if not self.temperature >= 0:  # NaN too
             raise ValueError(f"temperature must be >= 0, got {self.temperature}")
@@ -118,6 +123,8 @@ class Request:
     def __post_init__(self) -> None:
         if not self.prompt_token_ids:
             raise ValueError("the prompt must have at least one token")
+        if self.sampling.prior_output_tokens >= len(self.prompt_token_ids):
+            raise ValueError("prior_output_tokens must be fewer than the prompt's tokens")
         if not self.token_ids:
             self.token_ids = list(self.prompt_token_ids)
         if self.sampling.seed is not None:
@@ -140,6 +147,16 @@ class Request:
     @property
     def num_output_tokens(self) -> int:
         return len(self.token_ids) - self.num_prompt_tokens
+
+    @property
+    def generated_token_ids(self) -> list[int]:
+        """What the penalties and min_tokens count as generated: the output, after the
+        prompt's tail that an earlier attempt generated (``prior_output_tokens``)."""
+        return self.token_ids[self.num_prompt_tokens - self.sampling.prior_output_tokens :]
+
+    @property
+    def num_generated_tokens(self) -> int:
+        return self.num_output_tokens + self.sampling.prior_output_tokens
 
     @property
     def is_finished(self) -> bool:
