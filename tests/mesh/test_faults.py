@@ -10,6 +10,7 @@ import time
 import pytest
 
 from kvmesh.cluster.etcd_store import EtcdStore
+from kvmesh.engine.tokenizer import Tokenizer
 from kvmesh.infra.local_mesh import LocalMesh
 from kvmesh.protocol import Keys
 from tests.mesh.client import post, stream, streamed_text, worker_stats
@@ -56,13 +57,24 @@ async def test_prefill_killed_before_the_pull_is_retried(tmp_path, default_model
         mesh.stop()
 
 
-async def test_decode_killed_mid_stream_resumes_on_the_survivor(tmp_path, default_model_dir):
+@pytest.mark.parametrize("options", ["plain", "penalties"])
+async def test_decode_killed_mid_stream_resumes_on_the_survivor(tmp_path, default_model_dir, options):
     """The stream goes on from the tokens already sent, on the other decode worker: the
-    client sees one uninterrupted answer, the same as without the fault."""
+    client sees one uninterrupted answer, the same as without the fault. With penalties and
+    min_tokens too: the retry counts the tokens sent as generated (an EOS forced by the bias
+    comes right after min_tokens, as without the fault)."""
     mesh = make_mesh(tmp_path, default_model_dir, prefill=1, decode=2)
     try:
         body = {"model": MODEL, "prompt": "Tell me a long story:", "max_tokens": 60, "temperature": 0, "ignore_eos": True}
-        want = (await post(mesh.base_url, "/v1/completions", body)).json()["choices"][0]["text"]
+        finish = "length"
+        if options == "penalties":
+            [eos] = Tokenizer.from_dir(default_model_dir).eos_token_ids[:1]
+            body.update(ignore_eos=False, frequency_penalty=0.8, presence_penalty=0.4, repetition_penalty=1.1)
+            body.update(logit_bias={str(eos): 100}, min_tokens=40)
+            finish = "stop"
+        answer = (await post(mesh.base_url, "/v1/completions", body)).json()
+        want = answer["choices"][0]["text"]
+        assert answer["usage"]["completion_tokens"] == (60 if options == "plain" else 41)
         victim = None
 
         async def kill_the_streaming_decode_worker(events: list[dict]) -> None:
@@ -78,7 +90,7 @@ async def test_decode_killed_mid_stream_resumes_on_the_survivor(tmp_path, defaul
         events = await stream(mesh.base_url, "/v1/completions", body, on_event=kill_the_streaming_decode_worker)
         assert victim is not None
         assert "error" not in events[-1], events[-1]
-        assert events[-1]["choices"][0]["finish_reason"] == "length"
+        assert events[-1]["choices"][0]["finish_reason"] == finish
         assert streamed_text(events) == want
         assert "retrying" in mesh.router.tail(200)
         survivor = "decode-3" if victim == "decode-2" else "decode-2"
