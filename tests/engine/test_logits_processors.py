@@ -111,6 +111,9 @@ def test_min_tokens_is_min_new_tokens(prompt, generated, logits):
         want = hf(MinNewTokensLengthLogitsProcessor(len(prompt), min_tokens, stops), prompt, generated, logits)
         assert torch.equal(ours, want)
     assert torch.isinf(process_logits(logits.unsqueeze(0), [request(prompt, generated, min_tokens=9)])[0][2])
+    near = process_logits(logits.unsqueeze(0), [request(prompt, generated, min_tokens=9, stop_token_ids=(9,))])[0]
+    far = process_logits(logits.unsqueeze(0), [request(prompt, generated, min_tokens=9, stop_token_ids=(9, 10**6))])[0]
+    assert torch.equal(far, near) and torch.isinf(far[9])  # a stop id past the vocabulary is no error
     # ignore_eos: eos may come anyway, so only the stop token ids are held back
     held = process_logits(logits.unsqueeze(0), [request(prompt, generated, min_tokens=9, ignore_eos=True, stop_token_ids=(9,))])[0]
     assert held[2] == logits[2] and torch.isinf(held[9])

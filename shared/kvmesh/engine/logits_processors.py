@@ -56,13 +56,14 @@ def _add_bias(logits: torch.Tensor, reqs: list[Request]) -> None:
 
 
 def _mask_early_stops(logits: torch.Tensor, reqs: list[Request]) -> None:
+    vocab = logits.shape[-1]
     rows: list[int] = []
     tokens: list[int] = []
     for row, req in enumerate(reqs):
         params = req.sampling
         if req.num_generated_tokens >= params.min_tokens:
             continue
-        stops = set(params.stop_token_ids)
+        stops = {t for t in params.stop_token_ids if t < vocab}  # one past the vocabulary never comes
         if not params.ignore_eos:
             stops.update(req.eos_token_ids)
         rows.extend([row] * len(stops))
