@@ -33,6 +33,19 @@ def test_generate_json_on_a_model_dir(tiny_model_dir):
     assert result == {"token_ids": want.new_token_ids, "text": want.text}
 
 
+def test_generate_with_sampling_options(tiny_model_dir):
+    options = ["--repetition-penalty", "1.5", "--frequency-penalty", "0.5", "--logit-bias", "11=3", "--min-tokens", "2"]
+    done = kvmesh("generate", "--model", str(tiny_model_dir), "--prompt", "The river", "--max-tokens", "8", "--json", *options)
+    assert done.returncode == 0, done.stderr
+    from kvmesh.engine.llm_engine import EngineConfig, LLMEngine
+    from kvmesh.engine.request import SamplingParams
+
+    engine = LLMEngine(EngineConfig(model=str(tiny_model_dir), num_blocks=64))
+    params = SamplingParams(max_tokens=8, repetition_penalty=1.5, frequency_penalty=0.5, logit_bias={11: 3.0}, min_tokens=2)
+    [want] = engine.generate([engine.tokenizer.encode("The river")], params)
+    assert json.loads(done.stdout) == {"token_ids": want.new_token_ids, "text": want.text}
+
+
 @pytest.mark.slow
 def test_default_model_chat_answers_paris(default_model_dir):
     cache = default_model_dir.parent.parent  # resolve_model's cache root
@@ -51,6 +64,8 @@ def test_default_model_chat_answers_paris(default_model_dir):
         (["--temperature", "-1"], "--temperature: must be >= 0"),
         (["--top-p", "2"], "top_p must be in (0, 1]"),
         (["--model", "/nonexistent/model"], "unknown model"),
+        (["--logit-bias", "5"], "must be TOKEN=BIAS"),
+        (["--presence-penalty", "3"], "presence_penalty must be in [-2, 2]"),
     ],
 )
 def test_bad_input_gets_a_clear_message(args, message):

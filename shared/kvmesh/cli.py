@@ -51,6 +51,16 @@ def _positive_int(text: str) -> int:
     return value
 
 
+def _token_bias(text: str) -> tuple[int, float]:
+    token, sep, bias = text.partition("=")
+    try:
+        if not sep:
+            raise ValueError
+        return int(token), float(bias)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be TOKEN=BIAS (a token id and a number), got {text!r}") from None
+
+
 def _non_negative_float(text: str) -> float:
     value = float(text)
     if value < 0:
@@ -82,6 +92,13 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--seed", type=int)
     gen.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
     gen.add_argument("--ignore-eos", action="store_true")
+    gen.add_argument("--presence-penalty", type=float, default=0.0, help="OpenAI's, over the generated tokens")
+    gen.add_argument("--frequency-penalty", type=float, default=0.0, help="OpenAI's, over the generated tokens")
+    gen.add_argument("--repetition-penalty", type=float, default=1.0, help="over prompt and generated tokens (1: off)")
+    gen.add_argument("--min-p", type=float, default=0.0)
+    gen.add_argument("--min-tokens", type=int, default=0, help="no EOS or stop string before this many tokens")
+    gen.add_argument("--logit-bias", type=_token_bias, action="append", default=[], metavar="TOKEN=BIAS",
+                     help="add BIAS to token id TOKEN's logit (repeatable)")
     gen.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
     gen.add_argument("--device", default="cpu", help="cpu, cuda or npu")
     gen.add_argument("--json", action="store_true", help='print {"token_ids": [...], "text": "..."}')
@@ -169,6 +186,12 @@ def _generate(args: argparse.Namespace) -> int:
         max_tokens=args.max_tokens,
         stop=tuple(args.stop),
         ignore_eos=args.ignore_eos,
+        presence_penalty=args.presence_penalty,
+        frequency_penalty=args.frequency_penalty,
+        repetition_penalty=args.repetition_penalty,
+        min_p=args.min_p,
+        min_tokens=args.min_tokens,
+        logit_bias=dict(args.logit_bias),
     )
     logger.info("loading the model")
     engine = LLMEngine(EngineConfig(model=args.model, dtype=args.dtype, device=args.device, kv_cache_bytes=256 * 2**20))
