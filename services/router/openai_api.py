@@ -201,11 +201,22 @@ class CompletionRequest(_GenerationRequest):
         return list(prompt)  # type: ignore[arg-type]
 
 
+def _is_null(value: Any) -> bool:
+    return value is None
+
+
 class ChatMessage(BaseModel):
     model_config = _STRICT
 
     role: Literal["system", "developer", "user", "assistant"]
     content: Annotated[str, BeforeValidator(_parse_content), WithJsonSchema(CONTENT_SCHEMA)]
+    # what a client echoes back in an assistant message of the history, accepted when empty
+    name: Annotated[Any, _only_off(_is_null, "a message's name is not supported")] = None
+    refusal: Annotated[Any, _only_off(_is_null, "a message's refusal is not supported")] = None
+    tool_calls: Annotated[
+        Any, _only_off(lambda v: v is None or v == [], "tool_calls in messages are not supported", [])
+    ] = None
+    function_call: Annotated[Any, _only_off(_is_null, "function_call in messages is not supported")] = None
 
     @property
     def template_role(self) -> str:

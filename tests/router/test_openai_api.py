@@ -118,6 +118,12 @@ def test_new_sampling_fields_reach_the_spec() -> None:
     assert req.template_messages() == [{"role": "system", "content": "Be brief."}]
 
 
+def test_an_echoed_assistant_message_with_empty_fields_is_accepted() -> None:
+    echoed = {"role": "assistant", "content": "Hi", "refusal": None, "tool_calls": [], "function_call": None, "name": None}
+    req = ChatCompletionRequest.model_validate({"model": "m", "messages": [echoed, {"role": "user", "content": "x"}]})
+    assert req.template_messages()[0] == {"role": "assistant", "content": "Hi"}
+
+
 def test_prompt_lists() -> None:
     def prompts(value: object) -> list:
         return CompletionRequest.model_validate({"model": "m", "prompt": value}).prompts
@@ -225,7 +231,8 @@ def test_chat_max_tokens_defaults_to_none_and_stream_options_need_stream() -> No
     [
         ([], ("messages",), "at least 1 item"),
         ([{"role": "tool", "content": "x"}], ("messages", 0, "role"), "'system', 'developer', 'user' or 'assistant'"),
-        ([{"role": "user", "content": "x", "name": "bob"}], ("messages", 0, "name"), "Extra inputs are not permitted"),
+        ([{"role": "user", "content": "x", "name": "bob"}], ("messages", 0, "name"), "a message's name is not supported"),
+        ([{"role": "user", "content": "x", "audio": None}], ("messages", 0, "audio"), "Extra inputs are not permitted"),
         (
             [{"role": "user", "content": [{"type": "text", "text": "x", "cache_control": {}}]}],
             ("messages", 0, "content"),

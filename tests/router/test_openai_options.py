@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
 
 import httpx
 import pytest
@@ -22,9 +23,17 @@ COMPLETIONS = "/v1/completions"
 CHAT = "/v1/chat/completions"
 
 
+@dataclass
 class PerPromptBackend(FakeBackend):
-    """Answers each request with text naming its prompt's length, after a delay that makes the
-    later prompts finish first; a prompt holding token 13 fails after its first event."""
+    """Answers each request with text naming its prompt's length, the longest prompt's answer
+    ending first (each waits for the longer ones); a prompt holding token 13 fails after its
+    first event."""
+
+    ended: set[str] = field(default_factory=set)
+
+    async def _longer_ones_ended(self, n: int) -> None:
+        while any(len(c.prompt_token_ids) > n and c.request_id not in self.ended for c in self.calls):
+            await asyncio.sleep(0.001)
 
     def generate(
         self, request_id: str, prompt_token_ids: list[int], sampling: SamplingSpec, *, session_id: str | None = None
@@ -37,11 +46,11 @@ class PerPromptBackend(FakeBackend):
         done = False
         try:
             yield TokenEvent(request_id=request_id, seq=0, token_ids=[n], text=f"<{n}")
-            await asyncio.sleep(0.05 / n)
-            if 13 in prompt:
-                done = True
-                raise MeshError("internal", "scripted failure")
+            await self._longer_ones_ended(n)
             done = True
+            self.ended.add(request_id)
+            if 13 in prompt:
+                raise MeshError("internal", "scripted failure")
             yield TokenEvent(
                 request_id=request_id,
                 seq=1,
@@ -116,7 +125,7 @@ async def test_a_list_of_prompts_streamed(client: httpx.AsyncClient, fake: FakeB
     assert texts == {0: "<3>", 1: "<2>", 2: "<5>"}
     assert reasons == {0: "length", 1: "stop", 2: "length"}
     finished = [c["choices"][0]["index"] for c in chunks if c["choices"][0]["finish_reason"]]
-    assert finished == [2, 0, 1]  # as they came: the longest prompt's answer was quickest
+    assert finished == [2, 0, 1]  # as they came: the longest prompt's answer ended first
 
 
 async def test_one_failing_prompt_fails_the_request_and_cancels_the_rest(
@@ -219,6 +228,10 @@ async def test_fields_not_implemented_are_refused_by_name(
 
 async def test_nested_unknown_fields_are_named(client: httpx.AsyncClient) -> None:
     resp = await client.post(
-        CHAT, json={"model": MODEL, "messages": [{"role": "user", "content": "Hi", "tool_calls": []}]}
+        CHAT, json={"model": MODEL, "messages": [{"role": "user", "content": "Hi", "cache_control": {}}]}
     )
-    assert resp.json() == error("unsupported parameter: messages.0.tool_calls", param="messages.0.tool_calls")
+    assert resp.json() == error("unsupported parameter: messages.0.cache_control", param="messages.0.cache_control")
+    resp = await client.post(
+        CHAT, json={"model": MODEL, "messages": [{"role": "assistant", "content": "Hi", "tool_calls": [{"id": "1"}]}]}
+    )
+    assert resp.json() == error("messages.0.tool_calls: tool_calls in messages are not supported", param="messages.0.tool_calls")
