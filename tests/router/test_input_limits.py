@@ -190,13 +190,15 @@ async def test_a_prompt_too_long_for_the_context_is_refused_before_tokenizing(
 
 
 async def test_tokenizing_runs_off_the_event_loop(fake: FakeBackend, tokenizer: Tokenizer) -> None:
-    fake.tokenizer = CountingTokenizer(tokenizer, delay=0.5)
+    # The encode blocks its thread for 3 s: if it ran on the event loop, /health would wait for it.
+    fake.tokenizer = CountingTokenizer(tokenizer, delay=3.0)
     async with httpx.AsyncClient(transport=httpx.ASGITransport(app=create_app(fake)), base_url="http://t") as client:
-        request = asyncio.create_task(client.post(COMPLETIONS, json={"model": MODEL, "prompt": "The river"}))
-        await asyncio.sleep(0.05)  # the request is being tokenized
         started = time.monotonic()
+        request = asyncio.create_task(client.post(COMPLETIONS, json={"model": MODEL, "prompt": "The river"}))
+        while not fake.tokenizer.encodes:  # the request is being tokenized
+            await asyncio.sleep(0.01)
         health = await client.get("/health")
-        assert time.monotonic() - started < 0.1
+        assert time.monotonic() - started < 2.0  # well inside the encode's 3 s, however loaded the machine
         assert health.status_code == 200
         assert not request.done()
         assert (await request).status_code == 200
