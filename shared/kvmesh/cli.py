@@ -109,7 +109,7 @@ def build_parser() -> argparse.ArgumentParser:
     up.add_argument("--host", default="127.0.0.1")
     up.add_argument("--port", type=_port, default=8000, help="the router's port (0 picks a free one)")
     up.add_argument("--model", help="model directory or .gguf file (default: SmolLM2-135M-Instruct)")
-    up.add_argument("--engine", choices=ENGINES, default="kvmesh", help="what the workers run: kvmesh (vllm: not yet)")
+    up.add_argument("--engine", choices=ENGINES, default="kvmesh", help="what the workers run: kvmesh (its own engine) or vllm (`make vllm`; workers run with .venv-vllm/bin/python)")
     up.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
     up.add_argument("--kv-cache-mib", type=_positive_int, default=256, help="KV pool per worker")
     up.add_argument("--api-key", nargs="?", action=_NoKeyInArgv, help=argparse.SUPPRESS)

@@ -54,7 +54,7 @@ class MeshOptions:
     engine: str = "kvmesh"  # what every worker hosts (``kvmesh.worker.engines``)
     dtype: str = "float32"
     kv_cache_mib: int = 256
-    block_size: int = 16
+    block_size: int | None = None  # None: the engine's default (``kvmesh.worker.engines.DEFAULT_BLOCK_SIZE``)
     namespace: str = "default"
     lease_ttl: int = 5
     pin_ttl: int = 30
@@ -75,6 +75,13 @@ SERVER_DEATH_SIGNAL = signal.SIGKILL  # nats-server and etcd have nothing to dra
 
 def _says_ready(worker_id: str, text: str) -> bool:
     return f"worker {worker_id} ready" in text
+
+
+def cpu_bind(index: int, threads: int) -> str:
+    """The cores of the ``index``-th worker's ``threads`` threads, among those this process
+    may run on, round robin (as ``VLLM_CPU_OMP_THREADS_BIND`` takes them: ``"0,1"``)."""
+    cores = sorted(os.sched_getaffinity(0))
+    return ",".join(str(cores[(index * threads + i) % len(cores)]) for i in range(min(threads, len(cores))))
 
 
 class LocalMesh:
@@ -310,13 +317,15 @@ class LocalMesh:
         worker_id = f"{role}-{self._count}"
         self._roles[worker_id] = role
         threads = opts.num_threads or max(1, (os.cpu_count() or 2) // max(1, opts.prefill + opts.decode))
+        from kvmesh.worker.engines import DEFAULT_BLOCK_SIZE, worker_python
+
         argv = [
-            sys.executable, "-m", f"kvmesh.services.{role}_worker", *self._mesh_args(worker_id),
+            worker_python(opts.engine), "-m", f"kvmesh.services.{role}_worker", *self._mesh_args(worker_id),
             "--worker-id", worker_id,
             "--engine", opts.engine,
             "--dtype", opts.dtype,
             "--kv-cache-mib", str(opts.kv_cache_mib),
-            "--block-size", str(opts.block_size),
+            "--block-size", str(opts.block_size or DEFAULT_BLOCK_SIZE[opts.engine]),
             "--lease-ttl", str(opts.lease_ttl),
             "--pin-ttl", str(opts.pin_ttl),
             "--num-threads", str(threads),
@@ -325,6 +334,8 @@ class LocalMesh:
             argv += ["--model", opts.model]
         if not opts.prefix_caching:
             argv.append("--no-prefix-caching")
+        if opts.engine == "vllm":  # each worker's OpenMP threads on cores of their own, round robin
+            argv += ["--cpu-bind", cpu_bind(self._count - 1, threads)]
         argv += extra_args
         self.workers[worker_id] = self._spawn(worker_id, argv, self._worker_env())
         self._write_pids()

@@ -90,16 +90,24 @@ def check_api_key_file(path: str | None) -> None:
 
 
 def check_engine(engine: str) -> None:
-    from kvmesh.worker.engines import unavailable
+    """The workers can host ``engine``: here, or (vLLM) with the Python of .venv-vllm."""
+    from kvmesh.worker.engines import worker_python
 
-    reason = unavailable(engine)
-    if reason is not None:
-        raise UpUsageError(reason)
+    try:
+        worker_python(engine)
+    except ValueError as exc:
+        raise UpUsageError(str(exc)) from None
 
 
 def check_args(args: argparse.Namespace) -> Path:
     """Everything that can be checked without starting anything; returns the workdir."""
     check_engine(args.engine)
+    if args.prefill:
+        from kvmesh.worker.engines import unsupported_role
+
+        reason = unsupported_role(args.engine, "prefill")
+        if reason is not None:
+            raise UpUsageError(reason)
     check_model(args.model)
     check_port(args.host, args.port)
     workdir = check_workdir(args.workdir)

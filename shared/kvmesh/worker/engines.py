@@ -1,14 +1,19 @@
 """The engines a worker can host, by name (``--engine``), behind
 ``kvmesh.worker.engine_api.Engine``.
 
-``kvmesh`` is kvmesh's own PyTorch engine (``kvmesh.worker.kvmesh_engine``). ``vllm`` is
-reserved for the vLLM worker (issue 9) and refused with a clear reason. Free of torch until
-an engine is created: settings check the name here.
+``kvmesh`` is kvmesh's own PyTorch engine (``kvmesh.worker.kvmesh_engine``); ``vllm`` is
+vLLM (``kvmesh.worker.vllm_engine``, imported only when asked for). vLLM lives in a
+virtualenv of its own (``make vllm`` builds ``.venv-vllm``: its pins conflict with the
+router's), so a launcher (``kvmesh up``) starts vLLM workers with that virtualenv's Python:
+``worker_python``. Free of torch until an engine is created: settings check the name here.
 """
 
 from __future__ import annotations
 
 import importlib.util
+import os
+import sys
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
@@ -16,17 +21,55 @@ if TYPE_CHECKING:
     from kvmesh.worker.settings import WorkerSettings
 
 ENGINES = ("kvmesh", "vllm")
+DEFAULT_BLOCK_SIZE = {"kvmesh": 16, "vllm": 32}  # tokens per KV block; vLLM on CPU takes multiples of 32
+VLLM_PYTHON_ENV = "KVMESH_VLLM_PYTHON"  # the Python of a virtualenv with vLLM and kvmesh's worker
 
 
 def unavailable(name: str) -> str | None:
-    """Why a worker cannot host the engine ``name`` here (``None``: it can)."""
+    """Why this process cannot host the engine ``name`` (``None``: it can)."""
     if name == "kvmesh":
         return None
     if name == "vllm":
         if importlib.util.find_spec("vllm") is None:
-            return "--engine vllm: vLLM is not installed in this environment (and kvmesh does not host it yet)"
-        return "--engine vllm: kvmesh does not host vLLM yet (issue 9); use --engine kvmesh"
+            return (
+                f"--engine vllm: vLLM is not installed for {sys.executable}; "
+                "`make vllm` builds .venv-vllm, run vLLM workers with .venv-vllm/bin/python"
+            )
+        return None
     return f"unknown engine {name!r}; choose one of {', '.join(ENGINES)}"
+
+
+def unsupported_role(name: str, role: str) -> str | None:
+    """Why a worker of ``role`` cannot host ``name`` (``None``: it can)."""
+    if name == "vllm" and role == "prefill":
+        return (
+            "--engine vllm: a vLLM worker cannot prefill for export yet (the kvmesh KV connector is not there); "
+            "run vLLM decode workers alone, which prefill themselves (kvmesh up --prefill 0)"
+        )
+    return None
+
+
+def worker_python(name: str) -> str:
+    """The Python a launcher starts workers hosting ``name`` with: this one where it can host
+    the engine, else for vLLM ``$KVMESH_VLLM_PYTHON`` or the repository's ``.venv-vllm``.
+    Raises ``ValueError`` saying why there is none."""
+    if unavailable(name) is None:
+        return sys.executable
+    if name != "vllm":
+        raise ValueError(unavailable(name))
+    configured = os.environ.get(VLLM_PYTHON_ENV)
+    candidate = Path(configured) if configured else _repo_vllm_python()
+    if candidate is not None and os.access(candidate, os.X_OK):
+        return str(candidate)
+    where = f"{VLLM_PYTHON_ENV}={configured} is not an executable" if configured else "no .venv-vllm beside kvmesh"
+    raise ValueError(f"--engine vllm: vLLM is not installed for {sys.executable} and {where}; run `make vllm`")
+
+
+def _repo_vllm_python() -> Path | None:
+    """``.venv-vllm/bin/python`` in the repository kvmesh runs from (an editable install's)."""
+    root = Path(__file__).resolve().parents[3]  # shared/kvmesh/worker/engines.py
+    candidate = root / ".venv-vllm" / "bin" / "python"
+    return candidate if candidate.exists() else None
 
 
 async def create_engine(settings: WorkerSettings) -> Engine:
@@ -34,6 +77,10 @@ async def create_engine(settings: WorkerSettings) -> Engine:
     reason = unavailable(settings.engine)
     if reason is not None:
         raise ValueError(reason)
+    if settings.engine == "vllm":
+        from kvmesh.worker.vllm_engine import VllmEngine
+
+        return await VllmEngine.start(settings)
     from kvmesh.worker.kvmesh_engine import KvmeshEngine
 
     return await KvmeshEngine.start(settings)

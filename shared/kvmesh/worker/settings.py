@@ -12,7 +12,7 @@ from typing import overload
 
 from kvmesh.protocol import Role
 from kvmesh.transfer.mooncake_agent import parse_port_range
-from kvmesh.worker.engines import ENGINES, unavailable
+from kvmesh.worker.engines import DEFAULT_BLOCK_SIZE, ENGINES, unavailable, unsupported_role
 
 logger = logging.getLogger(__name__)
 
@@ -66,6 +66,13 @@ class WorkerSettings:
     max_num_batched_tokens: int = 1024
     enable_prefix_caching: bool = True
     num_threads: int | None = None  # torch threads; None: torch's default
+    # vLLM only (``kvmesh.worker.vllm_engine``): the longest sequence (None: the model's),
+    # the cores its OpenMP threads are bound to (VLLM_CPU_OMP_THREADS_BIND, e.g. "0" or
+    # "0-1"; None: the first ``num_threads`` cores this process may run on), and further
+    # ``EngineArgs`` as a JSON object (``{"tensor_parallel_size": 2}``), applied last.
+    max_model_len: int | None = None
+    cpu_bind: str | None = None
+    engine_args: str | None = None
     advertise_host: str = "127.0.0.1"  # the address peers reach this worker's transfer engine at
     lease_ttl: int = 5  # seconds: a dead worker leaves etcd within this
     pin_ttl: int = 30  # seconds a prefill's blocks wait for the decode side's pull
@@ -190,14 +197,31 @@ def worker_parser(role: Role) -> argparse.ArgumentParser:
     parser.add_argument("--worker-id", default=_env("WORKER_ID"))
     parser.add_argument(
         "--engine", default=_env("ENGINE", "kvmesh"), choices=ENGINES,
-        help="the engine this worker hosts: kvmesh (its own); vllm is not available yet (KVMESH_ENGINE)",
+        help="the engine this worker hosts: kvmesh (its own) or vllm (installed with `make vllm`) (KVMESH_ENGINE)",
     )
     parser.add_argument("--model", default=_env("MODEL"), help="model dir or .gguf (default: SmolLM2-135M-Instruct)")
     parser.add_argument("--served-model-name", default=_env("SERVED_MODEL_NAME"))
     parser.add_argument("--device", default=_env("DEVICE", "cpu"))
     parser.add_argument("--dtype", default=_env("DTYPE", "float32"), choices=["float32", "bfloat16", "float16"])
     parser.add_argument("--kv-cache-mib", type=int, default=int(_env("KV_CACHE_MIB", "512")))
-    parser.add_argument("--block-size", type=int, default=int(_env("BLOCK_SIZE", "16")))
+    parser.add_argument(
+        "--block-size", type=int, default=int(_env("BLOCK_SIZE", "0")) or None,
+        help=f"tokens per KV block (KVMESH_BLOCK_SIZE; default {DEFAULT_BLOCK_SIZE['kvmesh']}, "
+        f"{DEFAULT_BLOCK_SIZE['vllm']} with vllm, whose CPU backend takes multiples of 32)",
+    )
+    parser.add_argument(
+        "--max-model-len", type=int, default=int(_env("MAX_MODEL_LEN", "0")) or None,
+        help="vllm: the longest sequence, prompt and output (KVMESH_MAX_MODEL_LEN; default the model's)",
+    )
+    parser.add_argument(
+        "--cpu-bind", default=_env("CPU_BIND"),
+        help="vllm on CPU: cores of its OpenMP threads, as VLLM_CPU_OMP_THREADS_BIND (KVMESH_CPU_BIND; "
+        "default the first --num-threads cores this process may use)",
+    )
+    parser.add_argument(
+        "--engine-args", default=_env("ENGINE_ARGS"), metavar="JSON",
+        help='vllm: more EngineArgs as a JSON object, e.g. \'{"tensor_parallel_size": 2}\' (KVMESH_ENGINE_ARGS)',
+    )
     parser.add_argument("--max-num-seqs", type=int, default=int(_env("MAX_NUM_SEQS", "64")))
     parser.add_argument("--max-num-batched-tokens", type=int, default=int(_env("MAX_NUM_BATCHED_TOKENS", "1024")))
     parser.add_argument("--no-prefix-caching", action="store_true", default=_env("PREFIX_CACHING", "1") == "0")
@@ -224,6 +248,17 @@ def worker_parser(role: Role) -> argparse.ArgumentParser:
     return parser
 
 
+def _check_engine_args(text: str, parser: argparse.ArgumentParser) -> None:
+    import json
+
+    try:
+        value = json.loads(text)
+    except ValueError as exc:
+        parser.error(f"--engine-args: not JSON ({exc})")
+    if not isinstance(value, dict):
+        parser.error("--engine-args: must be a JSON object of EngineArgs fields")
+
+
 def resolve_advertise_host(value: str) -> str:
     """``auto``: this host's own address (a container's, in compose or Kubernetes)."""
     if value == "auto":
@@ -234,9 +269,11 @@ def resolve_advertise_host(value: str) -> str:
 def worker_settings(role: Role, argv: list[str] | None = None) -> WorkerSettings:
     parser = worker_parser(role)
     args = parser.parse_args(argv)
-    reason = unavailable(args.engine)
+    reason = unavailable(args.engine) or unsupported_role(args.engine, role)
     if reason is not None:
         parser.error(reason)
+    if args.engine_args is not None:
+        _check_engine_args(args.engine_args, parser)
     extra = {"worker_id": args.worker_id} if args.worker_id else {}
     return WorkerSettings(
         role=role,
@@ -247,11 +284,14 @@ def worker_settings(role: Role, argv: list[str] | None = None) -> WorkerSettings
         device=args.device,
         dtype=args.dtype,
         kv_cache_bytes=args.kv_cache_mib * 2**20,
-        block_size=args.block_size,
+        block_size=args.block_size or DEFAULT_BLOCK_SIZE[args.engine],
         max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens,
         enable_prefix_caching=not args.no_prefix_caching,
         num_threads=args.num_threads,
+        max_model_len=args.max_model_len,
+        cpu_bind=args.cpu_bind,
+        engine_args=args.engine_args,
         advertise_host=resolve_advertise_host(args.advertise_host),
         lease_ttl=args.lease_ttl,
         pin_ttl=args.pin_ttl,

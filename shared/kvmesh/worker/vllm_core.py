@@ -1,0 +1,254 @@
+"""vLLM's synchronous engine (``vllm.v1.engine.llm_engine.LLMEngine``, its engine core in
+this process) with the face ``kvmesh.engine.async_engine.AsyncEngine`` drives on its
+thread: add, step, abort, load, pool stats and KV events in kvmesh's terms.
+
+The one module that knows vLLM's insides (with ``vllm_engine``): the scheduler's queues
+and block pool for load and stats, the model runner's KV tensors for the pool's layout, and
+the scheduler's KV event publisher, replaced by one that queues vLLM's ``BlockStored`` /
+``BlockRemoved`` / ``AllBlocksCleared`` here, where they are renamed with kvmesh's block
+hashes (the mesh's one function, from the events' token ids). Every call runs on the
+engine thread; only ``load`` is read from elsewhere, as a fresh dict.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections import deque
+from typing import Any
+
+from kvmesh.engine.block_pool import AllBlocksCleared, BlockRemoved, BlockStored, KVCacheEvent
+from kvmesh.engine.kv_cache_manager import PoolStats
+from kvmesh.engine.outputs import RequestOutput
+from kvmesh.engine.request import FinishReason, SamplingParams
+from kvmesh.hashing import BlockHash, hash_token_blocks
+
+logger = logging.getLogger(__name__)
+
+FINISH_REASONS = {"stop": FinishReason.STOP, "length": FinishReason.LENGTH, "abort": FinishReason.ABORT, "error": FinishReason.ERROR}
+
+
+class UnsupportedByVllm(ValueError):
+    """A disaggregation hook the vLLM engine does not have yet (the kvmesh KV connector)."""
+
+
+class EventQueue:
+    """Stands in for the scheduler's KV event publisher: keeps vLLM's batches for ``take``."""
+
+    def __init__(self) -> None:
+        self._batches: deque[Any] = deque()
+        self._lock = threading.Lock()
+
+    def publish(self, events: Any) -> None:
+        with self._lock:
+            self._batches.append(events)
+
+    def take(self) -> list[Any]:
+        with self._lock:
+            batches, self._batches = list(self._batches), deque()
+        return [event for batch in batches for event in batch.events]
+
+    def shutdown(self) -> None:
+        pass
+
+    def get_publisher_config(self) -> None:
+        return None
+
+
+class KVEventNames:
+    """vLLM's block hashes to kvmesh's: a stored block's name is chained from its parent's
+    kvmesh name and its token ids, with the served model as extra key; a hash vLLM stores
+    twice (two blocks) is named once and removed with its last block."""
+
+    def __init__(self, block_size: int, model_name: str) -> None:
+        self.block_size = block_size
+        self.extra_keys = (model_name,)
+        self._names: dict[Any, tuple[BlockHash, int]] = {}  # vLLM hash -> (kvmesh hash, blocks)
+
+    def translate(self, events: list[Any]) -> list[KVCacheEvent]:
+        out: list[KVCacheEvent] = []
+        for event in events:
+            kind = type(event).__name__
+            if kind == "BlockStored":
+                stored = self._stored(event)
+                if stored is not None:
+                    out.append(stored)
+            elif kind == "BlockRemoved":
+                removed = self._removed(event.block_hashes)
+                if removed:
+                    out.append(BlockRemoved(tuple(removed)))
+            elif kind == "AllBlocksCleared":
+                self._names.clear()
+                out.append(AllBlocksCleared())
+        return out
+
+    def _stored(self, event: Any) -> BlockStored | None:
+        if event.block_size != self.block_size:
+            logger.warning("a vLLM KV event for blocks of %d tokens, not %d: dropped", event.block_size, self.block_size)
+            return None
+        parent: BlockHash | None = None
+        if event.parent_block_hash is not None:
+            known = self._names.get(event.parent_block_hash)
+            if known is None:  # its parent was never announced (or is gone): neither can its chain be
+                logger.debug("a vLLM KV event whose parent block is unknown: dropped")
+                return None
+            parent = known[0]
+        names = hash_token_blocks(event.token_ids, self.block_size, self.extra_keys, parent_hash=parent)
+        fresh: list[BlockHash] = []
+        first_parent = parent
+        for vllm_hash, name in zip(event.block_hashes, names):
+            seen = self._names.get(vllm_hash)
+            self._names[vllm_hash] = (name, seen[1] + 1 if seen else 1)
+            if seen is None:
+                fresh.append(name)
+            elif not fresh:
+                first_parent = name  # the announced chain starts after the blocks already known
+        if not fresh:
+            return None
+        return BlockStored(tuple(fresh), first_parent, (), self.block_size)
+
+    def _removed(self, vllm_hashes: list[Any]) -> list[BlockHash]:
+        gone: list[BlockHash] = []
+        for vllm_hash in vllm_hashes:
+            seen = self._names.get(vllm_hash)
+            if seen is None:
+                continue
+            name, count = seen
+            if count > 1:
+                self._names[vllm_hash] = (name, count - 1)
+            else:
+                del self._names[vllm_hash]
+                gone.append(name)
+        return gone
+
+    def cached(self) -> list[BlockHash]:
+        return [name for name, _ in self._names.values()]
+
+
+class VllmCore:
+    """One in-process vLLM engine, called on one thread only (``AsyncEngine``'s)."""
+
+    last_step_tokens = 1  # vLLM waits for room on its own; the engine thread never needs to
+
+    def __init__(self, engine: Any, model_name: str, block_size: int, num_threads: int | None) -> None:
+        from vllm.sampling_params import RequestOutputKind  # type: ignore[import-not-found]
+
+        self.engine = engine
+        self.model_name = model_name
+        self.block_size = block_size
+        self._delta = RequestOutputKind.DELTA
+        core = engine.engine_core.engine_core  # EngineCore, in this process
+        self.scheduler = core.scheduler
+        self.block_pool = self.scheduler.kv_cache_manager.block_pool
+        self.events = EventQueue()
+        self.scheduler.kv_event_publisher = self.events
+        self.names = KVEventNames(block_size, model_name)
+        self._pending: list[KVCacheEvent] = []
+        self._prompts: dict[str, int] = {}  # request id -> prompt tokens, while vLLM has it
+        self._num_threads = num_threads
+        self._thread_set: int | None = None
+
+    # -- requests ------------------------------------------------------------------------
+    def add_request(
+        self, request_id: str, prompt_token_ids: list[int], params: SamplingParams | None = None, *, export_kv: bool = False, first: bool = False
+    ) -> None:
+        if export_kv:
+            raise UnsupportedByVllm("a vLLM worker cannot prefill for export yet (the kvmesh KV connector is not there)")
+        if request_id in self._prompts:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        self._this_thread()
+        self.engine.add_request(request_id, {"prompt_token_ids": list(prompt_token_ids)}, self.sampling(params or SamplingParams()))
+        self._prompts[request_id] = len(prompt_token_ids)
+
+    def sampling(self, p: SamplingParams) -> Any:
+        from vllm import SamplingParams as VllmSamplingParams  # type: ignore[import-not-found]
+
+        return VllmSamplingParams(
+            temperature=p.temperature, top_p=p.top_p, top_k=p.top_k if p.top_k > 0 else 0, seed=p.seed,
+            max_tokens=p.max_tokens, stop=list(p.stop), stop_token_ids=list(p.stop_token_ids),
+            ignore_eos=p.ignore_eos, output_kind=self._delta,
+        )  # fmt: skip
+
+    def has_unfinished(self) -> bool:
+        return bool(self.engine.has_unfinished_requests())
+
+    def step(self) -> list[RequestOutput]:
+        self._this_thread()
+        outputs = []
+        for out in self.engine.step():
+            completion = out.outputs[0] if out.outputs else None
+            reason = FINISH_REASONS.get(completion.finish_reason or "stop", FinishReason.STOP) if out.finished and completion else None
+            if out.finished:
+                self._prompts.pop(out.request_id, None)
+            outputs.append(
+                RequestOutput(
+                    request_id=out.request_id,
+                    new_token_ids=list(completion.token_ids) if completion else [],
+                    text=completion.text if completion else "",
+                    finished=bool(out.finished),
+                    finish_reason=reason if out.finished else None,
+                    num_prompt_tokens=len(out.prompt_token_ids or ()),
+                    num_cached_tokens=int(out.num_cached_tokens or 0),
+                    error="vLLM failed this request" if reason is FinishReason.ERROR else None,
+                )
+            )
+        self._pending.extend(self.names.translate(self.events.take()))
+        return outputs
+
+    def abort_request(self, request_id: str) -> RequestOutput | None:
+        prompt = self._prompts.pop(request_id, None)
+        if prompt is None:
+            return None
+        self.engine.abort_request([request_id])
+        return RequestOutput(request_id, [], "", True, FinishReason.ABORT, prompt, 0)
+
+    # -- disaggregation (the kvmesh KV connector; not yet) ---------------------------------
+    def _unsupported(self, *args: object) -> Any:
+        raise UnsupportedByVllm("a vLLM worker cannot export, import or lend KV blocks yet (the kvmesh KV connector is not there)")
+
+    release_export = allocate_import = release_import = add_imported_request = _unsupported
+    lend_cached_blocks = cache_imported_blocks = _unsupported
+
+    def cached_prefix_length(self, block_hashes: list[int]) -> int:
+        cached = set(self.names.cached())
+        count = 0
+        for block_hash in block_hashes:
+            if block_hash not in cached:
+                break
+            count += 1
+        return count
+
+    # -- reporting -----------------------------------------------------------------------
+    def take_kv_events(self) -> list[KVCacheEvent]:
+        self._pending.extend(self.names.translate(self.events.take()))
+        events, self._pending = self._pending, []
+        return events
+
+    def kv_snapshot(self) -> tuple[list[KVCacheEvent], list[int]]:
+        events = self.take_kv_events()
+        return events, self.names.cached()
+
+    def pool_stats(self) -> PoolStats:
+        total = self.block_pool.num_gpu_blocks - 1  # block 0 is vLLM's null block, never handed out
+        free = self.block_pool.get_num_free_blocks()
+        return PoolStats(
+            num_blocks=total, num_free=free, num_cached=len(self.names.cached()), num_in_use=total - free, num_held=0,
+            block_size=self.block_size,
+        )  # fmt: skip
+
+    def load(self) -> dict[str, int]:
+        return {
+            "running": len(self.scheduler.running),
+            "waiting": len(self.scheduler.waiting),
+            "free_blocks": self.block_pool.get_num_free_blocks(),
+        }
+
+    def _this_thread(self) -> None:
+        """OpenMP threads are per calling thread: the engine thread gets the worker's count."""
+        ident = threading.get_ident()
+        if self._thread_set == ident or not self._num_threads:
+            return
+        import torch
+
+        torch._C.set_num_threads(self._num_threads)  # vLLM's CPU worker makes torch.set_num_threads a no-op
+        self._thread_set = ident

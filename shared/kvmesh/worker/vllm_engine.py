@@ -1,0 +1,197 @@
+"""vLLM as a worker's ``Engine`` (``--engine vllm``), imported only when a worker hosts it.
+
+vLLM's ``LLMEngine`` runs in the worker's process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``:
+its engine core and model runner here, not in a child), stepped on the thread of
+``kvmesh.engine.async_engine.AsyncEngine`` like kvmesh's own engine, so that its KV pool is
+this process's memory: read from the model runner's tensors as a ``PoolLayout``, registered
+with the transfer engine and published like any pool. The worker's settings become
+``EngineArgs``: the model folder kvmesh's loader converts, dtype, block size, max model len,
+KV cache bytes, batch limits, prefix caching, then ``--engine-args`` (JSON) last. The
+process is bound to its cores (``--cpu-bind``) before vLLM loads, and the engine thread
+runs ``num_threads`` OpenMP threads there.
+
+Not yet: prefill for export, imports and lends (the kvmesh KV connector on vLLM's connector
+V1 API), so vLLM workers serve as decode workers that prefill themselves (``--prefill 0``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import os
+from pathlib import Path
+from typing import Any, cast
+
+from kvmesh.engine.async_engine import AsyncEngine
+from kvmesh.engine.loader.default_model import resolve_model, served_model_name
+from kvmesh.hashing import hash_token_blocks
+from kvmesh.transfer.layout import ITEMSIZE, VLLM_CPU_ARRANGEMENT, PoolLayout
+from kvmesh.worker.engine_api import Engine
+from kvmesh.worker.settings import WorkerSettings
+from kvmesh.worker.vllm_core import VllmCore
+
+logger = logging.getLogger(__name__)
+
+
+class VllmEngine(AsyncEngine):
+    """vLLM in this process as an ``Engine``."""
+
+    def __init__(self, core: VllmCore, layout: PoolLayout, max_model_len: int, vocab_size: int) -> None:
+        super().__init__(cast(Any, core))  # the face AsyncEngine drives (add, step, abort, load)
+        self.core = core
+        self._layout = layout
+        self._max_model_len = max_model_len
+        self._vocab_size = vocab_size
+
+    @classmethod
+    async def start(cls, s: WorkerSettings) -> VllmEngine:
+        """The engine a worker's settings describe, loaded off the event loop."""
+        return await asyncio.to_thread(cls.build, s)
+
+    @classmethod
+    def build(cls, s: WorkerSettings) -> VllmEngine:
+        cores = bind_cores(s.cpu_bind, s.num_threads)
+        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # the engine core (and the KV pool) in this process
+        os.environ.setdefault("VLLM_HOST_IP", "127.0.0.1")  # its internal traffic on loopback
+        os.environ["VLLM_CPU_OMP_THREADS_BIND"] = ",".join(map(str, cores))
+        from vllm import EngineArgs  # type: ignore[import-not-found]
+        from vllm.v1.engine.llm_engine import LLMEngine as VllmLLMEngine  # type: ignore[import-not-found]
+
+        model_dir = resolve_model(s.model)
+        name = s.served_model_name or served_model_name(s.model, model_dir)
+        args = engine_args(s, model_dir, name)
+        logger.info("vLLM engine args: %s", ", ".join(f"{k}={v}" for k, v in args.items()))
+        engine = VllmLLMEngine.from_engine_args(EngineArgs(**args))
+        block_size = engine.vllm_config.cache_config.block_size
+        core = VllmCore(engine, name, block_size, len(cores))
+        layout = pool_layout(engine, s.dtype, block_size)
+        logger.info("vLLM KV pool: %d blocks of %d tokens, %d bytes at %#x", layout.num_blocks, block_size, layout.pool_bytes, layout.base_address)
+        return cls(core, layout, engine.model_config.max_model_len, engine.model_config.get_vocab_size())
+
+    @property
+    def model_name(self) -> str:
+        return self.core.model_name
+
+    @property
+    def max_model_len(self) -> int:
+        return self._max_model_len
+
+    @property
+    def vocab_size(self) -> int:
+        return self._vocab_size
+
+    @property
+    def kv_layout(self) -> PoolLayout:
+        return self._layout
+
+    def block_hashes(self, token_ids: list[int]) -> list[int]:
+        return hash_token_blocks(token_ids, self._layout.block_size, (self.core.model_name,))
+
+    async def shutdown(self) -> None:
+        await super().shutdown()
+        await asyncio.to_thread(self.core.engine.engine_core.shutdown)
+
+
+def bind_cores(cpu_bind: str | None, num_threads: int | None) -> list[int]:
+    """Bind this process (every thread it has, and so every thread it makes) to the cores
+    ``cpu_bind`` names (``"0"``, ``"0,1"``, ``"0-3"``), or to the first ``num_threads`` of
+    those it may use; returns them."""
+    allowed = sorted(os.sched_getaffinity(0))
+    cores = parse_cores(cpu_bind) if cpu_bind else allowed[: num_threads or len(allowed)]
+    if not cores or not set(cores) <= set(allowed):
+        raise ValueError(f"--cpu-bind {cpu_bind}: cores {cores} are not among this process's {allowed}")
+    for task in os.listdir("/proc/self/task"):
+        try:
+            os.sched_setaffinity(int(task), cores)
+        except OSError:  # a thread that has just ended
+            pass
+    os.environ["OMP_NUM_THREADS"] = str(len(cores))
+    return cores
+
+
+def parse_cores(text: str) -> list[int]:
+    cores: list[int] = []
+    for part in text.split(","):
+        first, _, last = part.strip().partition("-")
+        cores.extend(range(int(first), int(last or first) + 1))
+    return sorted(set(cores))
+
+
+def engine_args(s: WorkerSettings, model_dir: Path, name: str) -> dict[str, Any]:
+    """vLLM's ``EngineArgs`` from a worker's settings; ``--engine-args`` last, so it wins."""
+    args: dict[str, Any] = {
+        "model": str(model_dir),
+        "served_model_name": name,
+        "dtype": s.dtype,
+        "block_size": s.block_size,
+        "max_model_len": s.max_model_len or default_max_model_len(model_dir, s.dtype, s.block_size, s.kv_cache_bytes),
+        "kv_cache_memory_bytes": s.kv_cache_bytes,
+        "enable_prefix_caching": s.enable_prefix_caching,
+        "max_num_seqs": s.max_num_seqs,
+        "max_num_batched_tokens": s.max_num_batched_tokens,
+        "enforce_eager": True,  # no torch.compile: minutes of start-up on a small CPU
+        "disable_log_stats": True,
+        "seed": 0,
+        # KV events into this process (``VllmCore`` replaces the null publisher with its queue)
+        "kv_events_config": {"enable_kv_cache_events": True, "publisher": "null"},
+    }
+    if s.engine_args:
+        args.update(json.loads(s.engine_args))
+    if isinstance(args["kv_events_config"], dict):
+        from vllm.config import KVEventsConfig  # type: ignore[import-not-found]
+
+        args["kv_events_config"] = KVEventsConfig(**args["kv_events_config"])
+    return args
+
+
+def default_max_model_len(model_dir: Path, dtype: str, block_size: int, kv_cache_bytes: int) -> int:
+    """The model's context, or less where the KV pool cannot hold one whole sequence (vLLM
+    refuses to start then)."""
+    config = json.loads((model_dir / "config.json").read_text())
+    heads = config.get("num_key_value_heads") or config["num_attention_heads"]
+    head_dim = config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]
+    token_bytes = 2 * config["num_hidden_layers"] * heads * head_dim * ITEMSIZE.get(dtype, 4)
+    blocks = kv_cache_bytes // (token_bytes * block_size)
+    fits = (blocks - 1) * block_size  # block 0 is vLLM's null block
+    if fits < block_size:
+        raise ValueError(f"a KV cache of {kv_cache_bytes} bytes holds no {block_size}-token block of this model")
+    return min(int(config.get("max_position_embeddings", fits)), fits)
+
+
+def pool_layout(engine: Any, dtype: str, block_size: int) -> PoolLayout:
+    """The pool from the model runner's KV tensors: on CPU one tensor per layer
+    ``[blocks, kv_heads, tokens, 2 * head_dim]``, all views of one storage (layer-major;
+    inside a block each head holds K for all its tokens, then V)."""
+    runner = engine.model_executor.driver_worker.worker.model_runner
+    caches = list(runner.kv_caches)
+    first = caches[0]
+    shape = tuple(first.shape)
+    if len(shape) != 4 or shape[2] != block_size or shape[3] % 2 or not first.is_contiguous():
+        raise ValueError(f"kvmesh reads vLLM's CPU KV layout [blocks, heads, {block_size} tokens, 2 * dim]; got {shape}")
+    num_blocks, heads, _, width = shape
+    itemsize = first.element_size()
+    storage = first.untyped_storage()
+    base = first.data_ptr()
+    layer_stride = caches[1].data_ptr() - base if len(caches) > 1 else first.numel() * itemsize
+    for i, cache in enumerate(caches):
+        if cache.untyped_storage().data_ptr() != storage.data_ptr() or cache.data_ptr() != base + i * layer_stride:
+            raise ValueError("vLLM's KV tensors are not evenly spaced views of one storage")
+    return PoolLayout(
+        engine="vllm",
+        dtype=dtype,
+        block_size=block_size,
+        num_blocks=num_blocks,
+        num_layers=len(caches),
+        num_kv_heads=heads,
+        head_dim=width // 2,
+        layer_stride=layer_stride,
+        block_stride=first.stride(0) * itemsize,
+        arrangement=VLLM_CPU_ARRANGEMENT,
+        base_address=base,
+        pool_bytes=storage.nbytes() - (base - storage.data_ptr()),
+    )
+
+
+def _is_an_engine(engine: VllmEngine) -> Engine:
+    return engine  # mypy checks here that VllmEngine implements the interface
