@@ -1,0 +1,168 @@
+"""vLLM behind the engine interface (``--engine vllm``): a mesh whose decode worker runs vLLM
+(and prefills itself) gives the greedy text of one vLLM process (``LLM.generate``), chat and
+completion, streamed and not; its prefix cache shows in ``cached_tokens``, its KV events
+reach kv-metadata under kvmesh's block hashes, and its pool is published as vLLM's
+layer-major layout.
+
+The test process runs in kvmesh's virtualenv; the workers and the reference run with
+``.venv-vllm/bin/python`` (``make vllm``), and the module is skipped without it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import subprocess
+from pathlib import Path
+
+import nats
+import pytest
+
+from kvmesh.engine.tokenizer import Tokenizer
+from kvmesh.hashing import hash_to_hex, hash_token_blocks
+from kvmesh.protocol import Keys, KVQuery, KVQueryReply, Subjects, WorkerRecord
+from kvmesh.worker.engines import DEFAULT_BLOCK_SIZE, worker_python
+from tests.mesh.client import post, stream, streamed_text, worker_stats
+from tests.mesh.meshes import make_mesh
+
+pytestmark = [pytest.mark.vllm, pytest.mark.slow]
+
+MODEL = "SmolLM2-135M-Instruct"
+BLOCK = DEFAULT_BLOCK_SIZE["vllm"]
+PROMPTS = [
+    "The capital of France is",
+    "Here is a list of three fruits:",
+    "def square(x):\n",
+    "The ocean is deep and",
+    "Once upon a time, a small robot",
+    "Water freezes at",
+    "The best way to learn a language is",
+    "In 1969, astronauts",
+]
+NEW_TOKENS = 20
+SYSTEM = "You are a careful assistant. Answer in one short sentence, and name the city first. " * 3
+CHAT = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": "What is the capital of France?"}]
+CHAT_TOKENS = 32
+
+
+@pytest.fixture(scope="module")
+def vllm_python() -> str:
+    try:
+        return worker_python("vllm")
+    except ValueError as exc:
+        pytest.skip(f"no vLLM virtualenv for the workers ({exc})")
+
+
+@pytest.fixture(scope="module")
+def prompt_ids(default_model_dir) -> dict:
+    """The token ids the router makes of each prompt (completions with special tokens, chat
+    through the template without)."""
+    tokenizer = Tokenizer.from_dir(default_model_dir)
+    chat = tokenizer.encode(tokenizer.apply_chat_template(CHAT, add_generation_prompt=True), add_special_tokens=False)
+    return {"completions": [tokenizer.encode(p, add_special_tokens=True) for p in PROMPTS], "chat": chat}
+
+
+@pytest.fixture(scope="module")
+def reference(vllm_python, default_model_dir, prompt_ids) -> dict:
+    """One vLLM process's greedy output for every prompt: the reference for the mesh."""
+    requests = [{"prompt_token_ids": ids, "max_tokens": NEW_TOKENS, "ignore_eos": True} for ids in prompt_ids["completions"]]
+    requests.append({"prompt_token_ids": prompt_ids["chat"], "max_tokens": CHAT_TOKENS, "ignore_eos": False})
+    job = {"model": str(default_model_dir), "block_size": BLOCK, "requests": requests}
+    done = subprocess.run(
+        [vllm_python, str(Path(__file__).with_name("vllm_reference.py"))],
+        input=json.dumps(job), capture_output=True, text=True, timeout=600, env={"VLLM_CPU_OMP_THREADS_BIND": "nobind", **_env()},
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    outputs = json.loads(done.stdout.strip().splitlines()[-1])["outputs"]
+    return {"completions": outputs[:-1], "chat": outputs[-1]}
+
+
+def _env() -> dict[str, str]:
+    import os
+
+    return {k: v for k, v in os.environ.items() if not k.startswith("VLLM_")}
+
+
+@pytest.fixture(scope="module")
+def mesh(tmp_path_factory, default_model_dir, vllm_python, reference):
+    """A mesh of one vLLM decode worker that prefills itself (started after the reference
+    has finished, so that one engine runs at a time)."""
+    local = make_mesh(tmp_path_factory.mktemp("vllm-mesh"), default_model_dir, prefill=0, decode=1, engine="vllm", kv_cache_mib=64)
+    try:
+        yield local
+    finally:
+        local.stop()
+
+
+def completion_body(prompt: str | list[int]) -> dict:
+    return {"model": MODEL, "prompt": prompt, "max_tokens": NEW_TOKENS, "temperature": 0, "ignore_eos": True}
+
+
+def chat_body() -> dict:
+    return {"model": MODEL, "messages": CHAT, "max_tokens": CHAT_TOKENS, "temperature": 0}
+
+
+async def test_completions_equal_one_vllm_process(mesh, reference):
+    texts = [r["text"] for r in reference["completions"]]
+    for prompt, want in zip(PROMPTS, reference["completions"]):
+        response = await post(mesh.base_url, "/v1/completions", completion_body(prompt))
+        assert response.status_code == 200, response.text
+        body = response.json()
+        assert (body["choices"][0]["text"], body["usage"]["completion_tokens"]) == (want["text"], len(want["token_ids"]))
+        assert body["choices"][0]["finish_reason"] == "length"
+    streamed = await asyncio.gather(*(stream(mesh.base_url, "/v1/completions", completion_body(p)) for p in PROMPTS))
+    assert [streamed_text(events) for events in streamed] == texts  # eight at once, batched by vLLM
+
+
+async def test_token_id_prompts_equal_one_vllm_process(mesh, reference, prompt_ids):
+    for ids, want in zip(prompt_ids["completions"][:2], reference["completions"][:2]):
+        response = await post(mesh.base_url, "/v1/completions", completion_body(ids))
+        assert response.status_code == 200, response.text
+        assert response.json()["choices"][0]["text"] == want["text"]
+
+
+async def test_chat_streamed_and_not_with_cached_tokens(mesh, reference, prompt_ids):
+    want = reference["chat"]
+    first = await post(mesh.base_url, "/v1/chat/completions", chat_body())
+    assert first.status_code == 200, first.text
+    body = first.json()
+    assert body["choices"][0]["message"]["content"] == want["text"] and "Paris" in want["text"]
+    assert body["choices"][0]["finish_reason"] == want["finish_reason"] == "stop"
+    events = await stream(mesh.base_url, "/v1/chat/completions", chat_body())
+    assert streamed_text(events) == want["text"]
+    again = (await post(mesh.base_url, "/v1/chat/completions", chat_body())).json()
+    n = len(prompt_ids["chat"])
+    assert again["usage"]["prompt_tokens"] == n > 2 * BLOCK
+    # vLLM reuses every full block but the one holding the last prompt token, which it recomputes
+    assert again["usage"]["prompt_tokens_details"]["cached_tokens"] == (n - 1) // BLOCK * BLOCK
+
+
+async def test_kv_events_reach_kv_metadata_under_kvmesh_hashes(mesh, prompt_ids):
+    await post(mesh.base_url, "/v1/chat/completions", chat_body())
+    chain = [hash_to_hex(h) for h in hash_token_blocks(prompt_ids["chat"], BLOCK, (MODEL,))]
+    nc = await nats.connect(mesh.nats.url, connect_timeout=5, **mesh.nats.connect_options())
+    try:
+        for _ in range(50):
+            reply = await nc.request(Subjects("default").kv_query, KVQuery(block_hashes=chain).encode(), timeout=5)
+            matches = KVQueryReply.decode(reply.data).matches
+            if matches.get("decode-1") == len(chain):
+                break
+            await asyncio.sleep(0.1)
+        assert matches == {"decode-1": len(chain)}
+    finally:
+        await nc.close()
+
+
+async def test_the_worker_publishes_vllms_layer_major_pool_and_leaks_nothing(mesh):
+    from kvmesh.cluster.etcd_store import EtcdStore
+
+    async with EtcdStore([mesh.etcd.endpoint], **mesh.etcd.store_options()) as store:
+        record = await store.get(Keys("default").worker("decode", "decode-1"))
+    assert record is not None
+    spec = WorkerRecord.decode(record.value).kv_layout
+    assert spec is not None
+    layout = spec.to_layout()
+    assert (layout.engine, layout.block_size, layout.num_layers, layout.num_kv_heads, layout.head_dim) == ("vllm", BLOCK, 30, 3, 64)
+    assert layout.block_stride == layout.segment_bytes and layout.layer_stride == layout.num_blocks * layout.segment_bytes
+    stats = await worker_stats(mesh.nats.url, "default", "decode-1")
+    assert (stats.num_in_use, stats.num_held, stats.pins) == (0, 0, 0) and stats.num_cached > 0
