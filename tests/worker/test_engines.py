@@ -7,7 +7,9 @@ import pytest
 
 from kvmesh.engine.request import SamplingParams
 from kvmesh.transfer.layout import block_major
-from kvmesh.worker.engines import create_engine, unavailable
+from kvmesh.hashing import hash_token_blocks
+from kvmesh.worker.engine_api import AllBlocksCleared, BlockRemoved, BlockStored
+from kvmesh.worker.engines import create_engine, unavailable, unsupported_role, worker_python
 from kvmesh.worker.settings import MeshSettings, WorkerSettings, worker_settings
 
 MESH = ["--nats-url", "nats://127.0.0.1:1", "--etcd", "127.0.0.1:1"]
@@ -37,12 +39,58 @@ async def test_the_kvmesh_engine_serves_through_the_interface_and_publishes_its_
         await engine.shutdown()
 
 
-def test_vllm_is_refused_with_one_clear_line(capsys):
+def test_vllm_is_refused_with_one_clear_line_where_it_is_not_installed(capsys):
     assert unavailable("kvmesh") is None
-    assert "vllm" in (unavailable("vllm") or "")
+    assert "make vllm" in (unavailable("vllm") or "")  # kvmesh's own virtualenv has no vLLM
     with pytest.raises(SystemExit) as exit_:
         worker_settings("decode", [*MESH, "--engine", "vllm"])
     assert exit_.value.code == 2
     error = capsys.readouterr().err.strip().splitlines()[-1]
     assert error.endswith(unavailable("vllm") or "?")
     assert worker_settings("decode", [*MESH, "--engine", "kvmesh"]).engine == "kvmesh"
+
+
+def test_a_launcher_finds_the_vllm_python_or_says_why(monkeypatch, tmp_path):
+    import sys
+
+    assert worker_python("kvmesh") == sys.executable
+    fake = tmp_path / "python"
+    fake.write_text("#!/bin/sh\n")
+    fake.chmod(0o755)
+    monkeypatch.setenv("KVMESH_VLLM_PYTHON", str(fake))
+    assert worker_python("vllm") == str(fake)
+    monkeypatch.setenv("KVMESH_VLLM_PYTHON", str(tmp_path / "missing"))
+    with pytest.raises(ValueError, match="KVMESH_VLLM_PYTHON=.*missing is not an executable; run `make vllm`"):
+        worker_python("vllm")
+
+
+def test_vllm_prefill_workers_are_refused_until_the_kv_connector():
+    assert unsupported_role("vllm", "decode") is None and unsupported_role("kvmesh", "prefill") is None
+    assert "--prefill 0" in (unsupported_role("vllm", "prefill") or "")
+
+
+def _vllm_event(kind: str, **fields):
+    event = type(kind, (), {})()
+    event.__dict__.update(fields)
+    return event
+
+
+def test_vllm_kv_events_are_renamed_with_kvmeshs_chained_hashes():
+    from kvmesh.worker.vllm_core import KVEventNames
+
+    names = KVEventNames(block_size=4, model_name="m")
+    tokens = list(range(12))
+    want = hash_token_blocks(tokens, 4, ("m",))
+    stored = _vllm_event("BlockStored", block_hashes=[101, 102], parent_block_hash=None, token_ids=tokens[:8], block_size=4)
+    child = _vllm_event("BlockStored", block_hashes=[103], parent_block_hash=102, token_ids=tokens[8:], block_size=4)
+    twice = _vllm_event("BlockStored", block_hashes=[101], parent_block_hash=None, token_ids=tokens[:4], block_size=4)
+    orphan = _vllm_event("BlockStored", block_hashes=[201], parent_block_hash=999, token_ids=tokens[:4], block_size=4)
+    assert names.translate([stored, child, twice, orphan]) == [
+        BlockStored((want[0], want[1]), None, (), 4),
+        BlockStored((want[2],), want[1], (), 4),
+    ]  # a hash stored in a second block is not announced again; an unknown parent's child is dropped
+    assert sorted(names.cached()) == sorted(want)
+    removed = names.translate([_vllm_event("BlockRemoved", block_hashes=[101, 103])])
+    assert removed == [BlockRemoved((want[2],))]  # 101 is still in its other block
+    assert names.translate([_vllm_event("BlockRemoved", block_hashes=[101])]) == [BlockRemoved((want[0],))]
+    assert names.translate([_vllm_event("AllBlocksCleared")]) == [AllBlocksCleared()] and names.cached() == []
