@@ -166,3 +166,34 @@ async def test_the_worker_publishes_vllms_layer_major_pool_and_leaks_nothing(mes
     assert layout.block_stride == layout.segment_bytes and layout.layer_stride == layout.num_blocks * layout.segment_bytes
     stats = await worker_stats(mesh.nats.url, "default", "decode-1")
     assert (stats.num_in_use, stats.num_held, stats.pins) == (0, 0, 0) and stats.num_cached > 0
+
+
+async def test_a_vllm_decode_worker_killed_mid_stream_resumes_on_the_other(tmp_path, default_model_dir, vllm_python, mesh):
+    """Two vLLM decode workers (one core each): the stream goes on from the tokens already
+    sent on the survivor, and the client gets the same text as without the fault."""
+    from tests.mesh.meshes import assert_pools_at_baseline
+
+    mesh.stop()  # the module's mesh is done with (this test runs last): one mesh at a time
+    pair = make_mesh(tmp_path, default_model_dir, prefill=0, decode=2, engine="vllm", kv_cache_mib=64)
+    try:
+        body = {"model": MODEL, "prompt": "Tell me a long story:", "max_tokens": 60, "temperature": 0, "ignore_eos": True}
+        want = (await post(pair.base_url, "/v1/completions", body)).json()["choices"][0]["text"]
+        victim = None
+
+        async def kill_the_streaming_worker(events: list[dict]) -> None:
+            nonlocal victim
+            if len(events) == 5:
+                for worker_id in ("decode-1", "decode-2"):
+                    if (await worker_stats(pair.nats.url, "default", worker_id)).num_in_use > 0:
+                        victim = worker_id
+                assert victim is not None
+                pair.workers[victim].kill()
+
+        events = await stream(pair.base_url, "/v1/completions", body, on_event=kill_the_streaming_worker)
+        assert victim is not None and "error" not in events[-1], events[-1]
+        assert events[-1]["choices"][0]["finish_reason"] == "length"
+        assert streamed_text(events) == want
+        assert "retrying" in pair.router.tail(200)
+        await assert_pools_at_baseline(pair, ["decode-2" if victim == "decode-1" else "decode-1"])
+    finally:
+        pair.stop()
