@@ -69,7 +69,7 @@ class WorkerSettings:
     # vLLM only (``kvmesh.worker.vllm_engine``): the longest sequence (None: the model's),
     # the cores its OpenMP threads are bound to (VLLM_CPU_OMP_THREADS_BIND, e.g. "0" or
     # "0-1"; None: the first ``num_threads`` cores this process may run on), and further
-    # ``EngineArgs`` as a JSON object (``{"tensor_parallel_size": 2}``), applied last.
+    # ``EngineArgs`` as a JSON object (``{"enforce_eager": false}``), applied last.
     max_model_len: int | None = None
     cpu_bind: str | None = None
     engine_args: str | None = None
@@ -220,7 +220,7 @@ def worker_parser(role: Role) -> argparse.ArgumentParser:
     )
     parser.add_argument(
         "--engine-args", default=_env("ENGINE_ARGS"), metavar="JSON",
-        help='vllm: more EngineArgs as a JSON object, e.g. \'{"tensor_parallel_size": 2}\' (KVMESH_ENGINE_ARGS)',
+        help='vllm: more EngineArgs as a JSON object, e.g. \'{"enforce_eager": false}\' (KVMESH_ENGINE_ARGS)',
     )
     parser.add_argument("--max-num-seqs", type=int, default=int(_env("MAX_NUM_SEQS", "64")))
     parser.add_argument("--max-num-batched-tokens", type=int, default=int(_env("MAX_NUM_BATCHED_TOKENS", "1024")))

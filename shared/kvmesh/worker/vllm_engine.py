@@ -62,7 +62,11 @@ class VllmEngine(AsyncEngine):
         name = s.served_model_name or served_model_name(s.model, model_dir)
         args = engine_args(s, model_dir, name)
         logger.info("vLLM engine args: %s", ", ".join(f"{k}={v}" for k, v in args.items()))
-        engine = VllmLLMEngine.from_engine_args(EngineArgs(**args))
+        engine_args_ = EngineArgs(**args)
+        parallel = engine_args_.tensor_parallel_size * engine_args_.pipeline_parallel_size
+        if parallel > 1:  # its workers, and the KV pool, would live in child processes
+            raise ValueError(f"--engine vllm: kvmesh hosts vLLM in the worker's process; tensor x pipeline parallel {parallel} is not there yet")
+        engine = VllmLLMEngine.from_engine_args(engine_args_)
         block_size = engine.vllm_config.cache_config.block_size
         core = VllmCore(engine, name, block_size, len(cores))
         layout = pool_layout(engine, s.dtype, block_size)
