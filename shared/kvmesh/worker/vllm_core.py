@@ -21,6 +21,7 @@ from kvmesh.engine.block_pool import AllBlocksCleared, BlockRemoved, BlockStored
 from kvmesh.engine.kv_cache_manager import PoolStats
 from kvmesh.engine.outputs import RequestOutput
 from kvmesh.engine.request import FinishReason, SamplingParams
+from kvmesh.errors import ErrorCode
 from kvmesh.hashing import BlockHash, hash_token_blocks
 
 logger = logging.getLogger(__name__)
@@ -190,6 +191,7 @@ class VllmCore:
                     num_prompt_tokens=len(out.prompt_token_ids or ()),
                     num_cached_tokens=int(out.num_cached_tokens or 0),
                     error="vLLM failed this request" if reason is FinishReason.ERROR else None,
+                    error_code=ErrorCode.INTERNAL if reason is FinishReason.ERROR else None,  # vLLM's engine fault: retry elsewhere
                 )
             )
         self._pending.extend(self.names.translate(self.events.take()))
