@@ -1,8 +1,10 @@
-"""vLLM behind the engine interface (``--engine vllm``): a mesh whose decode worker runs vLLM
-(and prefills itself) gives the greedy text of one vLLM process (``LLM.generate``), chat and
-completion, streamed and not; its prefix cache shows in ``cached_tokens``, its KV events
-reach kv-metadata under kvmesh's block hashes, and its pool is published as vLLM's
-layer-major layout.
+"""vLLM behind the engine interface (``--engine vllm``): a mesh of a vLLM prefill worker and
+a vLLM decode worker, the KV moved between their pools through Mooncake by vLLM's layer-major
+layout and kvmesh's KV connector, gives the greedy text of one vLLM process
+(``LLM.generate``), chat and completion, streamed and not; the bytes are counted on both
+sides and no block is left held; the prefix cache shows in ``cached_tokens``, the KV events
+reach kv-metadata under kvmesh's block hashes. Two vLLM decode workers that prefill
+themselves survive the death of the one streaming.
 
 The test process runs in kvmesh's virtualenv; the workers and the reference run with
 ``.venv-vllm/bin/python`` (``make vllm``), and the module is skipped without it.
@@ -85,9 +87,9 @@ def _env() -> dict[str, str]:
 
 @pytest.fixture(scope="module")
 def mesh(tmp_path_factory, default_model_dir, vllm_python, reference):
-    """A mesh of one vLLM decode worker that prefills itself (started after the reference
-    has finished, so that one engine runs at a time)."""
-    local = make_mesh(tmp_path_factory.mktemp("vllm-mesh"), default_model_dir, prefill=0, decode=1, engine="vllm", kv_cache_mib=64)
+    """A vLLM prefill worker and a vLLM decode worker, a core each (started after the
+    reference has finished)."""
+    local = make_mesh(tmp_path_factory.mktemp("vllm-mesh"), default_model_dir, prefill=1, decode=1, engine="vllm", kv_cache_mib=64)
     try:
         yield local
     finally:
@@ -137,6 +139,18 @@ async def test_chat_streamed_and_not_with_cached_tokens(mesh, reference, prompt_
     assert again["usage"]["prompt_tokens_details"]["cached_tokens"] == (n - 1) // BLOCK * BLOCK
 
 
+async def test_the_kv_crossed_through_mooncake_and_no_block_is_left_held(mesh):
+    from tests.mesh.meshes import assert_pools_at_baseline
+
+    response = await post(mesh.base_url, "/v1/completions", completion_body(PROMPTS[3]))
+    assert response.status_code == 200, response.text
+    await assert_pools_at_baseline(mesh, ["prefill-1", "decode-2"])
+    prefill = await worker_stats(mesh.nats.url, "default", "prefill-1")
+    decode = await worker_stats(mesh.nats.url, "default", "decode-2")
+    assert decode.bytes_pulled > 0 and decode.transfers > 0
+    assert prefill.bytes_served == decode.bytes_pulled  # counted on both sides
+
+
 async def test_kv_events_reach_kv_metadata_under_kvmesh_hashes(mesh, prompt_ids):
     await post(mesh.base_url, "/v1/chat/completions", chat_body())
     chain = [hash_to_hex(h) for h in hash_token_blocks(prompt_ids["chat"], BLOCK, (MODEL,))]
@@ -145,10 +159,10 @@ async def test_kv_events_reach_kv_metadata_under_kvmesh_hashes(mesh, prompt_ids)
         for _ in range(50):
             reply = await nc.request(Subjects("default").kv_query, KVQuery(block_hashes=chain).encode(), timeout=5)
             matches = KVQueryReply.decode(reply.data).matches
-            if matches.get("decode-1") == len(chain):
+            if matches.get("prefill-1") == len(chain):
                 break
             await asyncio.sleep(0.1)
-        assert matches == {"decode-1": len(chain)}
+        assert matches["prefill-1"] == len(chain)  # where it was prefilled (the decode side caches what it imported too)
     finally:
         await nc.close()
 
@@ -157,14 +171,14 @@ async def test_the_worker_publishes_vllms_layer_major_pool_and_leaks_nothing(mes
     from kvmesh.cluster.etcd_store import EtcdStore
 
     async with EtcdStore([mesh.etcd.endpoint], **mesh.etcd.store_options()) as store:
-        record = await store.get(Keys("default").worker("decode", "decode-1"))
+        record = await store.get(Keys("default").worker("decode", "decode-2"))
     assert record is not None
     spec = WorkerRecord.decode(record.value).kv_layout
     assert spec is not None
     layout = spec.to_layout()
     assert (layout.engine, layout.block_size, layout.num_layers, layout.num_kv_heads, layout.head_dim) == ("vllm", BLOCK, 30, 3, 64)
     assert layout.block_stride == layout.segment_bytes and layout.layer_stride == layout.num_blocks * layout.segment_bytes
-    stats = await worker_stats(mesh.nats.url, "default", "decode-1")
+    stats = await worker_stats(mesh.nats.url, "default", "prefill-1")
     assert (stats.num_in_use, stats.num_held, stats.pins) == (0, 0, 0) and stats.num_cached > 0
 
 

@@ -9,7 +9,7 @@ from kvmesh.engine.request import SamplingParams
 from kvmesh.transfer.layout import block_major
 from kvmesh.hashing import hash_token_blocks
 from kvmesh.worker.engine_api import AllBlocksCleared, BlockRemoved, BlockStored
-from kvmesh.worker.engines import create_engine, unavailable, unsupported_role, worker_python
+from kvmesh.worker.engines import create_engine, unavailable, worker_python
 from kvmesh.worker.settings import MeshSettings, WorkerSettings, worker_settings
 
 MESH = ["--nats-url", "nats://127.0.0.1:1", "--etcd", "127.0.0.1:1"]
@@ -62,11 +62,6 @@ def test_a_launcher_finds_the_vllm_python_or_says_why(monkeypatch, tmp_path):
     monkeypatch.setenv("KVMESH_VLLM_PYTHON", str(tmp_path / "missing"))
     with pytest.raises(ValueError, match="KVMESH_VLLM_PYTHON=.*missing is not an executable; run `make vllm`"):
         worker_python("vllm")
-
-
-def test_vllm_prefill_workers_are_refused_until_the_kv_connector():
-    assert unsupported_role("vllm", "decode") is None and unsupported_role("kvmesh", "prefill") is None
-    assert "--prefill 0" in (unsupported_role("vllm", "prefill") or "")
 
 
 def _vllm_event(kind: str, **fields):

@@ -102,12 +102,6 @@ def check_engine(engine: str) -> None:
 def check_args(args: argparse.Namespace) -> Path:
     """Everything that can be checked without starting anything; returns the workdir."""
     check_engine(args.engine)
-    if args.prefill:
-        from kvmesh.worker.engines import unsupported_role
-
-        reason = unsupported_role(args.engine, "prefill")
-        if reason is not None:
-            raise UpUsageError(reason)
     check_model(args.model)
     check_port(args.host, args.port)
     workdir = check_workdir(args.workdir)

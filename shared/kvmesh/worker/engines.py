@@ -39,16 +39,6 @@ def unavailable(name: str) -> str | None:
     return f"unknown engine {name!r}; choose one of {', '.join(ENGINES)}"
 
 
-def unsupported_role(name: str, role: str) -> str | None:
-    """Why a worker of ``role`` cannot host ``name`` (``None``: it can)."""
-    if name == "vllm" and role == "prefill":
-        return (
-            "--engine vllm: a vLLM worker cannot prefill for export yet (the kvmesh KV connector is not there); "
-            "run vLLM decode workers alone, which prefill themselves (kvmesh up --prefill 0)"
-        )
-    return None
-
-
 def worker_python(name: str) -> str:
     """The Python a launcher starts workers hosting ``name`` with: this one where it can host
     the engine, else for vLLM ``$KVMESH_VLLM_PYTHON`` or the repository's ``.venv-vllm``.

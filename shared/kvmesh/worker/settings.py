@@ -12,7 +12,7 @@ from typing import overload
 
 from kvmesh.protocol import Role
 from kvmesh.transfer.mooncake_agent import parse_port_range
-from kvmesh.worker.engines import DEFAULT_BLOCK_SIZE, ENGINES, unavailable, unsupported_role
+from kvmesh.worker.engines import DEFAULT_BLOCK_SIZE, ENGINES, unavailable
 
 logger = logging.getLogger(__name__)
 
@@ -269,7 +269,7 @@ def resolve_advertise_host(value: str) -> str:
 def worker_settings(role: Role, argv: list[str] | None = None) -> WorkerSettings:
     parser = worker_parser(role)
     args = parser.parse_args(argv)
-    reason = unavailable(args.engine) or unsupported_role(args.engine, role)
+    reason = unavailable(args.engine)
     if reason is not None:
         parser.error(reason)
     if args.engine_args is not None:

@@ -19,10 +19,13 @@ from typing import Any
 
 from kvmesh.engine.block_pool import AllBlocksCleared, BlockRemoved, BlockStored, KVCacheEvent
 from kvmesh.engine.kv_cache_manager import PoolStats
-from kvmesh.engine.outputs import RequestOutput
+from kvmesh.engine.kv_layout import KVLayout
+from kvmesh.engine.outputs import KVExport, RequestOutput
 from kvmesh.engine.request import FinishReason, SamplingParams
 from kvmesh.errors import ErrorCode
 from kvmesh.hashing import BlockHash, hash_token_blocks
+from kvmesh.transfer.layout import PoolLayout
+from kvmesh.worker.vllm_exchange import EXPORT, IMPORT, NUM_TOKENS, Exchange
 
 logger = logging.getLogger(__name__)
 
@@ -127,23 +130,33 @@ class KVEventNames:
 
 
 class VllmCore:
-    """One in-process vLLM engine, called on one thread only (``AsyncEngine``'s)."""
+    """One in-process vLLM engine, called on one thread only (``AsyncEngine``'s); with
+    ``exchange`` (``kvmesh.worker.vllm_connector``) it exports and imports KV blocks."""
 
     last_step_tokens = 1  # vLLM waits for room on its own; the engine thread never needs to
 
-    def __init__(self, engine: Any, model_name: str, block_size: int, num_threads: int | None) -> None:
+    def __init__(
+        self, engine: Any, model_name: str, layout: PoolLayout, num_threads: int | None, exchange: Exchange | None = None
+    ) -> None:
         from vllm.sampling_params import RequestOutputKind  # type: ignore[import-not-found]
 
         self.engine = engine
         self.model_name = model_name
-        self.block_size = block_size
+        self.layout = layout
+        self.block_size = layout.block_size
+        self.exchange = exchange
+        self.kv_caches = list(engine.model_executor.driver_worker.worker.model_runner.kv_caches)
+        self.tokenizer = engine.get_tokenizer()
+        self._exports: set[str] = set()  # requests prefilled for export, until their last output
+        self._staged: dict[str, list[Any]] = {}  # handle -> vLLM blocks a pull fills (allocate_import)
+        self._importing: dict[str, list[Any]] = {}  # handle -> those blocks, once its request is in vLLM
         self._delta = RequestOutputKind.DELTA
         core = engine.engine_core.engine_core  # EngineCore, in this process
         self.scheduler = core.scheduler
         self.block_pool = self.scheduler.kv_cache_manager.block_pool
         self.events = EventQueue()
         self.scheduler.kv_event_publisher = self.events
-        self.names = KVEventNames(block_size, model_name)
+        self.names = KVEventNames(self.block_size, model_name)
         self._pending: list[KVCacheEvent] = []
         self._prompts: dict[str, int] = {}  # request id -> prompt tokens, while vLLM has it
         self._num_threads = num_threads
@@ -153,25 +166,30 @@ class VllmCore:
     def add_request(
         self, request_id: str, prompt_token_ids: list[int], params: SamplingParams | None = None, *, export_kv: bool = False, first: bool = False
     ) -> None:
-        if export_kv:
-            raise UnsupportedByVllm("a vLLM worker cannot prefill for export yet (the kvmesh KV connector is not there)")
         if request_id in self._prompts:
             raise ValueError(f"request id {request_id!r} is already in use")
         self._this_thread()
-        self.engine.add_request(request_id, {"prompt_token_ids": list(prompt_token_ids)}, self.sampling(params or SamplingParams()))
+        params = params or SamplingParams()
+        if export_kv:  # the first token, then the blocks stay for a peer (the connector's request_finished)
+            sampling = self.sampling(params, max_tokens=1, transfer={EXPORT: request_id})
+            self._exports.add(request_id)
+        else:
+            sampling = self.sampling(params)
+        self.engine.add_request(request_id, {"prompt_token_ids": list(prompt_token_ids)}, sampling)
         self._prompts[request_id] = len(prompt_token_ids)
 
-    def sampling(self, p: SamplingParams) -> Any:
+    def sampling(self, p: SamplingParams, *, max_tokens: int | None = None, transfer: dict[str, Any] | None = None) -> Any:
         from vllm import SamplingParams as VllmSamplingParams  # type: ignore[import-not-found]
 
         return VllmSamplingParams(
             temperature=p.temperature, top_p=p.top_p, top_k=p.top_k if p.top_k > 0 else 0, seed=p.seed,
-            max_tokens=p.max_tokens, stop=list(p.stop), stop_token_ids=list(p.stop_token_ids),
+            max_tokens=max_tokens or p.max_tokens, stop=list(p.stop), stop_token_ids=list(p.stop_token_ids),
             ignore_eos=p.ignore_eos, output_kind=self._delta,
+            extra_args={"kv_transfer_params": transfer} if transfer else None,
         )  # fmt: skip
 
     def has_unfinished(self) -> bool:
-        return bool(self.engine.has_unfinished_requests())
+        return bool(self.engine.has_unfinished_requests()) or (self.exchange is not None and self.exchange.busy())
 
     def step(self) -> list[RequestOutput]:
         self._this_thread()
@@ -179,8 +197,12 @@ class VllmCore:
         for out in self.engine.step():
             completion = out.outputs[0] if out.outputs else None
             reason = FINISH_REASONS.get(completion.finish_reason or "stop", FinishReason.STOP) if out.finished and completion else None
+            export = None
             if out.finished:
                 self._prompts.pop(out.request_id, None)
+                if out.request_id in self._exports:
+                    self._exports.discard(out.request_id)
+                    export = self._export_of(out.request_id, len(out.prompt_token_ids or ()), reason)
             outputs.append(
                 RequestOutput(
                     request_id=out.request_id,
@@ -190,10 +212,12 @@ class VllmCore:
                     finish_reason=reason if out.finished else None,
                     num_prompt_tokens=len(out.prompt_token_ids or ()),
                     num_cached_tokens=int(out.num_cached_tokens or 0),
+                    kv_export=export,
                     error="vLLM failed this request" if reason is FinishReason.ERROR else None,
                     error_code=ErrorCode.INTERNAL if reason is FinishReason.ERROR else None,  # vLLM's engine fault: retry elsewhere
                 )
             )
+        self._fill_imports()
         self._pending.extend(self.names.translate(self.events.take()))
         return outputs
 
@@ -202,13 +226,126 @@ class VllmCore:
         if prompt is None:
             return None
         self.engine.abort_request([request_id])
+        self._exports.discard(request_id)
+        self._forget_import(request_id)
         return RequestOutput(request_id, [], "", True, FinishReason.ABORT, prompt, 0)
 
-    # -- disaggregation (the kvmesh KV connector; not yet) ---------------------------------
-    def _unsupported(self, *args: object) -> Any:
-        raise UnsupportedByVllm("a vLLM worker cannot export, import or lend KV blocks yet (the kvmesh KV connector is not there)")
+    # -- export (prefill workers) ----------------------------------------------------------
+    def _export_of(self, request_id: str, num_tokens: int, reason: FinishReason | None) -> KVExport | None:
+        exchange = self._connector()
+        with exchange.lock:
+            kept = exchange.exports.get(request_id)
+        if kept is None or reason in (FinishReason.ABORT, FinishReason.ERROR):
+            return None
+        blocks = kept[1][: -(-num_tokens // self.block_size)]
+        layout = self.layout
+        return KVExport(
+            tuple(blocks), num_tokens,
+            KVLayout(layout.num_blocks, layout.block_size, layout.num_layers, layout.num_kv_heads, layout.head_dim, layout.dtype),
+        )  # fmt: skip
 
-    release_export = allocate_import = release_import = add_imported_request = _unsupported
+    def release_export(self, handle: str) -> bool:
+        """vLLM may free the blocks it kept for ``handle``: at its next step."""
+        exchange = self._connector()
+        with exchange.lock:
+            kept = exchange.exports.pop(handle, None)
+            if kept is not None:
+                exchange.to_release.add(kept[0])
+        return kept is not None
+
+    # -- import (decode workers) -----------------------------------------------------------
+    def allocate_import(self, handle: str, num_tokens: int) -> list[int] | None:
+        """Blocks of vLLM's pool for a pull to fill, outside any request of vLLM's (its
+        request gets blocks of its own when scheduled, and the pulled KV is copied there)."""
+        self._connector()
+        if handle in self._staged or handle in self._importing:
+            raise ValueError(f"handle {handle!r} is already in use")
+        needed = -(-num_tokens // self.block_size)
+        if self.block_pool.get_num_free_blocks() < 2 * needed + 1:  # the copy needs as many again
+            return None
+        blocks = self.block_pool.get_new_blocks(needed)
+        self._staged[handle] = blocks
+        return [b.block_id for b in blocks]
+
+    def release_import(self, handle: str) -> bool:
+        blocks = self._staged.pop(handle, None)
+        if blocks is None:
+            return False
+        self.block_pool.free_blocks(blocks)
+        return True
+
+    def add_imported_request(
+        self, request_id: str, prompt_token_ids: list[int], first_token_id: int, handle: str, params: SamplingParams | None = None
+    ) -> RequestOutput:
+        """Decode from the KV pulled into the blocks of ``handle``: vLLM gets the prompt and
+        the first token, and the connector has it take every prompt token from the import.
+        Returns the output for the first token."""
+        params = params or SamplingParams()
+        if request_id in self._prompts:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        staged = self._staged.pop(handle, None)
+        if staged is None:
+            raise ValueError(f"no blocks were allocated for {handle!r}")
+        self._this_thread()
+        n = len(prompt_token_ids)
+        text = self.tokenizer.decode([first_token_id], skip_special_tokens=True)
+        eos = getattr(self.tokenizer, "eos_token_id", None)
+        stop = first_token_id in params.stop_token_ids or (not params.ignore_eos and first_token_id == eos)
+        if stop or params.max_tokens <= 1:
+            self.block_pool.free_blocks(staged)
+            reason = FinishReason.STOP if stop else FinishReason.LENGTH
+            return RequestOutput(request_id, [first_token_id], text, True, reason, n, n)
+        sampling = self.sampling(params, max_tokens=params.max_tokens - 1, transfer={IMPORT: handle, NUM_TOKENS: n})
+        self._importing[handle] = staged
+        try:
+            self.engine.add_request(request_id, {"prompt_token_ids": [*prompt_token_ids, first_token_id]}, sampling)
+        except BaseException:
+            self._importing.pop(handle, None)
+            self.block_pool.free_blocks(staged)
+            raise
+        self._prompts[request_id] = n
+        return RequestOutput(request_id, [first_token_id], text, False, None, n, n)
+
+    def _fill_imports(self) -> None:
+        """Copy each import's pulled KV into the blocks vLLM allocated for its request, then
+        let vLLM go on with it (the connector reports it received)."""
+        if self.exchange is None:
+            return
+        with self.exchange.lock:
+            ready = list(self.exchange.imports.items())
+            self.exchange.imports.clear()
+        if not ready:
+            return
+        import torch
+
+        for vllm_id, imp in ready:
+            staged = self._importing.pop(imp.handle, None)
+            if staged is None:  # aborted meanwhile: vLLM drops it
+                continue
+            first, last = imp.first_block, min(len(staged), len(imp.block_ids))
+            if first < last:
+                src = torch.tensor([b.block_id for b in staged[first:last]])
+                dst = torch.tensor(imp.block_ids[first:last])
+                for cache in self.kv_caches:
+                    cache[dst] = cache[src]
+            self.block_pool.free_blocks(staged)
+            with self.exchange.lock:
+                self.exchange.loaded.add(vllm_id)
+
+    def _forget_import(self, handle: str) -> None:
+        staged = self._importing.pop(handle, None)
+        if staged is not None:
+            self.block_pool.free_blocks(staged)
+
+    def _connector(self) -> Exchange:
+        if self.exchange is None:
+            raise UnsupportedByVllm("this vLLM engine runs without the kvmesh KV connector")
+        return self.exchange
+
+    # -- cached blocks lent to peers (not yet) ----------------------------------------------
+    def _unsupported(self, *args: object) -> Any:
+        raise UnsupportedByVllm("a vLLM worker cannot lend or borrow cached blocks yet")
+
     lend_cached_blocks = cache_imported_blocks = _unsupported
 
     def cached_prefix_length(self, block_hashes: list[int]) -> int:

@@ -10,8 +10,9 @@ KV cache bytes, batch limits, prefix caching, then ``--engine-args`` (JSON) last
 process is bound to its cores (``--cpu-bind``) before vLLM loads, and the engine thread
 runs ``num_threads`` OpenMP threads there.
 
-Not yet: prefill for export, imports and lends (the kvmesh KV connector on vLLM's connector
-V1 API), so vLLM workers serve as decode workers that prefill themselves (``--prefill 0``).
+Prefill for export and decode from imported KV go through kvmesh's KV connector
+(``kvmesh.worker.vllm_connector``, vLLM's connector V1 API) in this process. Not yet: lending
+cached blocks to peers.
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ from kvmesh.transfer.layout import ITEMSIZE, VLLM_CPU_ARRANGEMENT, PoolLayout
 from kvmesh.worker.engine_api import Engine
 from kvmesh.worker.settings import WorkerSettings
 from kvmesh.worker.vllm_core import VllmCore
+from kvmesh.worker.vllm_exchange import EXCHANGES, new_exchange
 
 logger = logging.getLogger(__name__)
 
@@ -60,7 +62,8 @@ class VllmEngine(AsyncEngine):
 
         model_dir = resolve_model(s.model)
         name = s.served_model_name or served_model_name(s.model, model_dir)
-        args = engine_args(s, model_dir, name)
+        exchange = new_exchange()  # what the kvmesh KV connector vLLM loads shares with VllmCore
+        args = engine_args(s, model_dir, name, exchange)
         logger.info("vLLM engine args: %s", ", ".join(f"{k}={v}" for k, v in args.items()))
         engine_args_ = EngineArgs(**args)
         parallel = engine_args_.tensor_parallel_size * engine_args_.pipeline_parallel_size
@@ -68,8 +71,8 @@ class VllmEngine(AsyncEngine):
             raise ValueError(f"--engine vllm: kvmesh hosts vLLM in the worker's process; tensor x pipeline parallel {parallel} is not there yet")
         engine = VllmLLMEngine.from_engine_args(engine_args_)
         block_size = engine.vllm_config.cache_config.block_size
-        core = VllmCore(engine, name, block_size, len(cores))
         layout = pool_layout(engine, s.dtype, block_size)
+        core = VllmCore(engine, name, layout, len(cores), EXCHANGES[exchange])
         logger.info("vLLM KV pool: %d blocks of %d tokens, %d bytes at %#x", layout.num_blocks, block_size, layout.pool_bytes, layout.base_address)
         return cls(core, layout, engine.model_config.max_model_len, engine.model_config.get_vocab_size())
 
@@ -122,8 +125,9 @@ def parse_cores(text: str) -> list[int]:
     return sorted(set(cores))
 
 
-def engine_args(s: WorkerSettings, model_dir: Path, name: str) -> dict[str, Any]:
-    """vLLM's ``EngineArgs`` from a worker's settings; ``--engine-args`` last, so it wins."""
+def engine_args(s: WorkerSettings, model_dir: Path, name: str, exchange: str) -> dict[str, Any]:
+    """vLLM's ``EngineArgs`` from a worker's settings, with kvmesh's KV connector sharing
+    ``exchange``; ``--engine-args`` last, so it wins."""
     args: dict[str, Any] = {
         "model": str(model_dir),
         "served_model_name": name,
@@ -139,6 +143,13 @@ def engine_args(s: WorkerSettings, model_dir: Path, name: str) -> dict[str, Any]
         "seed": 0,
         # KV events into this process (``VllmCore`` replaces the null publisher with its queue)
         "kv_events_config": {"enable_kv_cache_events": True, "publisher": "null"},
+        # prefill for export and decode from imports (``kvmesh.worker.vllm_connector``)
+        "kv_transfer_config": {
+            "kv_connector": "KvmeshConnector",
+            "kv_connector_module_path": "kvmesh.worker.vllm_connector",
+            "kv_role": "kv_both",
+            "kv_connector_extra_config": {"kvmesh_exchange": exchange},
+        },
     }
     if s.engine_args:
         args.update(json.loads(s.engine_args))

@@ -1,0 +1,97 @@
+"""kvmesh's KV connector for vLLM (vLLM's KV connector V1 API), loaded by vLLM from
+``kv_transfer_config={"kv_connector": "KvmeshConnector", "kv_connector_module_path":
+"kvmesh.worker.vllm_connector", ...}`` in the worker's process, where vLLM runs in-process
+(``kvmesh.worker.vllm_engine``): both of its roles (scheduler and worker) and ``VllmCore``
+share one ``Exchange``, named in ``kv_connector_extra_config["kvmesh_exchange"]``.
+
+- **Export** (a prefill worker): a request whose ``kv_transfer_params`` carry
+  ``kvmesh_export`` keeps its blocks when it finishes (``request_finished`` returns True);
+  ``VllmCore.release_export`` (the decode side pulled them, or the pin expired) hands its
+  id to the worker side's ``get_finished`` as sent, and vLLM frees them.
+- **Import** (a decode worker): the request's prompt is the prompt plus the prefill's first
+  token, with ``kvmesh_import`` (the handle) and ``num_tokens`` (the prompt's); the scheduler
+  side claims every prompt token vLLM has not cached itself, asynchronously
+  (``get_num_new_matched_tokens``), and records the blocks vLLM allocated for them
+  (``update_state_after_alloc``); ``VllmCore`` copies the pulled KV in and marks the request
+  loaded, and the worker side reports it received. vLLM then computes only the first
+  token's position and samples the second: the first token is never sampled again.
+
+No bytes move here: the worker's Mooncake pulls (by the producer's published layout) fill
+blocks of this pool, as for kvmesh's engine.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (  # type: ignore[import-not-found]
+    KVConnectorBase_V1,
+    KVConnectorMetadata,
+)
+
+from kvmesh.worker.vllm_exchange import EXCHANGES, EXPORT, IMPORT, NUM_TOKENS, Import
+
+
+class KvmeshConnector(KVConnectorBase_V1):  # type: ignore[misc]
+    def __init__(self, vllm_config: Any, role: Any, kv_cache_config: Any = None) -> None:
+        super().__init__(vllm_config, role, kv_cache_config)
+        extra = vllm_config.kv_transfer_config.kv_connector_extra_config or {}
+        self.exchange = EXCHANGES[extra["kvmesh_exchange"]]
+        self.block_size = vllm_config.cache_config.block_size
+
+    # -- scheduler side ------------------------------------------------------------------
+    def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int, bool]:
+        params = request.kv_transfer_params or {}
+        if IMPORT not in params or request.request_id in self.exchange.imports:
+            return 0, False
+        wanted = int(params[NUM_TOKENS]) - num_computed_tokens
+        return (wanted, True) if wanted > 0 else (0, False)
+
+    def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
+        params = request.kv_transfer_params or {}
+        if num_external_tokens <= 0 or IMPORT not in params:
+            return
+        cached = int(params[NUM_TOKENS]) - num_external_tokens
+        with self.exchange.lock:
+            self.exchange.imports[request.request_id] = Import(
+                str(params[IMPORT]), list(blocks.get_block_ids()[0]), cached // self.block_size
+            )
+
+    def build_connector_meta(self, scheduler_output: Any) -> Any:
+        return KVConnectorMetadata()
+
+    def request_finished(self, request: Any, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+        params = request.kv_transfer_params or {}
+        if EXPORT not in params:
+            return False, None
+        with self.exchange.lock:
+            self.exchange.exports[str(params[EXPORT])] = (request.request_id, list(block_ids))
+        return True, None  # the blocks stay until get_finished reports the request sent
+
+    def has_pending_push_work(self) -> bool:
+        return self.exchange.busy()
+
+    # -- worker side ---------------------------------------------------------------------
+    def register_kv_caches(self, kv_caches: dict[str, Any]) -> None:
+        pass  # VllmCore reads the pool from the model runner
+
+    def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
+        pass
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        pass
+
+    def save_kv_layer(self, layer_name: str, kv_layer: Any, attn_metadata: Any, **kwargs: Any) -> None:
+        pass
+
+    def wait_for_save(self) -> None:
+        pass
+
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
+        with self.exchange.lock:
+            self.exchange.finished_seen |= set(finished_req_ids)
+            sent = {r for r in self.exchange.to_release if r in self.exchange.finished_seen}
+            self.exchange.to_release -= sent
+            self.exchange.finished_seen -= sent
+            received, self.exchange.loaded = self.exchange.loaded, set()
+        return sent or None, received or None
