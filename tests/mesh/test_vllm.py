@@ -211,3 +211,41 @@ async def test_a_vllm_decode_worker_killed_mid_stream_resumes_on_the_other(tmp_p
         await assert_pools_at_baseline(pair, ["decode-2" if victim == "decode-1" else "decode-1"])
     finally:
         pair.stop()
+
+
+async def test_a_vllm_prefill_worker_killed_before_the_pull_is_retried(tmp_path, default_model_dir, vllm_python, mesh):
+    """Two vLLM prefill workers and a vLLM decode worker that waits 1.5 s before pulling: the
+    prefill worker holding the request's pin is killed, the pull fails, the request is
+    retried and completes with the same text, and the survivors hold no block."""
+    import time
+
+    from kvmesh.cluster.etcd_store import EtcdStore
+    from tests.mesh.meshes import assert_pools_at_baseline
+
+    mesh.stop()  # one mesh at a time
+    trio = make_mesh(
+        tmp_path, default_model_dir, prefill=2, decode=1, engine="vllm", kv_cache_mib=64, env={"KVMESH_FAULT_PULL_DELAY": "1.5"}
+    )  # fmt: skip
+    try:
+        body = {"model": MODEL, "prompt": "The capital of France is", "max_tokens": 8, "temperature": 0}
+        want = (await post(trio.base_url, "/v1/completions", body)).json()["choices"][0]["text"]
+        async with EtcdStore([trio.etcd.endpoint], **trio.etcd.store_options()) as store:
+            request = asyncio.create_task(post(trio.base_url, "/v1/completions", body))
+            victim = None
+            deadline = time.monotonic() + 30
+            while victim is None and time.monotonic() < deadline:  # the pin appears: prefill done, pull pending
+                for worker_id in ("prefill-1", "prefill-2"):
+                    pins, _ = await store.get_prefix(Keys("default").pins(worker_id))
+                    if pins:
+                        victim = worker_id
+                await asyncio.sleep(0.02)
+            assert victim is not None
+            trio.workers[victim].kill()
+            response = await asyncio.wait_for(request, 60)
+        assert response.status_code == 200, response.text
+        assert response.json()["choices"][0]["text"] == want
+        assert "retrying" in trio.router.tail(200)
+        survivor = "prefill-2" if victim == "prefill-1" else "prefill-1"
+        await assert_pools_at_baseline(trio, [survivor, "decode-3"])
+    finally:
+        trio.stop()
