@@ -213,10 +213,12 @@ async def test_a_vllm_decode_worker_killed_mid_stream_resumes_on_the_other(tmp_p
         pair.stop()
 
 
-async def test_a_vllm_prefill_worker_killed_before_the_pull_is_retried(tmp_path, default_model_dir, vllm_python, mesh):
-    """Two vLLM prefill workers and a vLLM decode worker that waits 1.5 s before pulling: the
-    prefill worker holding the request's pin is killed, the pull fails, the request is
-    retried and completes with the same text, and the survivors hold no block."""
+async def test_a_vllm_prefill_worker_killed_before_the_pull_is_retried(tmp_path, default_model_dir, vllm_python, prompt_ids, mesh):
+    """Two vLLM prefill workers and a vLLM decode worker that waits 1.5 s before pulling.
+    A repeated chat goes to the prefill worker whose vLLM cache holds its prefix (from its KV
+    events in kv-metadata: the other one has none of it). Then the prefill worker holding a
+    request's pin is killed, the pull fails, the request is retried and completes with the
+    same text, and the survivors hold no block."""
     import time
 
     from kvmesh.cluster.etcd_store import EtcdStore
@@ -227,6 +229,13 @@ async def test_a_vllm_prefill_worker_killed_before_the_pull_is_retried(tmp_path,
         tmp_path, default_model_dir, prefill=2, decode=1, engine="vllm", kv_cache_mib=64, env={"KVMESH_FAULT_PULL_DELAY": "1.5"}
     )  # fmt: skip
     try:
+        n = len(prompt_ids["chat"])
+        first = (await post(trio.base_url, "/v1/chat/completions", chat_body())).json()
+        assert first["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+        for _ in range(3):  # kv-aware routing: each time the worker that holds the prefix
+            again = (await post(trio.base_url, "/v1/chat/completions", chat_body())).json()
+            assert again["usage"]["prompt_tokens_details"]["cached_tokens"] == (n - 1) // BLOCK * BLOCK
+            assert again["choices"][0]["message"]["content"] == first["choices"][0]["message"]["content"]
         body = {"model": MODEL, "prompt": "The capital of France is", "max_tokens": 8, "temperature": 0}
         want = (await post(trio.base_url, "/v1/completions", body)).json()["choices"][0]["text"]
         async with EtcdStore([trio.etcd.endpoint], **trio.etcd.store_options()) as store:
