@@ -42,7 +42,9 @@ class KvmeshConnector(KVConnectorBase_V1):  # type: ignore[misc]
     # -- scheduler side ------------------------------------------------------------------
     def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int, bool]:
         params = request.kv_transfer_params or {}
-        if IMPORT not in params or request.request_id in self.exchange.imports:
+        with self.exchange.lock:
+            claimed = request.request_id in self.exchange.claimed
+        if IMPORT not in params or claimed:
             return 0, False
         wanted = int(params[NUM_TOKENS]) - num_computed_tokens
         return (wanted, True) if wanted > 0 else (0, False)
@@ -53,6 +55,7 @@ class KvmeshConnector(KVConnectorBase_V1):  # type: ignore[misc]
             return
         cached = int(params[NUM_TOKENS]) - num_external_tokens
         with self.exchange.lock:
+            self.exchange.claimed.add(request.request_id)
             self.exchange.imports[request.request_id] = Import(
                 str(params[IMPORT]), list(blocks.get_block_ids()[0]), cached // self.block_size
             )
@@ -62,6 +65,8 @@ class KvmeshConnector(KVConnectorBase_V1):  # type: ignore[misc]
 
     def request_finished(self, request: Any, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         params = request.kv_transfer_params or {}
+        with self.exchange.lock:
+            self.exchange.claimed.discard(request.request_id)
         if EXPORT not in params:
             return False, None
         with self.exchange.lock:
@@ -89,7 +94,8 @@ class KvmeshConnector(KVConnectorBase_V1):  # type: ignore[misc]
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
         with self.exchange.lock:
-            self.exchange.finished_seen |= set(finished_req_ids)
+            kept = {vllm_id for vllm_id, _ in self.exchange.exports.values()} | self.exchange.to_release
+            self.exchange.finished_seen |= set(finished_req_ids) & kept  # only exports wait to be sent
             sent = {r for r in self.exchange.to_release if r in self.exchange.finished_seen}
             self.exchange.to_release -= sent
             self.exchange.finished_seen -= sent

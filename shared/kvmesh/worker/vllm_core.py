@@ -150,6 +150,7 @@ class VllmCore:
         self._exports: set[str] = set()  # requests prefilled for export, until their last output
         self._staged: dict[str, list[Any]] = {}  # handle -> vLLM blocks a pull fills (allocate_import)
         self._importing: dict[str, list[Any]] = {}  # handle -> those blocks, once its request is in vLLM
+        self._import_of: dict[str, str] = {}  # request id -> its import's handle, until filled or aborted
         self._delta = RequestOutputKind.DELTA
         core = engine.engine_core.engine_core  # EngineCore, in this process
         self.scheduler = core.scheduler
@@ -227,7 +228,9 @@ class VllmCore:
             return None
         self.engine.abort_request([request_id])
         self._exports.discard(request_id)
-        self._forget_import(request_id)
+        handle = self._import_of.pop(request_id, None)
+        if handle is not None:
+            self._forget_import(handle)
         return RequestOutput(request_id, [], "", True, FinishReason.ABORT, prompt, 0)
 
     # -- export (prefill workers) ----------------------------------------------------------
@@ -304,6 +307,7 @@ class VllmCore:
             self.block_pool.free_blocks(staged)
             raise
         self._prompts[request_id] = n
+        self._import_of[request_id] = handle
         return RequestOutput(request_id, [first_token_id], text, False, None, n, n)
 
     def _fill_imports(self) -> None:
@@ -320,8 +324,11 @@ class VllmCore:
 
         for vllm_id, imp in ready:
             staged = self._importing.pop(imp.handle, None)
-            if staged is None:  # aborted meanwhile: vLLM drops it
+            if staged is None:  # aborted meanwhile: vLLM frees its blocks once they are reported received
+                with self.exchange.lock:
+                    self.exchange.loaded.add(vllm_id)
                 continue
+            self._import_of = {r: h for r, h in self._import_of.items() if h != imp.handle}
             first, last = imp.first_block, min(len(staged), len(imp.block_ids))
             if first < last:
                 src = torch.tensor([b.block_id for b in staged[first:last]])

@@ -31,6 +31,9 @@ class Exchange:
     finished_seen: set[str] = field(default_factory=set)  # vLLM ids get_finished was told of
     imports: dict[str, Import] = field(default_factory=dict)  # vLLM id -> blocks allocated, not yet filled
     loaded: set[str] = field(default_factory=set)  # vLLM ids filled, to report received
+    # vLLM ids whose import was claimed once: never again (after a preemption vLLM recomputes
+    # the prompt itself, rather than wait for blocks that are gone)
+    claimed: set[str] = field(default_factory=set)
 
     def busy(self) -> bool:
         """Work that needs the engine to step although no request runs."""
