@@ -1,0 +1,35 @@
+"""The vLLM engine behind the interface, in a process of the vLLM virtualenv: export,
+import and release through kvmesh's KV connector give a plain run's greedy tokens and
+leave the pool as it was (``vllm_engine_story.py``)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from kvmesh.worker.engines import worker_python
+
+pytestmark = [pytest.mark.vllm, pytest.mark.slow]
+
+
+def test_export_import_and_release_through_the_connector(default_model_dir):
+    try:
+        python = worker_python("vllm")
+    except ValueError as exc:
+        pytest.skip(f"no vLLM virtualenv ({exc})")
+    env = {k: v for k, v in os.environ.items() if not k.startswith("VLLM_")}
+    done = subprocess.run(
+        [python, str(Path(__file__).with_name("vllm_engine_story.py")), str(default_model_dir)],
+        capture_output=True, text=True, timeout=600, env=env,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    seen = json.loads(done.stdout.strip().splitlines()[-1])
+    assert seen["export"] == {"first": seen["plain"][:1], "blocks": 3, "tokens": 70}
+    assert seen["released"] == [True, False]  # a second release of one export is a no-op
+    assert seen["imported"] == seen["plain"]  # the first token from the export, the rest from the imported KV
+    assert seen["release_unused"] == [True, True, False]
+    assert (seen["free_at_end"], seen["in_use_at_end"]) == (seen["free_at_start"], 0)
