@@ -1,6 +1,10 @@
 """vLLM's synchronous engine (``vllm.v1.engine.llm_engine.LLMEngine``, its engine core in
 this process) with the face ``kvmesh.engine.async_engine.AsyncEngine`` drives on its
-thread: add, step, abort, load, pool stats and KV events in kvmesh's terms.
+thread: add, step, abort, load, pool stats and KV events in kvmesh's terms, and with
+kvmesh's KV connector (``vllm_connector``, sharing an ``Exchange``) prefill for export and
+decode from imported KV: an export's blocks are the ones vLLM keeps for it; an import is
+pulled into blocks taken from vLLM's pool and copied, between steps, into the blocks vLLM's
+scheduler allocates for the request.
 
 The one module that knows vLLM's insides (with ``vllm_engine``): the scheduler's queues
 and block pool for load and stats, the model runner's KV tensors for the pool's layout, and
@@ -33,7 +37,8 @@ FINISH_REASONS = {"stop": FinishReason.STOP, "length": FinishReason.LENGTH, "abo
 
 
 class UnsupportedByVllm(ValueError):
-    """A disaggregation hook the vLLM engine does not have yet (the kvmesh KV connector)."""
+    """A hook the vLLM engine does not have (yet): lending cached blocks to a peer, or any
+    export or import without the connector."""
 
 
 class EventQueue:
