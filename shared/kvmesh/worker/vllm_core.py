@@ -184,13 +184,21 @@ class VllmCore:
         self.engine.add_request(request_id, {"prompt_token_ids": list(prompt_token_ids)}, sampling)
         self._prompts[request_id] = len(prompt_token_ids)
 
-    def sampling(self, p: SamplingParams, *, max_tokens: int | None = None, transfer: dict[str, Any] | None = None) -> Any:
+    def sampling(
+        self, p: SamplingParams, *, max_tokens: int | None = None, generated: int = 0, transfer: dict[str, Any] | None = None
+    ) -> Any:
+        """vLLM's sampling parameters for ``p``; ``generated`` tokens at the prompt's end were
+        generated already (a resumed request's, an import's first token): min_tokens counts
+        them. vLLM's presence and frequency penalties see only the tokens it generates."""
         from vllm import SamplingParams as VllmSamplingParams  # type: ignore[import-not-found]
 
+        generated += p.prior_output_tokens
         return VllmSamplingParams(
             temperature=p.temperature, top_p=p.top_p, top_k=p.top_k if p.top_k > 0 else 0, seed=p.seed,
             max_tokens=max_tokens or p.max_tokens, stop=list(p.stop), stop_token_ids=list(p.stop_token_ids),
-            ignore_eos=p.ignore_eos, output_kind=self._delta,
+            ignore_eos=p.ignore_eos, presence_penalty=p.presence_penalty, frequency_penalty=p.frequency_penalty,
+            repetition_penalty=p.repetition_penalty, logit_bias=dict(p.logit_bias) or None, min_p=p.min_p,
+            min_tokens=max(0, p.min_tokens - generated), output_kind=self._delta,
             extra_args={"kv_transfer_params": transfer} if transfer else None,
         )  # fmt: skip
 
@@ -298,12 +306,13 @@ class VllmCore:
         n = len(prompt_token_ids)
         text = self.tokenizer.decode([first_token_id], skip_special_tokens=True)
         eos = getattr(self.tokenizer, "eos_token_id", None)
-        stop = first_token_id in params.stop_token_ids or (not params.ignore_eos and first_token_id == eos)
+        may_stop = params.min_tokens <= params.prior_output_tokens + 1
+        stop = may_stop and (first_token_id in params.stop_token_ids or (not params.ignore_eos and first_token_id == eos))
         if stop or params.max_tokens <= 1:
             self.block_pool.free_blocks(staged)
             reason = FinishReason.STOP if stop else FinishReason.LENGTH
             return RequestOutput(request_id, [first_token_id], text, True, reason, n, n)
-        sampling = self.sampling(params, max_tokens=params.max_tokens - 1, transfer={IMPORT: handle, NUM_TOKENS: n})
+        sampling = self.sampling(params, max_tokens=params.max_tokens - 1, generated=1, transfer={IMPORT: handle, NUM_TOKENS: n})
         self._importing[handle] = staged
         try:
             self.engine.add_request(request_id, {"prompt_token_ids": [*prompt_token_ids, first_token_id]}, sampling)
