@@ -268,6 +268,27 @@ def test_kubernetes_secrets_are_valid_and_each_pod_mounts_only_its_own(secrets_d
     assert job["volumes"][0]["secret"]["secretName"] == "kvmesh-etcd-auth" and "etcd-users.json" in secrets["kvmesh-etcd-auth"]["data"]
 
 
+def test_a_worker_pod_keeps_only_its_own_credentials(tmp_path):
+    """A role's Secret holds every sibling's credentials file (a StatefulSet's pods share one
+    template); each worker pod's init container, run here on such a Secret, hands the worker
+    container only its own file and the CA."""
+    docs = {(d["kind"], d["metadata"]["name"]): d for d in rendered_manifests()}
+    for role in ("prefill-worker", "decode-worker"):
+        init = docs[("StatefulSet", role)]["spec"]["template"]["spec"]["initContainers"][0]
+        env = {e["name"]: e["valueFrom"]["fieldRef"]["fieldPath"] for e in init["env"]}
+        assert env == {"POD_NAME": "metadata.name"}
+        secret_in, out = tmp_path / role / "in", tmp_path / role / "out"
+        secret_in.mkdir(parents=True)
+        out.mkdir()
+        for name in (f"{role}-0.json", f"{role}-1.json", f"{role}-2.json", "ca.crt"):
+            (secret_in / name).write_text(name)
+        script = init["command"][-1].replace("/run/secrets/kvmesh-in", str(secret_in)).replace("/run/secrets/kvmesh/", f"{out}/")
+        done = subprocess.run(["sh", "-c", script], env={"POD_NAME": f"{role}-1", "PATH": os.environ["PATH"]}, capture_output=True, text=True, timeout=10)
+        assert done.returncode == 0, done.stderr
+        assert sorted(p.name for p in out.iterdir()) == ["ca.crt", f"{role}-1.json"], role
+        assert all(p.stat().st_mode & 0o777 == 0o600 for p in out.iterdir())
+
+
 # -- the compose configuration, run here on loopback --------------------------------------------
 class ComposeOnLoopback:
     """The rendered compose file's nats, etcd, etcd-auth and kvmesh services as local
