@@ -134,7 +134,11 @@ class WorkerDirectory:
 
 
 def implausible(relative_key: str, record: WorkerRecord, model_max_len: int | None = None) -> str | None:
-    """Why a record at ``workers/<relative_key>`` cannot be what it says (None: it can)."""
+    """Why a record at ``workers/<relative_key>`` cannot be what it says (None: it can).
+
+    These catch inconsistent records (a copy under another key, a stale or hand-edited one),
+    not a lying worker: the host is the worker's own word too, so a worker's credentials can
+    still point its own endpoint anywhere (etcd RBAC keeps it to its own record)."""
     role, _, worker_id = relative_key.partition("/")
     if record.worker_id != worker_id:
         return f"it names worker {record.worker_id!r}, its key {worker_id!r}"
