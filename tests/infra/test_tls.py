@@ -217,3 +217,26 @@ async def test_etcd_auth_job_runs_again_with_new_passwords(tmp_path, own_etcd_tl
             await store.put("/kvmesh/default/workers/decode/evil", b"{}")
     with pytest.raises(ClusterError, match="authentication failed"):
         await EtcdStore([own_etcd_tls.address], timeout=3, tls_ca=tls.ca_file, credentials=UserPassword("router", "old-pw")).connect()
+
+
+async def test_etcd_auth_job_run_again_revokes_what_the_file_no_longer_says(tmp_path, own_etcd_tls, tls):
+    """A second deploy with fewer workers and narrower grants: the user no longer named cannot
+    log in, and a grant no longer listed no longer works."""
+    from kvmesh.infra import etcd_auth
+    from kvmesh.security.etcd_roles import Grant
+
+    users_file = tmp_path / "etcd-users.json"
+    workers = Grant("/kvmesh/default/workers/", "READ", prefix=True)
+    pins = Grant("/kvmesh/default/pins/", "READWRITE", prefix=True)
+    etcd_auth.write_users(users_file, "root-1", {"router": ("pw", (workers, pins)), "decode-9": ("pw-9", (pins,))})
+    await asyncio.to_thread(etcd_auth.run, [own_etcd_tls.address], users_file, tls_ca=str(tls.ca_file), wait=5)
+    async with EtcdStore([own_etcd_tls.address], timeout=3, tls_ca=tls.ca_file, credentials=UserPassword("router", "pw")) as store:
+        await store.put("/kvmesh/default/pins/p", b"1")  # granted for now
+    etcd_auth.write_users(users_file, "root-1", {"router": ("pw", (workers,))})
+    await asyncio.to_thread(etcd_auth.run, [own_etcd_tls.address], users_file, tls_ca=str(tls.ca_file), wait=5)
+    async with EtcdStore([own_etcd_tls.address], timeout=3, tls_ca=tls.ca_file, credentials=UserPassword("router", "pw")) as store:
+        assert (await store.get_prefix("/kvmesh/default/workers/"))[0] == []
+        with pytest.raises(ClusterError, match="permission denied"):
+            await store.put("/kvmesh/default/pins/p", b"2")
+    with pytest.raises(ClusterError, match="authentication failed"):
+        await EtcdStore([own_etcd_tls.address], timeout=3, tls_ca=tls.ca_file, credentials=UserPassword("decode-9", "pw-9")).connect()

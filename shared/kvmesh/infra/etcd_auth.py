@@ -63,7 +63,8 @@ class Gateway:
 def enable_auth(gateway: Gateway, root_password: str, users: EtcdUsers) -> None:
     """``root`` and, per user name, (password, grants): one role per user, named after it.
     On a fresh etcd: everything, then auth on. On one whose auth is on (a second deploy):
-    as root, each user's password and grants made what ``users`` says."""
+    as root, each user's password and grants made what ``users`` says: grants it no longer
+    lists revoked, users it no longer names (a worker scaled away) deleted with their role."""
     try:
         gateway.login(ROOT, root_password)
     except EtcdAuthError as exc:
@@ -72,11 +73,15 @@ def enable_auth(gateway: Gateway, root_password: str, users: EtcdUsers) -> None:
         already = False
     else:
         already = True
+    if already:
+        _drop_users_not_in(gateway, users)
     for name, (password, grants) in users.items():
         _ensure(gateway, "/v3/auth/user/add", {"name": name, "password": password}, "already exists")
         if already:
             gateway.post("/v3/auth/user/changepw", {"name": name, "password": password})
         _ensure(gateway, "/v3/auth/role/add", {"name": name}, "already exists")
+        if already:
+            _revoke_grants_not_in(gateway, name, grants)
         for grant in grants:
             perm = {"permType": grant.permission, "key": b64(grant.key)}
             if grant.prefix:
@@ -88,6 +93,25 @@ def enable_auth(gateway: Gateway, root_password: str, users: EtcdUsers) -> None:
         gateway.post("/v3/auth/user/grant", {"user": ROOT, "role": "root"})  # etcd's built-in role
         gateway.post("/v3/auth/enable", {})
     logger.info("etcd auth %s with %d users besides root", "brought up to date" if already else "enabled", len(users))
+
+
+def _drop_users_not_in(gateway: Gateway, users: EtcdUsers) -> None:
+    for name in gateway.post("/v3/auth/user/list", {}).get("users") or []:
+        if name == ROOT or name in users:
+            continue
+        gateway.post("/v3/auth/user/delete", {"name": name})
+        _ensure(gateway, "/v3/auth/role/delete", {"role": name}, "role name not found")
+        logger.info("etcd user %s deleted: the users file no longer names it", name)
+
+
+def _revoke_grants_not_in(gateway: Gateway, role: str, grants: tuple[Grant, ...]) -> None:
+    """Revoke each of ``role``'s permissions that ``grants`` does not list exactly (etcd's
+    JSON leaves out the zero values: READ and an empty range end)."""
+    wanted = {(b64(g.key), b64(prefix_end(g.key)) if g.prefix else "", g.permission) for g in grants}
+    for perm in gateway.post("/v3/auth/role/get", {"role": role}).get("perm") or []:
+        held = (perm.get("key", ""), perm.get("range_end", ""), perm.get("permType", "READ"))
+        if held not in wanted:
+            gateway.post("/v3/auth/role/revoke", {"role": role, "key": held[0], "range_end": held[1]})
 
 
 def _ensure(gateway: Gateway, path: str, body: dict, exists: str) -> None:
