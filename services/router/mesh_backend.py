@@ -327,6 +327,8 @@ class MeshBackend:
             choice = least_loaded(self.directory.alive("decode"), self.board, excluded)
             if choice is not None:
                 return choice
+            if excluded.second_chance(self.directory.alive("decode")):
+                continue
             left = give_up - loop.time()
             if left <= 0:
                 raise MeshError(ErrorCode.UNAVAILABLE, "no decode worker is available")

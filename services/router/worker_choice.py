@@ -72,6 +72,20 @@ class Excluded:
     def __init__(self, workers: Mapping[str, WorkerRecord]) -> None:
         self._workers = workers  # the live directory
         self._given_up: dict[str, float | None] = {}
+        self._second_chance_used = False
+
+    def second_chance(self, candidates: list[WorkerRecord]) -> bool:
+        """Once per request, when every live candidate was given up on: try them again.
+        A worker that fell silent may only have lost its NATS connection (its rights to
+        answer earlier work go with it) and serves new work once reconnected; one that is
+        really gone leaves the directory, and the request's attempts stay bounded."""
+        if self._second_chance_used:
+            return False
+        forgiven = [w.worker_id for w in candidates if w.worker_id in self]
+        for worker_id in forgiven:
+            del self._given_up[worker_id]
+        self._second_chance_used = bool(forgiven)
+        return bool(forgiven)
 
     def add(self, worker_id: str, started_at: float | None = None) -> None:
         """Give up on the incarnation that started at ``started_at`` (default: the one in

@@ -36,6 +36,20 @@ def test_an_excluded_worker_is_skipped_until_it_restarts():
     assert least_loaded(list(workers.values()), board, excluded).worker.worker_id == "d1"
 
 
+def test_every_live_worker_given_up_on_gets_one_second_chance_per_request():
+    """A worker that fell silent only because its NATS connection dropped is worth one more
+    try when nobody else is left; a second time it is not."""
+    workers = {"d1": record("d1"), "d2": record("d2")}
+    excluded = Excluded(workers)
+    excluded.add("d1")
+    assert not excluded.second_chance([workers["d2"]])  # d2 was never given up on
+    excluded.add("d2")
+    assert excluded.second_chance(list(workers.values()))
+    assert "d1" not in excluded and "d2" not in excluded
+    excluded.add("d1")
+    assert not excluded.second_chance([workers["d1"]]) and "d1" in excluded
+
+
 def test_a_worker_gone_when_excluded_is_new_when_it_comes_back():
     workers: dict[str, WorkerRecord] = {}
     excluded = Excluded(workers)
