@@ -32,4 +32,13 @@ def test_export_import_and_release_through_the_connector(default_model_dir):
     assert seen["released"] == [True, False]  # a second release of one export is a no-op
     assert seen["imported"] == seen["plain"]  # the first token from the export, the rest from the imported KV
     assert seen["release_unused"] == [True, True, False]
+    none_left = {"exports": 0, "to_release": 0, "vllm_requests": 0}
+    # an export aborted mid-prefill (a cancel) gives its blocks back
+    assert seen["abort_mid_prefill"] == {"computed": 32, "reason": "abort", "free_back": True, "leftovers": none_left}
+    # A finished before B, a step of B's saw it; B released, then A with no other traffic:
+    # both free their blocks and the engine thread goes idle
+    assert seen["release_idle"] == {
+        "finished": ["A", "B"], "released": [True, True], "free_back": True, "steps_while_idle": 0, "leftovers": none_left,
+        "steps_after_a_gone_release": 0,  # dropped, rather than stepped for forever
+    }  # fmt: skip
     assert (seen["free_at_end"], seen["in_use_at_end"]) == (seen["free_at_start"], 0)

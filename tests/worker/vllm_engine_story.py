@@ -4,7 +4,10 @@ line of what it saw.
 
 Export a prompt's blocks, copy them (as a pull would) into blocks taken for an import,
 release the export, decode from the import: the greedy tokens of a plain run. Then leave
-imported requests early and release twice: the pool ends where it began.
+imported requests early and release twice: the pool ends where it began. Abort an export
+mid-prefill: its blocks go back. Release two exports, the first finished before the
+second (whose step saw the first one's finish), the second first, with no traffic after:
+every block goes back and the engine thread goes idle.
 """
 
 from __future__ import annotations
@@ -59,6 +62,10 @@ async def story(model: str) -> dict:
                     break
             await stream.aclose()
         seen["release_unused"] = [await engine.allocate_import("z", 40) is not None, await engine.release_import("z"), await engine.release_import("z")]
+        await settle(engine)
+        await engine._call(reset)
+        seen["abort_mid_prefill"] = await abort_mid_prefill(engine)
+        seen["release_idle"] = await release_on_an_idle_engine(engine)
         for _ in range(50):
             stats = await engine.pool_stats()
             if stats.num_in_use == 0:
@@ -68,6 +75,116 @@ async def story(model: str) -> dict:
         seen["in_use_at_end"] = stats.num_in_use
     finally:
         await engine.shutdown()
+    return seen
+
+
+async def settle(engine) -> int:
+    """Free blocks once nothing is in use (or after 5 s)."""
+    for _ in range(50):
+        stats = await engine.pool_stats()
+        if stats.num_in_use == 0:
+            break
+        await asyncio.sleep(0.1)
+    return stats.num_free
+
+
+def small_steps(engine, tokens: int):
+    """vLLM's per-step token budget, for a while: prompts prefilled over several steps."""
+    import contextlib
+
+    @contextlib.contextmanager
+    def budget():
+        scheduler = engine.core.scheduler
+        old, scheduler.max_num_scheduled_tokens = scheduler.max_num_scheduled_tokens, tokens
+        try:
+            yield
+        finally:
+            scheduler.max_num_scheduled_tokens = old
+
+    return budget()
+
+
+def leftovers(engine) -> dict:
+    exchange = engine.core.exchange
+    return {
+        "exports": len(exchange.exports), "to_release": len(exchange.to_release),
+        "vllm_requests": len(engine.core.scheduler.requests),
+    }  # fmt: skip
+
+
+async def abort_mid_prefill(engine) -> dict:
+    """An export aborted after vLLM prefilled part of its prompt (a cancel)."""
+    from kvmesh.engine.request import SamplingParams
+
+    before = (await engine.pool_stats()).num_free
+    core = engine.core
+
+    def prefill_part_then_abort() -> dict:
+        with small_steps(engine, 32):
+            core.add_request("ab", [17, 4649, 282, 3575, 921] * 14, SamplingParams(max_tokens=4), export_kv=True)
+            core.step()
+            (request,) = core.scheduler.requests.values()  # vLLM's id is ours plus a suffix
+            computed = request.num_computed_tokens
+            out = core.abort_request("ab")
+        return {"computed": computed, "reason": out.finish_reason.value if out else None}
+
+    seen = await engine._call(prefill_part_then_abort)
+    seen["free_back"] = await settle(engine) == before
+    seen["leftovers"] = await engine._call(lambda: leftovers(engine))
+    return seen
+
+
+async def release_on_an_idle_engine(engine) -> dict:
+    """Exports A and B: A finishes, a step of B's prefill sees A's finish, B finishes and is
+    released, then A is released with no other request: both free their blocks, and the
+    engine thread stops stepping."""
+    from kvmesh.engine.request import SamplingParams
+
+    before = (await engine.pool_stats()).num_free
+    core = engine.core
+    steps = [0]
+    step = core.step
+
+    def counted() -> list:
+        steps[0] += 1
+        return step()
+
+    core.step = counted  # what the engine thread calls
+
+    def a_then_b() -> list:
+        finished = []
+        with small_steps(engine, 32):
+            core.add_request("A", [33, 700, 1200, 45] * 5, SamplingParams(max_tokens=1), export_kv=True)
+            core.add_request("B", [99, 812, 16, 2048, 7] * 14, SamplingParams(max_tokens=1), export_kv=True)
+            for _ in range(10):
+                finished += [o.request_id for o in step() if o.finished and o.kv_export is not None]
+                if len(finished) == 2:
+                    break
+        return finished
+
+    try:
+        seen: dict = {"finished": await engine._call(a_then_b)}
+        seen["released"] = [await engine.release_export("B")]
+        await asyncio.sleep(0.5)  # B's release is done before A's comes
+        seen["released"].append(await engine.release_export("A"))
+        seen["free_back"] = await settle(engine) == before
+        await asyncio.sleep(0.3)
+        at = steps[0]
+        await asyncio.sleep(1.0)
+        seen["steps_while_idle"] = steps[0] - at
+        seen["leftovers"] = await engine._call(lambda: leftovers(engine))
+
+        def release_gone() -> None:  # a release of a request vLLM no longer holds
+            with core.exchange.lock:
+                core.exchange.to_release.add("gone")
+
+        await engine._call(release_gone)
+        await asyncio.sleep(0.5)
+        at = steps[0]
+        await asyncio.sleep(1.0)
+        seen["steps_after_a_gone_release"] = steps[0] - at
+    finally:
+        core.step = step
     return seen
 
 

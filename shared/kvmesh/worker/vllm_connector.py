@@ -5,7 +5,8 @@
 share one ``Exchange``, named in ``kv_connector_extra_config["kvmesh_exchange"]``.
 
 - **Export** (a prefill worker): a request whose ``kv_transfer_params`` carry
-  ``kvmesh_export`` keeps its blocks when it finishes (``request_finished`` returns True);
+  ``kvmesh_export`` keeps its blocks when it finishes normally (``request_finished``
+  returns True; aborted or failed, they go at once: nobody will pull or release them);
   ``VllmCore.release_export`` (the decode side pulled them, or the pin expired) hands its
   id to the worker side's ``get_finished`` as sent, and vLLM frees them.
 - **Import** (a decode worker): the request's prompt is the prompt plus the prefill's first
@@ -28,8 +29,12 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (  # type: ignore[
     KVConnectorBase_V1,
     KVConnectorMetadata,
 )
+from vllm.v1.request import RequestStatus  # type: ignore[import-not-found]
 
 from kvmesh.worker.vllm_exchange import EXCHANGES, EXPORT, IMPORT, NUM_TOKENS, Import
+
+
+_EXPORTED = (RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH_CAPPED)  # an export's first token
 
 
 class KvmeshConnector(KVConnectorBase_V1):  # type: ignore[misc]
@@ -67,8 +72,8 @@ class KvmeshConnector(KVConnectorBase_V1):  # type: ignore[misc]
         params = request.kv_transfer_params or {}
         with self.exchange.lock:
             self.exchange.claimed.discard(request.request_id)
-        if EXPORT not in params:
-            return False, None
+        if EXPORT not in params or request.status not in _EXPORTED:
+            return False, None  # aborted (a cancel) or failed: no export, nobody will release it
         with self.exchange.lock:
             self.exchange.exports[str(params[EXPORT])] = (request.request_id, list(block_ids))
         return True, None  # the blocks stay until get_finished reports the request sent

@@ -138,7 +138,9 @@ class VllmCore:
     """One in-process vLLM engine, called on one thread only (``AsyncEngine``'s); with
     ``exchange`` (``kvmesh.worker.vllm_connector``) it exports and imports KV blocks."""
 
-    last_step_tokens = 1  # vLLM waits for room on its own; the engine thread never needs to
+    # 1 while vLLM has requests (it waits for room on its own); 0 after a step for the
+    # connector alone, so that the engine thread waits for a command before the next
+    last_step_tokens = 1
 
     def __init__(
         self, engine: Any, model_name: str, layout: PoolLayout, num_threads: int | None, exchange: Exchange | None = None
@@ -232,7 +234,9 @@ class VllmCore:
                 )
             )
         self._fill_imports()
+        self._drop_gone_releases()
         self._pending.extend(self.names.translate(self.events.take()))
+        self.last_step_tokens = 1 if outputs or self.scheduler.has_unfinished_requests() else 0
         return outputs
 
     def abort_request(self, request_id: str) -> RequestOutput | None:
@@ -251,7 +255,10 @@ class VllmCore:
         exchange = self._connector()
         with exchange.lock:
             kept = exchange.exports.get(request_id)
-        if kept is None or reason in (FinishReason.ABORT, FinishReason.ERROR):
+        if kept is not None and reason in (FinishReason.ABORT, FinishReason.ERROR):
+            self.release_export(request_id)  # kept although it failed: nobody else will release it
+            return None
+        if kept is None:
             return None
         blocks = kept[1][: -(-num_tokens // self.block_size)]
         layout = self.layout
@@ -268,6 +275,19 @@ class VllmCore:
             if kept is not None:
                 exchange.to_release.add(kept[0])
         return kept is not None
+
+    def _drop_gone_releases(self) -> None:
+        """Releases of requests vLLM no longer holds: nothing to free, and left pending they
+        would keep the engine stepping (``has_unfinished``) with no request to step."""
+        if self.exchange is None:
+            return
+        held = self.scheduler.requests
+        with self.exchange.lock:
+            gone = {r for r in self.exchange.to_release | self.exchange.finished_seen if r not in held}
+            if gone:
+                logger.warning("releases of %d requests vLLM no longer holds: dropped", len(gone))
+                self.exchange.to_release -= gone
+                self.exchange.finished_seen -= gone
 
     # -- import (decode workers) -----------------------------------------------------------
     def allocate_import(self, handle: str, num_tokens: int) -> list[int] | None:
