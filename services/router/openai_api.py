@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import time
+from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from typing import Annotated, Any, Literal
 
@@ -276,7 +277,7 @@ class Usage:
         }
 
 
-class _Format:
+class _Format(ABC):
     """Builds one request's response objects; every object of a request shares id and created."""
 
     id_prefix = ""
@@ -308,8 +309,9 @@ class _Format:
     def opening_chunks(self) -> list[dict[str, Any]]:
         return []
 
+    @abstractmethod
     def response_choices(self, results: list[tuple[str, str | None]], usage: Usage) -> dict[str, Any]:
-        raise NotImplementedError
+        """The whole answer, one choice per (text, finish reason)."""
 
     def response(self, text: str, finish_reason: str | None, usage: Usage) -> dict[str, Any]:
         """A one-choice answer."""

@@ -95,21 +95,12 @@ print(json.dumps({"endpoint": agent.endpoint, "listening": sorted(ports)}))
 
 def test_the_transfer_engine_listens_inside_the_given_port_range():
     import json
-    import socket
     import subprocess
     import sys
 
-    def free(port: int) -> bool:
-        with socket.socket() as probe:
-            try:
-                probe.bind(("0.0.0.0", port))
-            except OSError:
-                return False
-        return True
+    from tests.mesh.meshes import free_port_range
 
-    import random
-
-    low = next(base for base in random.sample(range(20000, 32700, 16), 50) if all(free(p) for p in range(base, base + 16)))
+    low, _ = free_port_range(16)
     done = subprocess.run([sys.executable, "-c", LISTENERS, str(low), str(low + 15)], capture_output=True, text=True, timeout=60)
     assert done.returncode == 0, done.stderr[-2000:]
     result = json.loads(done.stdout.strip().splitlines()[-1])

@@ -3,33 +3,14 @@ Mooncake listeners pinned to a port range (as the deployment files do)."""
 
 from __future__ import annotations
 
-import random
-import socket
 from collections.abc import Iterator
 
 import pytest
 
 from kvmesh.infra.local_mesh import LocalMesh
-from tests.mesh.meshes import make_mesh
+from tests.mesh.meshes import free_port_range, make_mesh
 
 TRANSFER_PORTS = 16
-
-
-def free_port_range(count: int) -> tuple[int, int]:
-    """``count`` ports, all free now, below Mooncake's limit of 32767."""
-
-    def free(port: int) -> bool:
-        with socket.socket() as probe:
-            try:
-                probe.bind(("0.0.0.0", port))
-            except OSError:
-                return False
-        return True
-
-    for base in random.sample(range(20000, 32700, count), 100):
-        if all(free(port) for port in range(base, base + count)):
-            return base, base + count - 1
-    raise RuntimeError("no free port range")
 
 
 @pytest.fixture(scope="module")

@@ -4,15 +4,31 @@ from __future__ import annotations
 
 import asyncio
 import os
+import random
 import socket
+import time
 from pathlib import Path
 from typing import Any
 
+from kvmesh.cluster.etcd_store import EtcdStore
 from kvmesh.infra.local_mesh import LocalMesh, MeshOptions
+from kvmesh.protocol import Keys
 from tests.mesh.client import worker_stats
 
 MODEL = "SmolLM2-135M-Instruct"
 LEASE_TTL = 2  # seconds: a dead worker's record leaves etcd this soon
+# The prompts whose greedy answers through a mesh are compared with one process's.
+PROMPTS = [
+    "The capital of France is",
+    "Here is a list of three fruits:",
+    "def square(x):\n",
+    "The ocean is deep and",
+    "Once upon a time, a small robot",
+    "Water freezes at",
+    "The best way to learn a language is",
+    "In 1969, astronauts",
+]
+NEW_TOKENS = 20
 
 
 def make_mesh(
@@ -72,3 +88,33 @@ def listening(pid: int) -> list[tuple[str, int]]:
             packed = b"".join(raw[i : i + 4][::-1] for i in range(0, len(raw), 4))
             found.append((socket.inet_ntop(family, packed), int(hex_port, 16)))
     return found
+
+
+def free_port_range(count: int) -> tuple[int, int]:
+    """``count`` ports, all free now, below Mooncake's limit of 32767."""
+
+    def free(port: int) -> bool:
+        with socket.socket() as probe:
+            try:
+                probe.bind(("0.0.0.0", port))
+            except OSError:
+                return False
+        return True
+
+    for base in random.sample(range(20000, 32700, count), 100):
+        if all(free(port) for port in range(base, base + count)):
+            return base, base + count - 1
+    raise RuntimeError("no free port range")
+
+
+async def wait_for_a_pin(store: EtcdStore, worker_ids: list[str], timeout: float = 30) -> str | None:
+    """The first of these prefill workers seen holding a pin (a prefill done, its pull
+    pending), or None after ``timeout`` seconds."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        for worker_id in worker_ids:
+            pins, _ = await store.get_prefix(Keys("default").pins(worker_id))
+            if pins:
+                return worker_id
+        await asyncio.sleep(0.02)
+    return None

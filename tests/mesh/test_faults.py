@@ -14,7 +14,7 @@ from kvmesh.engine.tokenizer import Tokenizer
 from kvmesh.infra.local_mesh import LocalMesh
 from kvmesh.protocol import Keys
 from tests.mesh.client import post, stream, streamed_text, worker_stats
-from tests.mesh.meshes import LEASE_TTL, MODEL, assert_pools_at_baseline, make_mesh
+from tests.mesh.meshes import LEASE_TTL, MODEL, assert_pools_at_baseline, make_mesh, wait_for_a_pin
 
 pytestmark = pytest.mark.slow
 
@@ -36,14 +36,7 @@ async def test_prefill_killed_before_the_pull_is_retried(tmp_path, default_model
 
         async with EtcdStore([mesh.etcd.endpoint]) as store:
             request = asyncio.create_task(post(mesh.base_url, "/v1/completions", body))
-            victim = None
-            deadline = time.monotonic() + 30
-            while victim is None and time.monotonic() < deadline:  # the pin appears: prefill done, pull pending
-                for worker_id in ("prefill-1", "prefill-2"):
-                    pins, _ = await store.get_prefix(Keys("default").pins(worker_id))
-                    if pins:
-                        victim = worker_id
-                await asyncio.sleep(0.02)
+            victim = await wait_for_a_pin(store, ["prefill-1", "prefill-2"])  # prefill done, pull pending
             assert victim is not None
             mesh.workers[victim].kill()
             response = await asyncio.wait_for(request, 60)

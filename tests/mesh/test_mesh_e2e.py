@@ -13,21 +13,9 @@ from kvmesh.engine.request import SamplingParams
 from kvmesh.infra.local_mesh import LocalMesh, MeshOptions
 from kvmesh.testing.otlp_sink import OTLPSink
 from tests.mesh.client import post, stream, streamed_text, worker_stats
+from tests.mesh.meshes import MODEL, NEW_TOKENS, PROMPTS
 
 pytestmark = pytest.mark.slow
-
-MODEL = "SmolLM2-135M-Instruct"
-PROMPTS = [
-    "The capital of France is",
-    "Here is a list of three fruits:",
-    "def square(x):\n",
-    "The ocean is deep and",
-    "Once upon a time, a small robot",
-    "Water freezes at",
-    "The best way to learn a language is",
-    "In 1969, astronauts",
-]
-NEW_TOKENS = 20
 
 
 @pytest.fixture(scope="module")

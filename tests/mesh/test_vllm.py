@@ -25,23 +25,11 @@ from kvmesh.hashing import hash_to_hex, hash_token_blocks
 from kvmesh.protocol import Keys, KVQuery, KVQueryReply, Subjects, WorkerRecord
 from kvmesh.worker.engines import DEFAULT_BLOCK_SIZE, worker_python
 from tests.mesh.client import post, stream, streamed_text, worker_stats
-from tests.mesh.meshes import make_mesh
+from tests.mesh.meshes import MODEL, NEW_TOKENS, PROMPTS, make_mesh, wait_for_a_pin
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 
-MODEL = "SmolLM2-135M-Instruct"
 BLOCK = DEFAULT_BLOCK_SIZE["vllm"]
-PROMPTS = [
-    "The capital of France is",
-    "Here is a list of three fruits:",
-    "def square(x):\n",
-    "The ocean is deep and",
-    "Once upon a time, a small robot",
-    "Water freezes at",
-    "The best way to learn a language is",
-    "In 1969, astronauts",
-]
-NEW_TOKENS = 20
 SYSTEM = "You are a careful assistant. Answer in one short sentence, and name the city first. " * 3
 CHAT = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": "What is the capital of France?"}]
 CHAT_TOKENS = 32
@@ -219,7 +207,6 @@ async def test_a_vllm_prefill_worker_killed_before_the_pull_is_retried(tmp_path,
     events in kv-metadata: the other one has none of it). Then the prefill worker holding a
     request's pin is killed, the pull fails, the request is retried and completes with the
     same text, and the survivors hold no block."""
-    import time
 
     from kvmesh.cluster.etcd_store import EtcdStore
     from tests.mesh.meshes import assert_pools_at_baseline
@@ -240,14 +227,7 @@ async def test_a_vllm_prefill_worker_killed_before_the_pull_is_retried(tmp_path,
         want = (await post(trio.base_url, "/v1/completions", body)).json()["choices"][0]["text"]
         async with EtcdStore([trio.etcd.endpoint], **trio.etcd.store_options()) as store:
             request = asyncio.create_task(post(trio.base_url, "/v1/completions", body))
-            victim = None
-            deadline = time.monotonic() + 30
-            while victim is None and time.monotonic() < deadline:  # the pin appears: prefill done, pull pending
-                for worker_id in ("prefill-1", "prefill-2"):
-                    pins, _ = await store.get_prefix(Keys("default").pins(worker_id))
-                    if pins:
-                        victim = worker_id
-                await asyncio.sleep(0.02)
+            victim = await wait_for_a_pin(store, ["prefill-1", "prefill-2"])  # prefill done, pull pending
             assert victim is not None
             trio.workers[victim].kill()
             response = await asyncio.wait_for(request, 60)
