@@ -180,11 +180,21 @@ def test_dashboards_are_well_formed_and_use_the_provisioned_datasource():
 def test_compose_provisions_grafana_and_prometheus_from_these_files():
     compose = yaml.safe_load((ROOT / "deploy/compose/compose.yaml").read_text())["services"]
     provider = yaml.safe_load((GRAFANA / "provisioning/dashboards/kvmesh.yaml").read_text())["providers"][0]
-    mounts = {volume.split(":")[1]: (ROOT / "deploy/compose" / volume.split(":")[0]).resolve() for volume in compose["grafana"]["volumes"]}
+    mounts = {
+        volume.split(":")[1]: (ROOT / "deploy/compose" / volume.split(":")[0]).resolve()
+        for volume in compose["grafana"]["volumes"]
+    }
     assert mounts[provider["options"]["path"]] == (GRAFANA / "dashboards").resolve()
     assert mounts["/etc/grafana/provisioning"] == (GRAFANA / "provisioning").resolve()
-    prometheus = {volume.split(":")[1]: (ROOT / "deploy/compose" / volume.split(":")[0]).resolve() for volume in compose["prometheus"]["volumes"] if volume.startswith(".")}
+    prometheus = {
+        volume.split(":")[1]: (ROOT / "deploy/compose" / volume.split(":")[0]).resolve()
+        for volume in compose["prometheus"]["volumes"]
+        if volume.startswith(".")
+    }
     config = yaml.safe_load((ROOT / "deploy/prometheus/prometheus.yaml").read_text())
     assert prometheus["/etc/prometheus/alerts.yaml"] == ALERTS.resolve()
     assert config["rule_files"] == ["/etc/prometheus/alerts.yaml"]
-    assert f"--config.file={next(k for k, v in prometheus.items() if v.name == 'prometheus.yaml')}" in compose["prometheus"]["command"]
+    assert (
+        f"--config.file={next(k for k, v in prometheus.items() if v.name == 'prometheus.yaml')}"
+        in compose["prometheus"]["command"]
+    )
