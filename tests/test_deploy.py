@@ -603,6 +603,7 @@ class ComposeOnLoopback:
         env.pop("OTEL_EXPORTER_OTLP_ENDPOINT", None)
         overrides = {
             "KVMESH_HEALTH_PORT": "0",
+            "KVMESH_HEALTH_HOST": "127.0.0.1",  # 0.0.0.0 in a container, for Prometheus
             "KVMESH_ADVERTISE_HOST": "127.0.0.1",
             "KVMESH_KV_CACHE_MIB": "32",
             "KVMESH_NUM_THREADS": "1",
