@@ -146,8 +146,8 @@ def by_kind_and_name(overlay: str = "cpu") -> dict[tuple[str, str], dict]:
 
 def custom_resource_schema(doc: dict) -> dict | None:
     """The vendored schema of a custom resource kvmesh uses (deploy/k8s/schemas), or None."""
-    if doc["apiVersion"] == "monitoring.coreos.com/v1" and doc["kind"] == "ServiceMonitor":
-        return json.loads((ROOT / "deploy/k8s/schemas/servicemonitor.monitoring.coreos.com-v1.json").read_text())
+    if doc["apiVersion"] == "monitoring.coreos.com/v1" and doc["kind"] in ("ServiceMonitor", "PrometheusRule"):
+        return json.loads((ROOT / f"deploy/k8s/schemas/{doc['kind'].lower()}.monitoring.coreos.com-v1.json").read_text())
     return None
 
 
@@ -358,6 +358,16 @@ def test_disruption_budgets_autoscalers_and_service_monitors():
         service_ports = {p["name"] for p in services[name]["spec"]["ports"]}
         assert monitor["spec"]["selector"]["matchLabels"].items() <= services[name]["metadata"]["labels"].items()
         assert all(e["port"] in service_ports and e["path"] == "/metrics" for e in monitor["spec"]["endpoints"])
+
+
+def test_kubernetes_alerts_are_the_compose_ones():
+    import jsonschema
+
+    rule = by_kind_and_name()[("PrometheusRule", "kvmesh")]
+    assert rule["spec"]["groups"] == yaml.safe_load((ROOT / "deploy/prometheus/alerts.yaml").read_text())["groups"]
+    broken = {**rule, "spec": {"groups": [{"name": "x", "rules": [{"alert": "A", "expr": "up", "fore": "1m"}]}]}}
+    with pytest.raises(jsonschema.ValidationError, match="'fore' was unexpected"):
+        validate_strictly(broken, "1.33")
 
 
 def test_network_policies_let_only_the_router_be_reached_from_outside():
