@@ -878,6 +878,16 @@ def kvmesh_containers() -> list[tuple[str, dict, dict[str, str]]]:
     return out
 
 
+def unread_variables(containers: list[tuple[str, dict, dict[str, str]]]) -> list[str]:
+    read = variables_the_services_read()
+    unread = []
+    for where, container, env in containers:
+        command = " ".join(container.get("command") or [])
+        # A variable only the container's own shell command reads (POD_NAME) is fine too.
+        unread += [f"{where}: {name}" for name in env if name not in read and f"${name}" not in command]
+    return unread
+
+
 def test_every_variable_in_compose_and_kubernetes_is_one_the_services_read():
     read = variables_the_services_read()
     assert {
@@ -887,11 +897,15 @@ def test_every_variable_in_compose_and_kubernetes_is_one_the_services_read():
         "KVMESH_WORKER_ID",
         "OTEL_EXPORTER_OTLP_ENDPOINT",
     } <= read
-    for where, container, env in kvmesh_containers():
-        command = " ".join(container.get("command") or [])
-        for name in env:
-            # A variable only the container's own shell command reads (POD_NAME) is fine too.
-            assert name in read or f"${name}" in command, f"{where}: {name} is read by no kvmesh code"
+    assert {"KVMESH_REQUEST_DEADLINE", "KVMESH_MODEL", "KVMESH_SERVICE_ID", "KVMESH_ROUTER_PORT"} <= read
+    containers = kvmesh_containers()
+    assert len(containers) > 30
+    assert unread_variables(containers) == []
+    # A misspelt or retired name is caught.
+    worker = {"command": ["python", "-m", "kvmesh.services.decode_worker"]}
+    assert unread_variables([("x", worker, {"KVMESH_HEALTH_PROT": "8081", "KVMESH_KV_CACHE_MB": "1"})]) == [
+        "x: KVMESH_HEALTH_PROT", "x: KVMESH_KV_CACHE_MB",
+    ]  # fmt: skip
 
 
 def test_every_port_in_compose_and_kubernetes_is_one_the_services_listen_on():
