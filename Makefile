@@ -3,6 +3,9 @@ PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.kvmesh-installed
+# checkov's own virtualenv (make checkov, below)
+CHECKOV_VENV := .venv-checkov
+CHECKOV_STAMP := $(CHECKOV_VENV)/.kvmesh-installed
 
 .PHONY: install system-deps up demo test lint bench vllm checkov
 
@@ -48,9 +51,6 @@ lint: $(STAMP)
 # checkov, the security linter of the Kubernetes manifests (tests/test_deploy.py), in a
 # virtualenv of its own: its pins (packaging<24, networkx<2.7) conflict with the test
 # environment's. Its dependencies at the versions of deploy/checkov/constraints.txt.
-CHECKOV_VENV := .venv-checkov
-CHECKOV_STAMP := $(CHECKOV_VENV)/.kvmesh-installed
-
 $(CHECKOV_STAMP): deploy/checkov/constraints.txt
 	test -x $(CHECKOV_VENV)/bin/python || $(PYTHON) -m venv $(CHECKOV_VENV)
 	$(CHECKOV_VENV)/bin/python -m pip install --quiet -c deploy/checkov/constraints.txt checkov==3.3.30
