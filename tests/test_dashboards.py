@@ -198,3 +198,13 @@ def test_compose_provisions_grafana_and_prometheus_from_these_files():
         f"--config.file={next(k for k, v in prometheus.items() if v.name == 'prometheus.yaml')}"
         in compose["prometheus"]["command"]
     )
+
+
+def test_kv_metadata_panels_are_not_filtered_by_model():
+    """kv-metadata's one index spans every model (its series say model_name="all"): a
+    model_name matcher on them would show nothing once a model is picked."""
+    for where, title, expr in dashboard_queries():
+        for name, labels in promql_uses(expr):
+            metric = series_names().get(name or "")
+            if metric is not None and metric.service == "kv-metadata":
+                assert "model_name" not in labels, (where, title, expr)
