@@ -43,6 +43,7 @@ from kvmesh.services.router.prompts import chat_prompt_ids, completion_prompt_id
 from kvmesh.services.router.rate_limit import RateLimited, RateLimiter
 from kvmesh.services.router.rate_limits import RateLimitConfig
 from kvmesh.services.router.rate_store import CounterStore
+from kvmesh.services.router.responses_api import RESPONSES, ResponsesRequest, chat_request, renamed, responses_answer
 from kvmesh.services.router.shutdown import Shutdown
 from kvmesh.services.router.streaming import CLIENT_CLOSED
 
@@ -59,7 +60,7 @@ __all__ = [
 
 logger = logging.getLogger(__name__)
 
-GENERATION_PATHS = frozenset({COMPLETIONS, CHAT_COMPLETIONS})
+GENERATION_PATHS = frozenset({COMPLETIONS, CHAT_COMPLETIONS, RESPONSES})
 HEALTH_TIMEOUT = 2.0  # seconds the backend has to answer a health check
 TOKENIZER_THREADS = 2
 
@@ -276,5 +277,18 @@ def create_app(
         check_accepting(body.model)
         prompt_ids = await off_loop(chat_prompt_ids, body, backend.tokenizer, backend.max_model_len)
         return await generation.serve(request, CHAT_COMPLETIONS, body, [prompt_ids])
+
+    @app.post(RESPONSES)
+    async def responses(body: ResponsesRequest, request: Request) -> Response:
+        """OpenAI's Responses API, served by the chat path (``responses_api``)."""
+        check_accepting(body.model)
+        chat = chat_request(body, await request.json())
+        try:
+            prompt_ids = await off_loop(chat_prompt_ids, chat, backend.tokenizer, backend.max_model_len)
+            answer = await generation.serve(request, RESPONSES, chat, [prompt_ids])
+        except APIError as exc:
+            renamed(exc)  # the chat path's field names, as this request spells them
+            raise
+        return responses_answer(answer, body)
 
     return app

@@ -303,8 +303,8 @@ async def test_wrong_model_is_404(client: httpx.AsyncClient, fake: FakeBackend) 
 async def test_unknown_route_has_an_openai_error_body(client: httpx.AsyncClient) -> None:
     resp = await client.get("/v1/nothing")
     assert (resp.status_code, resp.json()) == (404, error("Invalid URL (GET /v1/nothing)", code="not_found"))
-    resp = await client.post("/v1/responses", json={})
-    assert (resp.status_code, resp.json()) == (404, error("Invalid URL (POST /v1/responses)", code="not_found"))
+    resp = await client.post("/v1/embeddings", json={})
+    assert (resp.status_code, resp.json()) == (404, error("Invalid URL (POST /v1/embeddings)", code="not_found"))
     resp = await client.get("/v1/completions")
     assert (resp.status_code, resp.json()) == (
         405,
