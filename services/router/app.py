@@ -16,7 +16,7 @@ import contextlib
 import functools
 import logging
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, TypeVar
 
@@ -24,6 +24,8 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
+from starlette.datastructures import Headers
+from starlette.middleware.cors import CORSMiddleware
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from kvmesh import __version__
@@ -107,6 +109,28 @@ def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
     return "; ".join(parts) or "invalid request", (params[0] or None) if params else None
 
 
+class Cors(CORSMiddleware):
+    """Starlette's CORS, with a refused preflight answered by an OpenAI error body."""
+
+    def __init__(self, app: Any, *, origins: Sequence[str]) -> None:
+        super().__init__(
+            app,
+            allow_origins=list(origins),
+            allow_methods=["GET", "POST", "OPTIONS"],
+            allow_headers=["*"],  # Authorization, Content-Type, x-session-id, what client libraries add
+            expose_headers=["Retry-After"],
+            max_age=600,
+        )
+
+    def preflight_response(self, request_headers: Headers) -> Response:
+        response = super().preflight_response(request_headers)
+        if response.status_code != 400:
+            return response
+        error = _error_response(APIError(400, bytes(response.body).decode(), code="cors_refused"))
+        error.headers.update({k: v for k, v in response.headers.items() if k.lower().startswith("access-control-")})
+        return error
+
+
 # --------------------------------------------------------------------------- the app
 def create_app(
     backend: GenerationBackend,
@@ -120,6 +144,7 @@ def create_app(
     shared_rate_store: bool = False,
     clock: Callable[[], float] = time.time,
     limits: Limits | None = None,
+    cors_allow_origins: Sequence[str] = (),
 ) -> FastAPI:
     """The router's FastAPI app serving ``backend``'s model.
 
@@ -128,7 +153,8 @@ def create_app(
     is always open. ``rate_limits`` are enforced per key name (``anonymous`` without keys), with
     counters in ``rate_store`` (default: this process; ``shared_rate_store``: batch output charges)
     and windows by ``clock`` (epoch seconds). ``app.state.shutdown`` is the app's ``Shutdown``:
-    the server begins it on SIGTERM / SIGINT.
+    the server begins it on SIGTERM / SIGINT. ``cors_allow_origins`` (origins, or ``*``) turns CORS
+    on: preflights answered, responses to those origins readable by browsers; off without any.
     """
     if api_key is not None:
         if api_keys is not None:
@@ -170,6 +196,8 @@ def create_app(
         )
     # outermost: a body is bounded before anything reads it
     app.add_middleware(BodyLimit, limits=limits, metrics=metrics, counted_paths=GENERATION_PATHS)
+    if cors_allow_origins:  # outside even that: every answer, errors too, carries its CORS headers
+        app.add_middleware(Cors, origins=cors_allow_origins)
 
     async def off_loop(work: Callable[..., T], *args: Any) -> T:
         """Blocking work (tokenizing, templating) in the app's small thread pool."""

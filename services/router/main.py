@@ -41,6 +41,10 @@ def _flag(name: str) -> bool:
     return os.environ.get(name, "").strip().lower() in ("1", "true", "yes", "on")
 
 
+def _origins(value: str) -> tuple[str, ...]:
+    return tuple(origin.strip().rstrip("/") for origin in value.split(",") if origin.strip())
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="kvmesh-router", description="kvmesh router (OpenAI-compatible API)")
     add_mesh_args(parser)
@@ -70,6 +74,12 @@ def build_parser() -> argparse.ArgumentParser:
         choices=["local", "nats"],
         default=os.environ.get("KVMESH_RATE_LIMIT_STORE", "local"),
         help="where token budgets are counted: this router (local, the default) or a NATS JetStream KV bucket every router shares",
+    )
+    parser.add_argument(
+        "--cors-allow-origins",
+        type=_origins,
+        default=_origins(os.environ.get("KVMESH_CORS_ALLOW_ORIGINS", "")),
+        help="comma-separated origins (or *) whose browser pages may call the API (CORS); none: CORS off (default)",
     )
     parser.add_argument("--max-attempts", type=int, default=3, help="tries per request")
     parser.add_argument(
@@ -166,6 +176,7 @@ async def main(argv: list[str] | None = None) -> None:
         rate_store=store,
         shared_rate_store=shared,
         limits=limits,
+        cors_allow_origins=args.cors_allow_origins,
     )
     try:
         from opentelemetry.instrumentation.fastapi import FastAPIInstrumentor
