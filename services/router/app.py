@@ -33,6 +33,7 @@ from kvmesh.services.router.api_keys import DEFAULT_NAME, ApiKeys
 from kvmesh.services.router.auth import BearerAuth
 from kvmesh.services.router.backend import GenerationBackend, HealthReport
 from kvmesh.services.router.generation import CHAT_COMPLETIONS, COMPLETIONS, SESSION_HEADER, Generation
+from kvmesh.services.router.generation_defaults import GenerationDefaults
 from kvmesh.services.router.limits import BodyLimit, Limits
 from kvmesh.services.router.metrics import RouterMetrics
 from kvmesh.services.router.openai_api import (
@@ -145,6 +146,7 @@ def create_app(
     clock: Callable[[], float] = time.time,
     limits: Limits | None = None,
     cors_allow_origins: Sequence[str] = (),
+    generation_defaults: GenerationDefaults | None = None,
 ) -> FastAPI:
     """The router's FastAPI app serving ``backend``'s model.
 
@@ -155,6 +157,7 @@ def create_app(
     and windows by ``clock`` (epoch seconds). ``app.state.shutdown`` is the app's ``Shutdown``:
     the server begins it on SIGTERM / SIGINT. ``cors_allow_origins`` (origins, or ``*``) turns CORS
     on: preflights answered, responses to those origins readable by browsers; off without any.
+    ``generation_defaults`` (the model's ``generation_config.json``) fill what a request omits.
     """
     if api_key is not None:
         if api_keys is not None:
@@ -163,6 +166,7 @@ def create_app(
     if (auth_metrics or auth_docs) and api_keys is None:
         raise ValueError("auth on /metrics or the docs needs API keys (--api-key-file or KVMESH_API_KEY)")
     limits = limits or Limits()
+    defaults = generation_defaults or GenerationDefaults()
     metrics = RouterMetrics()
     shutdown = Shutdown()
     limiter = None
@@ -298,12 +302,14 @@ def create_app(
     async def completions(body: CompletionRequest, request: Request) -> Response:
         check_accepting(body.model)
         prompts = await off_loop(completion_prompt_ids, body, backend.tokenizer, backend.max_model_len)
+        body = defaults.apply(body, [len(ids) for ids in prompts], backend.max_model_len)
         return await generation.serve(request, COMPLETIONS, body, prompts)
 
     @app.post(CHAT_COMPLETIONS)
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
         check_accepting(body.model)
         prompt_ids = await off_loop(chat_prompt_ids, body, backend.tokenizer, backend.max_model_len)
+        body = defaults.apply(body, [len(prompt_ids)], backend.max_model_len)
         return await generation.serve(request, CHAT_COMPLETIONS, body, [prompt_ids])
 
     @app.post(RESPONSES)
@@ -313,10 +319,11 @@ def create_app(
         chat = chat_request(body, await request.json())
         try:
             prompt_ids = await off_loop(chat_prompt_ids, chat, backend.tokenizer, backend.max_model_len)
+            chat = defaults.apply(chat, [len(prompt_ids)], backend.max_model_len)
             answer = await generation.serve(request, RESPONSES, chat, [prompt_ids])
         except APIError as exc:
             renamed(exc)  # the chat path's field names, as this request spells them
             raise
-        return responses_answer(answer, body)
+        return responses_answer(answer, body, chat)
 
     return app

@@ -280,11 +280,12 @@ def _usage(chat_usage: dict[str, Any] | None) -> dict[str, Any] | None:
 class _Answer:
     """One response's objects: its envelope echoes the request, its message item holds the text."""
 
-    def __init__(self, body: ResponsesRequest, chat_id: str, created: int) -> None:
+    def __init__(self, body: ResponsesRequest, chat_body: ChatCompletionRequest, chat_id: str, created: int) -> None:
         request_id = chat_id.removeprefix("chatcmpl-")
         self.id = f"resp_{request_id}"
         self.item_id = f"msg_{request_id}"
         self.body = body
+        self.chat_body = chat_body  # the sampling as served
         self.created = created
 
     def part(self, text: str) -> dict[str, Any]:
@@ -313,7 +314,7 @@ class _Answer:
             "error": error,
             "incomplete_details": {"reason": "max_output_tokens"} if status == "incomplete" else None,
             "instructions": body.instructions,
-            "max_output_tokens": body.max_output_tokens,
+            "max_output_tokens": self.chat_body.requested_max_tokens,
             "model": body.model,
             "output": output,
             "parallel_tool_calls": False,
@@ -321,8 +322,8 @@ class _Answer:
             "reasoning": None,
             "store": False,
             "background": False,
-            "temperature": 1.0 if body.temperature is None else body.temperature,
-            "top_p": 1.0 if body.top_p is None else body.top_p,
+            "temperature": 1.0 if self.chat_body.temperature is None else self.chat_body.temperature,
+            "top_p": 1.0 if self.chat_body.top_p is None else self.chat_body.top_p,
             "text": {"format": fmt, "verbosity": "medium"},
             "tool_choice": "none",
             "tools": [],
@@ -338,15 +339,16 @@ def _status(finish_reason: str | None) -> str:
     return "incomplete" if finish_reason == "length" else "completed"
 
 
-def responses_answer(answer: Response, body: ResponsesRequest) -> Response:
-    """The chat path's answer to ``chat_request(body)`` as the Responses API's."""
+def responses_answer(answer: Response, body: ResponsesRequest, chat_body: ChatCompletionRequest) -> Response:
+    """The chat path's answer to ``chat_body`` (``chat_request(body)``, with the model's defaults)
+    as the Responses API's."""
     if isinstance(answer, EventStreamResponse):
-        answer.body_iterator = _events(answer.body_iterator, body)
+        answer.body_iterator = _events(answer.body_iterator, body, chat_body)
         return answer
     assert isinstance(answer, JSONResponse), answer
     chat = json.loads(bytes(answer.body))
     [choice] = chat["choices"]
-    out = _Answer(body, chat["id"], chat["created"])
+    out = _Answer(body, chat_body, chat["id"], chat["created"])
     status = _status(choice["finish_reason"])
     text = choice["message"]["content"] or ""
     return JSONResponse(out.response(status, [out.item(status, text)], usage=_usage(chat.get("usage"))))
@@ -366,7 +368,7 @@ def _chat_events(raw: str) -> list[dict[str, Any] | None]:
     return events
 
 
-async def _events(chunks: AsyncIterable[Any], body: ResponsesRequest) -> AsyncIterator[str]:
+async def _events(chunks: AsyncIterable[Any], body: ResponsesRequest, chat_body: ChatCompletionRequest) -> AsyncIterator[str]:
     """The chat stream's SSE, re-told as the Responses stream's events."""
     out: _Answer | None = None
     seq = 0
@@ -406,7 +408,7 @@ async def _events(chunks: AsyncIterable[Any], body: ResponsesRequest) -> AsyncIt
                     yield event("response.failed", response=failed)
                 return
             if out is None:
-                out = _Answer(body, chat["id"], chat["created"])
+                out = _Answer(body, chat_body, chat["id"], chat["created"])
                 yield event("response.created", response=out.response("in_progress", []))
                 yield event("response.in_progress", response=out.response("in_progress", []))
                 yield event("response.output_item.added", output_index=0, item=out.item("in_progress", None))
