@@ -74,14 +74,14 @@ _PART_TYPES = ("input_text", "output_text")
 
 
 # --------------------------------------------------------------------------- requests
-class _InputText(BaseModel):
+class InputText(BaseModel):
     model_config = _STRICT
 
     type: Literal["input_text"]
     text: Text
 
 
-class _OutputText(BaseModel):
+class OutputText(BaseModel):
     """An earlier answer's text, as a client sends the output of a response back as history."""
 
     model_config = _STRICT
@@ -108,7 +108,7 @@ class InputMessage(BaseModel):
 
     type: Literal["message"] = "message"
     role: Literal["user", "assistant", "system", "developer"]
-    content: Annotated[str | list[_InputText | _OutputText], BeforeValidator(_parse_parts)]
+    content: Annotated[str | list[InputText | OutputText], BeforeValidator(_parse_parts)]
     id: str | None = None  # an output message sent back as history carries these
     status: Literal["in_progress", "completed", "incomplete"] | None = None
 
