@@ -22,13 +22,22 @@ from typing import Any, TypeVar
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.datastructures import Headers
 from starlette.middleware.cors import CORSMiddleware
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from kvmesh import __version__
+from kvmesh.services.router.api_docs import (
+    CHAT_ANSWER,
+    CHAT_CHUNK,
+    COMPLETION_ANSWER,
+    COMPLETION_CHUNK,
+    RESPONSE_ANSWER,
+    RESPONSE_EVENT,
+    generation_responses,
+)
 from kvmesh.services.router.api_keys import DEFAULT_NAME, ApiKeys
 from kvmesh.services.router.auth import BearerAuth
 from kvmesh.services.router.backend import GenerationBackend, HealthReport
@@ -281,7 +290,7 @@ def create_app(
     async def liveness() -> JSONResponse:
         return JSONResponse({"status": "alive"})
 
-    @app.get("/metrics")
+    @app.get("/metrics", response_class=PlainTextResponse)  # Prometheus' text format
     async def prometheus_metrics() -> Response:
         return Response(metrics.render(), media_type=CONTENT_TYPE_LATEST)
 
@@ -298,21 +307,21 @@ def create_app(
         check_model(model)
         return JSONResponse(model_card())
 
-    @app.post(COMPLETIONS)
+    @app.post(COMPLETIONS, responses=generation_responses(COMPLETION_ANSWER, COMPLETION_CHUNK))
     async def completions(body: CompletionRequest, request: Request) -> Response:
         check_accepting(body.model)
         prompts = await off_loop(completion_prompt_ids, body, backend.tokenizer, backend.max_model_len)
         body = defaults.apply(body, [len(ids) for ids in prompts], backend.max_model_len)
         return await generation.serve(request, COMPLETIONS, body, prompts)
 
-    @app.post(CHAT_COMPLETIONS)
+    @app.post(CHAT_COMPLETIONS, responses=generation_responses(CHAT_ANSWER, CHAT_CHUNK))
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
         check_accepting(body.model)
         prompt_ids = await off_loop(chat_prompt_ids, body, backend.tokenizer, backend.max_model_len)
         body = defaults.apply(body, [len(prompt_ids)], backend.max_model_len)
         return await generation.serve(request, CHAT_COMPLETIONS, body, [prompt_ids])
 
-    @app.post(RESPONSES)
+    @app.post(RESPONSES, responses=generation_responses(RESPONSE_ANSWER, RESPONSE_EVENT, done=False))
     async def responses(body: ResponsesRequest, request: Request) -> Response:
         """OpenAI's Responses API, served by the chat path (``responses_api``)."""
         check_accepting(body.model)
