@@ -69,6 +69,8 @@ class GenerationDefaults:
             return cls()
         path = Path(model_dir if setting == "auto" else setting) / FILE
         if not path.is_file():
+            if setting != "auto":
+                logger.warning("--generation-config %s: no %s there; no generation defaults", setting, FILE)
             return cls()
         try:
             config = json.loads(path.read_text(encoding="utf-8"))
