@@ -292,3 +292,29 @@ async def test_the_official_client_creates_and_streams(app: FastAPI, fake: FakeB
         assert (final.output_text, final.status, final.usage.output_tokens) == ("Hello", "completed", 2)
     assert fake.calls[0].prompt_token_ids == fake.calls[1].prompt_token_ids
     assert fake.calls[0].sampling == fake.calls[1].sampling
+
+
+@pytest.mark.parametrize("spec_version", ["2.3", "2.4"])
+async def test_a_client_gone_mid_stream_cancels_the_request(fake: FakeBackend, spec_version: str) -> None:
+    """The translated stream still closes the chat path's: the backend request is cancelled,
+    counted as 499 under /v1/responses, nothing left in flight."""
+    from starlette.requests import ClientDisconnect
+
+    from kvmesh.services.router.app import create_app
+    from tests.router.fakes import Sleep
+    from tests.router.test_streaming import Disconnecting
+
+    fake.script = [Emit((10,), "Hel"), Emit((11,), "lo"), Sleep(30), Finish("stop")]
+    fake.cancel_seconds = 0.01
+    app = create_app(fake)
+    client = Disconnecting({"model": MODEL, "input": "Hi", "stream": True}, after_chunks=5, spec_version=spec_version, fake=fake)
+    if spec_version == "2.4":
+        with pytest.raises(ClientDisconnect):
+            await client.run(app, RESPONSES)
+    else:
+        await client.run(app, RESPONSES)
+    assert fake.cancelled == [fake.calls[0].request_id] and fake.finished == []
+    assert client.body_chunks()[0].startswith("event: response.created\n")
+    metrics = app.state.metrics.render().decode()
+    assert 'kvmesh_router_requests_total{endpoint="/v1/responses",status="499"} 1.0' in metrics
+    assert "kvmesh_router_requests_in_flight 0.0" in metrics
