@@ -15,6 +15,7 @@ from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, TypeAdapter,
 
 from kvmesh.errors import ErrorCode, as_error_code
 from kvmesh.engine.request import PENALTY_RANGE, SamplingParams
+from kvmesh.engine.structured import GUIDED_KINDS, MAX_GRAMMAR_CHARS
 from kvmesh.transfer.layout import KVMESH_ARRANGEMENT, PoolLayout, block_major
 
 Role = Literal["prefill", "decode", "router", "kv-metadata"]
@@ -164,6 +165,16 @@ def _is_zero(value: object) -> bool:
     return not value
 
 
+class GuidedSpec(Message):
+    """``kvmesh.engine.structured.GuidedDecoding`` on the wire: what the output must match."""
+
+    kind: Literal["json_schema", "json_object", "regex", "choice"]
+    value: str = Field(default="", max_length=MAX_GRAMMAR_CHARS)
+
+
+assert set(GUIDED_KINDS) == {"json_schema", "json_object", "regex", "choice"}
+
+
 class SamplingSpec(Message):
     """``SamplingParams`` on the wire. The logits-processing fields are left out of the JSON
     at their defaults (which change nothing): a plain request reads as it did before them, to
@@ -186,6 +197,7 @@ class SamplingSpec(Message):
     min_p: float = Field(default=0.0, ge=0.0, le=1.0, exclude_if=_is_zero)
     min_tokens: int = Field(default=0, ge=0, exclude_if=_is_zero)
     prior_output_tokens: int = Field(default=0, ge=0, exclude_if=_is_zero)  # a resumed request's (SamplingParams)
+    guided: GuidedSpec | None = Field(default=None, exclude_if=_is_zero)  # structured output
 
     def to_params(self) -> SamplingParams:
         return SamplingParams(**self.model_dump())

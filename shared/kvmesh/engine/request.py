@@ -6,8 +6,9 @@ import enum
 import time
 from dataclasses import dataclass, field
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
+from kvmesh.engine.structured import GuidedDecoding
 from kvmesh.hashing import BlockHash
 
 if TYPE_CHECKING:
@@ -52,8 +53,12 @@ class SamplingParams:
     # A request resumed on another worker: the prompt's last this-many tokens were generated
     # before, and the penalties and min_tokens count them as generated.
     prior_output_tokens: int = 0
+    # Structured output: the grammar the output must match (``kvmesh.engine.structured``).
+    guided: GuidedDecoding | None = None
 
     def __post_init__(self) -> None:
+        if isinstance(self.guided, dict):  # from the wire (``SamplingSpec.to_params``)
+            self.guided = GuidedDecoding(**self.guided)
         self.stop = tuple(self.stop)
         self.stop_token_ids = tuple(self.stop_token_ids)
         low, high = LOGIT_BIAS_RANGE
@@ -119,6 +124,8 @@ class Request:
     num_preemptions: int = 0
     # Disaggregation: keep the blocks after the first token instead of decoding on.
     export_kv: bool = False
+    # A guided request's ``kvmesh.engine.structured.GrammarState`` (set by the engine).
+    grammar: Any = None
 
     def __post_init__(self) -> None:
         if not self.prompt_token_ids:
