@@ -80,7 +80,7 @@ def bench_xgrammar(tok: Tokenizer, tokens: list[int], regex_tokens: list[int]) -
         ),
         1,
     )
-    results: dict = {"library": f"xgrammar {xgr.__version__ if hasattr(xgr, '__version__') else ''}", "tokenizer_info_s": t_info}
+    results: dict = {"library": "xgrammar " + importlib.metadata.version("xgrammar"), "tokenizer_info_s": t_info}
 
     def compiler():
         return xgr.GrammarCompiler(info, max_threads=1, cache_enabled=False)
@@ -117,7 +117,7 @@ def bench_llguidance(tok: Tokenizer, tokens: list[int], regex_tokens: list[int])
     vocab_size = tok.vocab_size
     eos = tok.eos_token_ids[0]
     t_info, lltok = _timed(lambda: llg.LLTokenizer(tok.backend.to_str(), n_vocab=vocab_size, eos_token=eos), 1)
-    results: dict = {"library": f"llguidance {llg.__version__ if hasattr(llg, '__version__') else ''}", "tokenizer_info_s": t_info}
+    results: dict = {"library": "llguidance " + importlib.metadata.version("llguidance"), "tokenizer_info_s": t_info}
     schema_grammar = llg.LLMatcher.grammar_from_json_schema(json.dumps(SCHEMA), defaults={"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "})
     obj_grammar = llg.LLMatcher.grammar_from_json_schema('{"type": "object"}')
     re_grammar = llg.LLMatcher.grammar_from_regex(REGEX)
