@@ -12,10 +12,20 @@ from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationInfo, WithJsonSchema, field_validator
+from pydantic import (
+    BaseModel,
+    BeforeValidator,
+    ConfigDict,
+    Field,
+    ValidationInfo,
+    WithJsonSchema,
+    field_validator,
+    model_validator,
+)
 
 from kvmesh.engine.request import PENALTY_RANGE
-from kvmesh.protocol import SamplingSpec
+from kvmesh.engine.structured import GuidedDecoding
+from kvmesh.protocol import GuidedSpec, SamplingSpec
 from kvmesh.services.router.openai_fields import (
     CONTENT_SCHEMA,
     LOGIT_BIAS_SCHEMA,
@@ -33,6 +43,19 @@ from kvmesh.services.router.openai_fields import (
     _parse_prompt,
     _parse_stop,
     unicode_problem,
+)
+from kvmesh.services.router.structured_fields import (
+    GUIDED_CHOICE_SCHEMA,
+    GUIDED_FIELDS,
+    GUIDED_JSON_SCHEMA,
+    GUIDED_REGEX_SCHEMA,
+    RESPONSE_FORMAT_SCHEMA,
+    STRUCTURED_OUTPUTS_SCHEMA,
+    parse_guided_choice,
+    parse_guided_json,
+    parse_guided_regex,
+    parse_response_format,
+    parse_structured_outputs,
 )
 
 __all__ = [
@@ -147,6 +170,34 @@ class _GenerationRequest(BaseModel):
     logprobs: Annotated[Any, _only_off(_is_off, "logprobs are not supported", False)] = None
 
     max_tokens: int | None = Field(default=None, ge=1)
+    # structured output (``structured_fields``): OpenAI's, and vLLM's spellings; at most one
+    response_format: Annotated[
+        GuidedDecoding | None, BeforeValidator(parse_response_format), WithJsonSchema(RESPONSE_FORMAT_SCHEMA)
+    ] = None
+    guided_json: Annotated[
+        GuidedDecoding | None, BeforeValidator(parse_guided_json), WithJsonSchema(GUIDED_JSON_SCHEMA)
+    ] = None
+    guided_regex: Annotated[
+        GuidedDecoding | None, BeforeValidator(parse_guided_regex), WithJsonSchema(GUIDED_REGEX_SCHEMA)
+    ] = None
+    guided_choice: Annotated[
+        GuidedDecoding | None, BeforeValidator(parse_guided_choice), WithJsonSchema(GUIDED_CHOICE_SCHEMA)
+    ] = None
+    structured_outputs: Annotated[
+        GuidedDecoding | None, BeforeValidator(parse_structured_outputs), WithJsonSchema(STRUCTURED_OUTPUTS_SCHEMA)
+    ] = None
+
+    @model_validator(mode="after")
+    def _one_guided_field(self) -> _GenerationRequest:
+        given = [name for name in GUIDED_FIELDS if getattr(self, name) is not None]
+        if len(given) > 1:
+            raise ValueError(f"only one of {', '.join(GUIDED_FIELDS)} may be given, got {' and '.join(given)}")
+        return self
+
+    @property
+    def guided(self) -> GuidedDecoding | None:
+        """What the output must match, if the request asks for structured output."""
+        return next((getattr(self, n) for n in GUIDED_FIELDS if getattr(self, n) is not None), None)
 
     @field_validator("stream_options")
     @classmethod
@@ -181,6 +232,7 @@ class _GenerationRequest(BaseModel):
             logit_bias=self.logit_bias or {},
             min_p=self.min_p or 0.0,
             min_tokens=self.min_tokens or 0,
+            guided=None if self.guided is None else GuidedSpec(kind=self.guided.kind, value=self.guided.value),
         )
 
 
@@ -233,14 +285,6 @@ class ChatCompletionRequest(_GenerationRequest):
     tools: Annotated[Any, _only_off(lambda v: v is None or v == [], "tools are not supported", [])] = None
     tool_choice: Annotated[
         Any, _only_off(lambda v: v is None or v == "none", "tool_choice is not supported", "none")
-    ] = None
-    response_format: Annotated[
-        Any,
-        _only_off(
-            lambda v: v is None or v == {"type": "text"},
-            "response_format is not supported (only text)",
-            {"type": "text"},
-        ),
     ] = None
 
     @property

@@ -196,9 +196,6 @@ async def test_developer_role_and_text_parts(client: httpx.AsyncClient, fake: Fa
 @pytest.mark.parametrize(
     "field",
     [
-        "guided_json",
-        "guided_regex",
-        "guided_choice",
         "guided_grammar",
         "parallel_tool_calls",
         "reasoning_effort",
