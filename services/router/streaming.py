@@ -141,9 +141,12 @@ class EventStream:
                     tracker = choices[index].tracker
                     tracker.on_event(event)
                     if event.text:
-                        yield sse_event(fmt.content_chunk(event.text, index))
+                        chunk = fmt.content_chunk(event.text, index)
+                        if chunk is not None:  # None: held back (a tool call's text, parsed at the end)
+                            yield sse_event(chunk)
                     if event.finished:
-                        yield sse_event(fmt.final_chunk(tracker.finish_reason, index))
+                        for chunk in fmt.final_chunks(tracker.finish_reason, index):
+                            yield sse_event(chunk)
                     else:
                         self._fetch(index)
                 ready = [(index, check_event(event)) for index, event in await self._next_events()]

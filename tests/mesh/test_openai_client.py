@@ -185,7 +185,7 @@ async def test_async_streamed_chat_with_options(async_client: openai.AsyncOpenAI
     await async_client.close()
 
 
-@pytest.mark.parametrize("field", ["guided_grammar", "parallel_tool_calls", "reasoning_effort"])
+@pytest.mark.parametrize("field", ["guided_grammar", "reasoning_effort"])
 def test_what_is_not_implemented_is_refused_by_name(client: openai.OpenAI, field: str) -> None:
     with pytest.raises(openai.BadRequestError) as info:
         client.chat.completions.create(

@@ -220,8 +220,8 @@ async def test_chat_prompt_filling_the_context_is_400(client: httpx.AsyncClient,
     [
         ({"messages": []}, "messages: List should have at least 1 item after validation, not 0", "messages"),
         (
-            {"messages": [{"role": "tool", "content": "x"}]},
-            "messages.0.role: Input should be 'system', 'developer', 'user' or 'assistant'",
+            {"messages": [{"role": "function", "content": "x"}]},
+            "messages.0.role: Input should be 'system', 'developer', 'user', 'assistant' or 'tool'",
             "messages.0.role",
         ),
         (

@@ -230,7 +230,7 @@ def test_chat_max_tokens_defaults_to_none_and_stream_options_need_stream() -> No
     ("messages", "loc", "message"),
     [
         ([], ("messages",), "at least 1 item"),
-        ([{"role": "tool", "content": "x"}], ("messages", 0, "role"), "'system', 'developer', 'user' or 'assistant'"),
+        ([{"role": "function", "content": "x"}], ("messages", 0, "role"), "'system', 'developer', 'user', 'assistant' or 'tool'"),
         ([{"role": "user", "content": "x", "name": "bob"}], ("messages", 0, "name"), "a message's name is not supported"),
         ([{"role": "user", "content": "x", "audio": None}], ("messages", 0, "audio"), "Extra inputs are not permitted"),
         (
@@ -245,8 +245,8 @@ def test_chat_max_tokens_defaults_to_none_and_stream_options_need_stream() -> No
         ),
         (
             [{"role": "user", "content": None}],
-            ("messages", 0, "content"),
-            "content must be a string or a list",
+            ("messages", 0),
+            "content may be null only in an assistant message with tool_calls",
         ),
     ],
 )
@@ -263,7 +263,7 @@ def test_chat_message_validation(messages: list, loc: tuple, message: str) -> No
     [
         ("logprobs", True, "logprobs are not supported"),
         ("top_logprobs", 3, "top_logprobs are not supported"),
-        ("tools", [{"type": "function"}], "tools are not supported"),
+        ("tools", [{"type": "function"}], "tools[0].function must be an object with a name"),
     ],
 )
 def test_chat_rejects_unsupported_values(field: str, value: object, message: str) -> None:
