@@ -192,11 +192,11 @@ class VllmCore:
         """vLLM's sampling parameters for ``p``; ``generated`` tokens at the prompt's end were
         generated already (a resumed request's, an import's first token): min_tokens counts
         them. vLLM's presence and frequency penalties see only the tokens it generates."""
+        if p.guided is not None:  # never dropped: the client asked for output that matches it
+            raise ValueError("structured output (response_format, guided_*, tool_choice required or a named function) is not supported on --engine vllm workers yet")
         from vllm import SamplingParams as VllmSamplingParams  # type: ignore[import-not-found]
 
         generated += p.prior_output_tokens
-        if p.guided is not None:  # never dropped: the client asked for output that matches it
-            raise ValueError("structured output (response_format, guided_*, tool_choice required or a named function) is not supported on --engine vllm workers yet")
         return VllmSamplingParams(
             temperature=p.temperature, top_p=p.top_p, top_k=p.top_k if p.top_k > 0 else 0, seed=p.seed,
             max_tokens=max_tokens or p.max_tokens, stop=list(p.stop), stop_token_ids=list(p.stop_token_ids),
