@@ -4,6 +4,7 @@ Measures, for the default model's tokenizer (SmolLM2, 49,152 tokens, byte-level 
 tokenizer-info build, the compile of a JSON schema / json_object / regex grammar, and the cost
 per token of computing the next-token mask and advancing the matcher along a valid answer.
 
+    .venv/bin/pip install xgrammar==0.2.9   # only for this comparison; kvmesh uses llguidance
     .venv/bin/python benchmarks/grammar_libs_bench.py [--out benchmarks/grammar_libs_bench.json]
 """
 
