@@ -10,7 +10,10 @@ import json
 import httpx
 import pytest
 
+from kvmesh.engine.tokenizer import Tokenizer
 from kvmesh.protocol import GuidedSpec
+from kvmesh.services.router.openai_api import ChatCompletionRequest
+from kvmesh.services.router.tools import render_messages, template_has_tools
 from tests.router.fakes import Emit, FakeBackend, Finish
 from tests.router.test_app import MODEL
 from tests.router.test_streaming import sse
@@ -255,3 +258,29 @@ async def test_tool_calls_and_tool_messages_in_the_history(client: httpx.AsyncCl
 async def test_malformed_tool_messages_are_400(client: httpx.AsyncClient, message: dict, text: str) -> None:
     resp = await client.post(CHAT, json={"model": MODEL, "messages": [message]})
     assert resp.status_code == 400 and text in resp.json()["error"]["message"]
+
+
+TOOL_TEMPLATE = (
+    "{% if tools %}<|im_start|>system\nTOOLS:{{ tools | tojson }}<|im_end|>\n{% endif %}"
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}"
+    "{% if m.tool_calls %}{% for c in m.tool_calls %}CALL:{{ c['function']['name'] }}{% endfor %}{% endif %}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+
+def test_a_template_with_a_tool_format_gets_the_tools_itself(tokenizer) -> None:
+    assert template_has_tools(TOOL_TEMPLATE) and not template_has_tools(tokenizer.chat_template)
+    history = [
+        *USER,
+        {"role": "assistant", "content": None, "tool_calls": [{"id": "c1", "type": "function", "function": {"name": "get_weather", "arguments": "{}"}}]},
+        {"role": "tool", "tool_call_id": "c1", "content": "sunny"},
+    ]
+    request = ChatCompletionRequest.model_validate({"model": MODEL, "messages": history, "tools": [WEATHER]})
+    messages, extra = render_messages(request.template_messages(), request.tool_set, TOOL_TEMPLATE)
+    assert extra == {"tools": [WEATHER]}
+    assert messages[1] == {"role": "assistant", "content": "", "tool_calls": history[1]["tool_calls"]}
+    assert messages[2] == {"role": "tool", "content": "sunny", "tool_call_id": "c1"}
+    templated = Tokenizer(tokenizer.backend, chat_template=TOOL_TEMPLATE)
+    text = templated.apply_chat_template(messages, add_generation_prompt=True, **extra)
+    assert text.startswith("<|im_start|>system\nTOOLS:" + json.dumps([WEATHER]))
+    assert "CALL:get_weather" in text and "<|im_start|>tool\nsunny" in text
