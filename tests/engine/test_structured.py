@@ -18,6 +18,7 @@ from kvmesh.engine.request import FinishReason, Request, SamplingParams
 from kvmesh.engine.sampler import sample_rows
 from kvmesh.engine.structured import GrammarCompiler, GrammarError, GuidedDecoding, check_guided
 from kvmesh.engine.tokenizer import Tokenizer
+from kvmesh.errors import ErrorCode
 from kvmesh.protocol import SamplingSpec
 
 
@@ -238,3 +239,23 @@ def test_a_schema_the_engine_cannot_compile_is_refused_at_add(engine: LLMEngine)
     with pytest.raises(GrammarError):
         engine.add_request("bad-grammar", [5, 6], SamplingParams(guided=GuidedDecoding("regex", "(")))
     assert not engine.has_unfinished()
+
+
+def test_tokens_the_grammar_refuses_fail_the_request_as_its_own_fault(engine: LLMEngine) -> None:
+    """A resumed request whose earlier tokens do not match its grammar: a 400-class error for
+    that request alone (not the engine's), and the request next to it is served."""
+    prompt = engine.tokenizer.encode("Answer in JSON:")
+    bad_tail = engine.tokenizer.encode("hello")
+    guided = GuidedDecoding("json_object")
+    engine.add_request("bad-tail", prompt + bad_tail, SamplingParams(max_tokens=50, guided=guided, prior_output_tokens=len(bad_tail)))
+    engine.add_request("good", prompt, SamplingParams(max_tokens=50, guided=guided))
+    finals, texts = {}, {"good": ""}
+    while engine.has_unfinished():
+        for out in engine.step():
+            texts[out.request_id] = texts.get(out.request_id, "") + out.text
+            if out.finished:
+                finals[out.request_id] = out
+    bad = finals["bad-tail"]
+    assert (bad.finish_reason, bad.error_code) == (FinishReason.ERROR, ErrorCode.BAD_REQUEST)
+    assert "does not match the grammar" in (bad.error or "")
+    assert finals["good"].finish_reason is FinishReason.STOP and isinstance(json.loads(texts["good"]), dict)

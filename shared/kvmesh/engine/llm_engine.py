@@ -26,7 +26,7 @@ from kvmesh.engine.model_runner import ModelRunner
 from kvmesh.engine.outputs import KVExport, RequestOutput
 from kvmesh.engine.request import FinishReason, Request, SamplingParams
 from kvmesh.engine.scheduler import Scheduler, SchedulerConfig, max_model_len
-from kvmesh.engine.structured import GrammarCompiler
+from kvmesh.engine.structured import GrammarCompiler, GrammarError
 from kvmesh.engine.tokenizer import Tokenizer
 from kvmesh.errors import ErrorCode
 from kvmesh.hashing import hash_token_blocks
@@ -229,6 +229,8 @@ class LLMEngine:
         self, req: Request, exc: Exception, stage: str, *, kv_written: bool = True, code: ErrorCode = ErrorCode.REQUEST_FAILED
     ) -> RequestOutput:
         """End ``req`` with ``FinishReason.ERROR``; its blocks go back (see ``Scheduler.fail``)."""
+        if isinstance(exc, GrammarError):  # the request's grammar (too complex, or tokens it refuses): its own fault
+            code = ErrorCode.BAD_REQUEST
         self.scheduler.fail(req, kv_written=kv_written)
         self._texts.pop(req.request_id, None)
         return RequestOutput(
