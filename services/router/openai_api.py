@@ -465,6 +465,7 @@ class ChatFormat(_Format):
         self.tools: ToolSet | None = None
         self._tool_sets: dict[int, ToolSet] = {}  # per choice: its own call ids
         self._held_text: dict[int, list[str]] = {}  # per choice: the text held back to parse
+        self._sent_chars: dict[int, int] = {}  # per choice, with tool_choice auto: of it, the characters sent as content
 
     def response_choices(self, results: list[tuple[str, str | None]], usage: Usage) -> dict[str, Any]:
         choices = []
@@ -495,12 +496,21 @@ class ChatFormat(_Format):
 
     def content_chunk(self, text: str, index: int = 0) -> dict[str, Any] | None:
         """A content delta; with tool calls, a named function's argument fragment, or None
-        while the answer is held back to be parsed when it ends."""
+        while the answer is held back to be parsed when it ends (``required``; with ``auto``,
+        from where a ``<tool_call>`` may begin)."""
         if not self._parses_tools:
             return self._delta({"content": text}, None, index)
         tools = self._tool_set(index)
         held = self._held(index)
         held.append(text)
+        if tools.mode == "auto":
+            whole = "".join(held)
+            sent = self._sent_chars.get(index, 0)
+            safe = tools.text_before_calls(whole)
+            if safe <= sent:
+                return None
+            self._sent_chars[index] = safe
+            return self._delta({"content": whole[sent:safe]}, None, index)
         if not tools.streams_arguments:
             return None
         assert tools.named is not None
@@ -513,7 +523,7 @@ class ChatFormat(_Format):
         if not self._parses_tools:
             return [self.final_chunk(finish_reason, index)]
         tools = self._tool_set(index)
-        message, reason = tools.message("".join(self._held(index)), finish_reason)
+        message, reason = tools.message("".join(self._held(index))[self._sent_chars.get(index, 0) :], finish_reason)
         chunks: list[dict[str, Any]] = []
         if tools.streams_arguments:
             if len(self._held(index)) == 0 and message.get("tool_calls"):  # no text at all: still name the call

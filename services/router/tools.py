@@ -17,8 +17,9 @@ What it may answer, by ``tool_choice``:
 - a named function: grammar-constrained to that function's arguments (its ``parameters``).
 
 Streaming: a named function's arguments stream as they come (``delta.tool_calls`` with the
-call's id and name first, then argument fragments, as OpenAI sends them); with ``auto`` and
-``required`` the answer is parsed when it ends, then sent as one content chunk and one call each.
+call's id and name first, then argument fragments, as OpenAI sends them); with ``auto`` the
+content streams up to where a ``<tool_call>`` may begin, and the rest is parsed when the answer
+ends; with ``required`` all of it is (then sent as each call's id and name, then its arguments).
 """
 
 from __future__ import annotations
@@ -47,6 +48,7 @@ __all__ = [
 
 MAX_TOOLS = 128  # OpenAI's limit
 _NAME = re.compile(r"^[a-zA-Z0-9_-]{1,64}$")
+_OPEN_TAG = "<tool_call>"
 _TOOL_CALL = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.DOTALL)
 ToolChoiceMode = Literal["none", "auto", "required", "named"]
 
@@ -229,6 +231,17 @@ class ToolSet:
             return text, []
         content = _TOOL_CALL.sub("", text).strip()
         return content or None, found
+
+    def text_before_calls(self, text: str) -> int:
+        """How much of ``text`` (an answer so far) is content for sure: up to its first
+        ``<tool_call>``, or up to a tail that may yet become one."""
+        start = text.find(_OPEN_TAG)
+        if start >= 0:
+            return start
+        for keep in range(min(len(_OPEN_TAG) - 1, len(text)), 0, -1):
+            if _OPEN_TAG.startswith(text[-keep:]):
+                return len(text) - keep
+        return len(text)
 
     def _call_id(self, i: int) -> str:
         while len(self.call_ids) <= i:

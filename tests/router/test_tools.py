@@ -284,3 +284,13 @@ def test_a_template_with_a_tool_format_gets_the_tools_itself(tokenizer) -> None:
     text = templated.apply_chat_template(messages, add_generation_prompt=True, **extra)
     assert text.startswith("<|im_start|>system\nTOOLS:" + json.dumps([WEATHER]))
     assert "CALL:get_weather" in text and "<|im_start|>tool\nsunny" in text
+
+
+async def test_streamed_auto_content_comes_as_it_is_generated(client: httpx.AsyncClient, fake: FakeBackend) -> None:
+    """Content streams chunk by chunk; only a tail that may become ``<tool_call>`` waits."""
+    answer(fake, "It is ", "sunny <", "b>today</b>", " <tool", "_call>{bad}</tool_call>")
+    _, events = await sse(client, CHAT, {"model": MODEL, "messages": USER, "tools": [WEATHER], "stream": True})
+    chunks = [e["choices"][0] for e in events if isinstance(e, dict) and e.get("choices")]
+    contents = [c["delta"]["content"] for c in chunks if c["delta"].get("content")]
+    assert contents == ["It is ", "sunny ", "<b>today</b>", " ", "<tool_call>{bad}</tool_call>"]
+    assert not any(c["delta"].get("tool_calls") for c in chunks) and chunks[-1]["finish_reason"] == "stop"
