@@ -147,8 +147,20 @@ _FORMAT_SCHEMA = {
     "anyOf": [
         {
             "type": "object",
-            "properties": {"type": {"const": "text"}},
+            "properties": {"type": {"enum": ["text", "json_object"]}},
             "required": ["type"],
+            "additionalProperties": False,
+        },
+        {
+            "type": "object",
+            "properties": {
+                "type": {"const": "json_schema"},
+                "name": {"type": "string", "pattern": "^[a-zA-Z0-9_-]{1,64}$"},
+                "schema": {"type": "object"},
+                "strict": {"type": ["boolean", "null"]},
+                "description": {"type": "string"},
+            },
+            "required": ["type", "name", "schema"],
             "additionalProperties": False,
         },
         {"type": "null"},

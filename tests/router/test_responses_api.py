@@ -223,7 +223,6 @@ async def test_an_error_before_the_first_token_is_an_http_error(
         ({"input": [{"role": "tool", "content": "x"}]}, "input.0.role: Input should be 'user', 'assistant', 'system' or 'developer'", "input.0.role"),
         ({"temperature": 3}, "temperature: Input should be less than or equal to 2", "temperature"),
         ({"max_output_tokens": 0}, "max_output_tokens: Input should be greater than or equal to 1", "max_output_tokens"),
-        ({"text": {"format": {"type": "json_object"}}}, "text.format: response_format is not supported (only text)", "text.format"),
         ({"text": {"verbosity": "low"}}, "text.verbosity: only verbosity medium is supported", "text.verbosity"),
     ],
 )
@@ -318,3 +317,24 @@ async def test_a_client_gone_mid_stream_cancels_the_request(fake: FakeBackend, s
     metrics = app.state.metrics.render().decode()
     assert 'kvmesh_router_requests_total{endpoint="/v1/responses",status="499"} 1.0' in metrics
     assert "kvmesh_router_requests_in_flight 0.0" in metrics
+
+
+async def test_text_format_json_reaches_the_engine_as_a_grammar(client: httpx.AsyncClient, fake: FakeBackend) -> None:
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}
+    fmt = {"type": "json_schema", "name": "thing", "schema": schema, "strict": True}
+    resp = await client.post(RESPONSES, json={"model": MODEL, "input": "Hi", "text": {"format": fmt}})
+    assert resp.status_code == 200, resp.text
+    guided = fake.calls[0].sampling.guided
+    assert guided is not None and guided.kind == "json_schema" and json.loads(guided.value) == schema
+    assert resp.json()["text"]["format"] == fmt
+    resp = await client.post(RESPONSES, json={"model": MODEL, "input": "Hi", "text": {"format": {"type": "json_object"}}})
+    assert resp.status_code == 200, resp.text
+    assert fake.calls[1].sampling.guided is not None and fake.calls[1].sampling.guided.kind == "json_object"
+
+
+async def test_a_bad_text_format_is_refused_by_name(client: httpx.AsyncClient, fake: FakeBackend) -> None:
+    bad = {"type": "json_schema", "name": "thing", "schema": {"type": "object", "properties": {"a": {"type": "nonsense"}}}}
+    resp = await client.post(RESPONSES, json={"model": MODEL, "input": "Hi", "text": {"format": bad}})
+    assert resp.status_code == 400
+    assert resp.json()["error"]["param"] == "text.format"
+    assert fake.calls == []
