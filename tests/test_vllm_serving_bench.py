@@ -12,7 +12,10 @@ from benchmarks.vllm_serving_bench import (
     RequestResult,
     StreamReader,
     WorkloadResult,
+    evaluate_bench_serve_targets,
     evaluate_targets,
+    markdown,
+    merge_json,
     event_text,
     parse_sse_line,
     percentile,
@@ -146,3 +149,47 @@ def test_replace_section_appends_then_replaces():
     assert twice.endswith("second\n<!-- vllm-serving-bench:end -->\n\n## Later section\n")
     other = replace_section(twice, "## bench serve", name="vllm-bench-serve")  # the other mode's section is its own
     assert "second" in other and "## bench serve" in other
+
+
+def test_bench_serve_targets():
+    results = {
+        "vllm": {"random-c1": {"output_tok_s": 20.0}, "random-c8": {"output_tok_s": 100.0}},
+        "mesh-prefill0": {"random-c1": {"output_tok_s": 20.0, "failed": 0}, "random-c8": {"output_tok_s": 120.0, "failed": 2}},
+        "mesh-kvmesh": {"random-c1": {"output_tok_s": 15.0, "failed": 0}, "random-c8": {"output_tok_s": 80.0, "failed": 1}},
+    }
+    got = [(t["server"], t["measured"], t["met"]) for t in evaluate_bench_serve_targets(results, [1, 8, 32])]
+    assert got == [
+        ("mesh-prefill0", 1.0, True), ("mesh-prefill0", 1.2, False),  # faster, but 2 requests failed
+        ("mesh-prefill0", None, None),
+        ("mesh-kvmesh", 0.75, False), ("mesh-kvmesh", 0.8, True), ("mesh-kvmesh", None, None),
+    ]  # fmt: skip
+
+
+def test_merge_json_keeps_the_other_mode():
+    first = merge_json(None, "workloads", {"a": 1})
+    both = merge_json(json.dumps(first), "bench-serve", {"b": 2})
+    assert both == {"workloads": {"a": 1}, "bench-serve": {"b": 2}}
+    assert merge_json(json.dumps(both), "workloads", {"a": 3})["workloads"] == {"a": 3}
+    assert merge_json('{"old": "format"}', "workloads", {"a": 1}) == {"workloads": {"a": 1}}
+    assert merge_json("not json", "workloads", {"a": 1}) == {"workloads": {"a": 1}}
+
+
+def test_markdown_section_names_the_smoke_run_and_the_targets():
+    row = {"requests": 4, "failed": 0, "ttft_p50_ms": 100.0, "ttft_p99_ms": 150.0, "itl_p50_ms": 20.0, "output_tok_s": 50.0,
+           "prompt_tokens": 568, "cached_tokens": 256, "cached_share": 0.4507}  # fmt: skip
+    results = {"vllm": {"multi-turn": row, "random-c1": row}, "mesh-vllm": {"multi-turn": dict(row, output_tok_s=45.0), "random-c1": row}}
+    phase = {"machine_before": {"load_average": [0.1, 0.2, 0.3], "cpu_busy_3s": 0.01}}
+    payload = {
+        "command": ".venv/bin/python benchmarks/vllm_serving_bench.py --quick", "date": "2026-12-01 17:00 UTC",
+        "machine": {"cpu": "AMD EPYC", "cores": 2, "avx512": True, "avx512_bf16": True, "amx": False, "vllm": "0.32.0"},
+        "config": {"mode": "workloads", "quick": True, "dtype": "float32", "users": 2, "rounds": 2, "turn_tokens": 8,
+                   "input_len": 128, "output_len": 16, "requests_c1": 2, "requests": 2},
+        "report": {"phases": {"vllm": phase, "mesh-vllm": phase}, "results": results,
+                   "targets": evaluate_targets(results), "kvmesh_engine_against_vllm": evaluate_targets(results, mesh="mesh-kvmesh")},
+    }  # fmt: skip
+    text = markdown(payload)
+    assert "SMOKE RUN" in text and "AVX-512: yes, AVX-512-BF16: yes, AMX: no" in text
+    assert "| vllm | multi-turn | 4 | 0 | 100.0 | 150.0 | 20.0 | 50.0 | 256 / 568 (45.1 %) |" in text
+    assert "| TTFT p50 at concurrency 1 <= 1.10x vLLM alone | 1.000× | met |" in text
+    assert "| multi-turn output tokens/s >= 0.8x vLLM alone | 0.900× | met |" in text
+    assert "[mesh-kvmesh, for comparison] | — | not measured |" in text
