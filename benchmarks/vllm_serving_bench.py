@@ -545,7 +545,9 @@ def start_kvmesh_up(name: str, args: argparse.Namespace, workdir: Path, extra: S
 
     command = [sys.executable, "-m", "kvmesh.cli", "up", "--port", "0", "--kv-cache-mib", str(args.kv_cache_mib),
                "--dtype", args.dtype, "--workdir", str(workdir / "mesh"), *extra]  # fmt: skip
-    env = vllm_env({"KVMESH_VLLM_PYTHON": args.vllm_python})
+    # the workers of .venv-vllm import this tree's kvmesh, as the router does (its editable install may be another checkout's)
+    path = os.pathsep.join([str(REPO / "shared"), *filter(None, [os.environ.get("PYTHONPATH")])])
+    env = vllm_env({"KVMESH_VLLM_PYTHON": args.vllm_python, "PYTHONPATH": path})
     started = time.monotonic()
     process = ManagedProcess(name, command, log_path=workdir / f"{name}.log", env=env, parent_death_signal=signal.SIGTERM)
     server = Server(name, command, process, "", workdir)
