@@ -361,23 +361,57 @@ async def random_load(client: httpx.AsyncClient, model: str, name: str, prompts:
 
 
 # ----------------------------------------------------------------------------- machine
+def cpu_ticks() -> tuple[int, int] | None:
+    """All CPUs' (total, idle) clock ticks since boot, from /proc/stat."""
+    try:
+        fields = [int(x) for x in Path("/proc/stat").read_text().splitlines()[0].split()[1:]]
+    except (OSError, ValueError, IndexError):
+        return None
+    idle = fields[3] + (fields[4] if len(fields) > 4 else 0)
+    return sum(fields), idle
+
+
 def cpu_busy(seconds: float) -> float | None:
     """The share of all CPUs busy over ``seconds`` (from /proc/stat), while this script idles."""
-
-    def sample() -> tuple[int, int] | None:
-        try:
-            fields = [int(x) for x in Path("/proc/stat").read_text().splitlines()[0].split()[1:]]
-        except (OSError, ValueError, IndexError):
-            return None
-        idle = fields[3] + (fields[4] if len(fields) > 4 else 0)
-        return sum(fields), idle
-
-    first = sample()
+    first = cpu_ticks()
     time.sleep(seconds)
-    second = sample()
+    second = cpu_ticks()
     if first is None or second is None or second[0] == first[0]:
         return None
     return round(1 - (second[1] - first[1]) / (second[0] - first[0]), 3)
+
+
+def tree_ticks(pids: Sequence[int]) -> int:
+    """Clock ticks of CPU the processes ``pids`` used (and their reaped children), this
+    process's own included (``os.times``)."""
+    total = 0
+    for pid in pids:
+        try:
+            fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+            total += sum(int(x) for x in fields[11:15])  # utime stime cutime cstime
+        except (OSError, ValueError, IndexError):
+            continue
+    own = os.times()
+    return total + round((own.user + own.system + own.children_user + own.children_system) * os.sysconf("SC_CLK_TCK"))
+
+
+class OtherLoad:
+    """The share of all CPUs that processes other than this script and its server used
+    while a phase ran: all busy ticks minus ours (from /proc)."""
+
+    def __init__(self, server: Server) -> None:
+        self.server = server
+        self.start_cpu = cpu_ticks()
+        self.start_ours = tree_ticks([server.process.pid, *server.children()])
+
+    def share(self) -> float | None:
+        end_cpu = cpu_ticks()
+        ours = tree_ticks([self.server.process.pid, *self.server.children()]) - self.start_ours
+        if self.start_cpu is None or end_cpu is None or end_cpu[0] == self.start_cpu[0]:
+            return None
+        total = end_cpu[0] - self.start_cpu[0]
+        busy = total - (end_cpu[1] - self.start_cpu[1])
+        return round(max(0.0, (busy - ours) / total), 3)
 
 
 def machine_state() -> dict[str, Any]:
@@ -663,12 +697,14 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         server = start(args, workdir)
         phase: dict[str, Any] = {"server": label, "command": " ".join(server.command), "machine_before": before,
                                  "start_seconds": round(server.started_s, 1), "logs": str(workdir)}  # fmt: skip
+        other = OtherLoad(server)
         try:
             if args.mode == "bench-serve":
                 results[name] = bench_serve(server, args, workdir)
             else:
                 results[name] = asyncio.run(run_workloads(server, args, vocab_size))
         finally:
+            phase["other_cpu_share_during"] = other.share()
             leftovers = server.stop()
             phase["killed_leftovers"] = leftovers
             phases[name] = phase
@@ -708,8 +744,10 @@ def markdown(payload: dict[str, Any]) -> str:
         f"Command: `{payload['command']}`  ",
         f"Machine: {meta['cpu']}, {meta['cores']} cores ({flags}); vLLM {meta.get('vllm')} (torch {meta.get('torch_vllm_venv')}), "
         f"kvmesh {meta.get('kvmesh_commit')} (torch {meta.get('torch_kvmesh_venv')}), {payload['config']['dtype']}  ",
-        "Machine before each phase (load average 1/5/15 min; share of CPU busy over 3 s while idle): "
-        + "; ".join(f"{n}: {p['machine_before']['load_average']}, {_fmt(p['machine_before']['cpu_busy_3s'], 2)}" for n, p in report["phases"].items()),
+        "Machine, each phase (load average 1/5/15 min before; CPU share busy over 3 s before, idle; CPU share of other "
+        "processes while measured): "
+        + "; ".join(f"{n}: {p['machine_before']['load_average']}, {_fmt(p['machine_before']['cpu_busy_3s'], 2)}, "
+                    f"{_fmt(p.get('other_cpu_share_during'), 2)}" for n, p in report["phases"].items()),
         "",
         "| server | workload | requests | failed | TTFT p50 (ms) | TTFT p99 (ms) | ITL p50 (ms) | output tok/s | cached / prompt tokens |",
         "|---|---|---:|---:|---:|---:|---:|---:|---:|",
