@@ -29,7 +29,7 @@ from kvmesh.protocol import (
 )
 from kvmesh.hashing import hash_from_hex
 from kvmesh.protocol import KVLendReply, KVLendRequest
-from kvmesh.services.prefill_worker.peer_prefix import CostModel, borrow_prefix
+from kvmesh.services.prefill_worker.peer_prefix import CostModel, borrow_handle, borrow_prefix
 from kvmesh.services.prefill_worker.pins import PinTable
 from kvmesh.telemetry import extract_context, record_queue_wait
 from kvmesh.worker.in_flight import InFlight
@@ -87,6 +87,16 @@ class PrefillWorker:
                 await msg.respond(PrefillResponse(request_id=rid, error=error).encode())
             finally:
                 self.in_flight.done(rid)
+                if request.peer is not None:
+                    await self._give_back_borrowed(rid)
+
+    async def _give_back_borrowed(self, rid: str) -> None:
+        """Blocks a peer's prefix was pulled into that the prefill did not take (it never
+        ran, say) go back (a no-op for an engine that cached them at once)."""
+        try:
+            await self.runtime.engine.release_import(borrow_handle(rid))
+        except Exception as exc:  # noqa: BLE001 - a dead engine frees nothing more
+            logger.debug("giving back the borrowed blocks of %s failed: %s", rid, exc)
 
     async def _prefill_request(self, msg: Msg, request: PrefillRequest) -> None:
         rt = self.runtime

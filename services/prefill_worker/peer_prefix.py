@@ -64,7 +64,7 @@ async def borrow_prefix(rt: WorkerRuntime, cost: CostModel, request_id: str, pro
     span.set_attribute("kvmesh.compute_estimate_s", compute_s)
     if not worth:
         return 0
-    handle = f"borrow-{request_id}"
+    handle = borrow_handle(request_id)
     wanted = hashes[local:usable]
     try:
         reply_msg = await rt.nc.request(
@@ -112,6 +112,13 @@ async def borrow_prefix(rt: WorkerRuntime, cost: CostModel, request_id: str, pro
     finally:
         release = ReleaseRequest(request_id=reply.loan_id, pin_token=reply.pin_token, bytes_pulled=pulled_bytes, ok=ok)
         await rt.nc.publish(rt.subjects.release(peer.worker_id), release.encode())
+
+
+def borrow_handle(request_id: str) -> str:
+    """The import handle a request's prefix is pulled under. An engine that holds the pulled
+    blocks until the prefill takes them (vLLM's) frees them on ``release_import`` of it if the
+    prefill never came; for one that caches them at once (kvmesh's) that is a no-op."""
+    return f"borrow-{request_id}"
 
 
 def lend_reply_problem(reply: KVLendReply, lender: WorkerRecord | None, asked: int) -> str | None:

@@ -32,6 +32,17 @@ def test_export_import_and_release_through_the_connector(default_model_dir):
     assert seen["released"] == [True, False]  # a second release of one export is a no-op
     assert seen["imported"] == seen["plain"]  # the first token from the export, the rest from the imported KV
     assert seen["release_unused"] == [True, True, False]
+    # an import of a prompt vLLM had wholly cached: the blocks taken for it go back
+    assert seen["fully_cached_import"] == {"same_tokens": True, "free_back": True}
+    # lent: referenced in vLLM's pool, kept as they were under other work and a cache reset,
+    # released once; borrowed into a prefill through the connector: the plain run's first token
+    assert seen["lend_and_borrow"] == {
+        "cached": 2, "lent": {"blocks": 2, "in_use": 2, "held": 2}, "reset_refused": True, "unchanged": True,
+        "released": [True, False], "cached_after_eviction": 0,
+        "borrowed_prefill": {"first": True, "cached_tokens": 64}, "taken": True,
+        "again": {"same": True, "cached_tokens": 64},  # vLLM cached the borrowed blocks as its own
+        "unused_given_back": True, "free_back": True,
+    }  # fmt: skip
     none_left = {"exports": 0, "to_release": 0, "vllm_requests": 0}
     # an export aborted mid-prefill (a cancel) gives its blocks back
     assert seen["abort_mid_prefill"] == {"computed": 32, "reason": "abort", "free_back": True, "leftovers": none_left}

@@ -64,6 +64,9 @@ async def story(model: str) -> dict:
         seen["release_unused"] = [await engine.allocate_import("z", 40) is not None, await engine.release_import("z"), await engine.release_import("z")]
         await settle(engine)
         await engine._call(reset)
+        seen["fully_cached_import"] = await fully_cached_import(engine)
+        seen["lend_and_borrow"] = await lend_and_borrow(engine, seen["plain"])
+        await engine._call(reset)
         seen["abort_mid_prefill"] = await abort_mid_prefill(engine)
         seen["release_idle"] = await release_on_an_idle_engine(engine)
         for _ in range(50):
@@ -86,6 +89,75 @@ async def settle(engine) -> int:
             break
         await asyncio.sleep(0.1)
     return stats.num_free
+
+
+async def fully_cached_import(engine) -> dict:
+    """An import whose every prompt block vLLM has cached itself (a prompt of whole blocks,
+    run before): vLLM claims nothing from the connector, and the blocks taken for the pull
+    go back when the request ends (they stayed taken for good before)."""
+    from kvmesh.engine.request import SamplingParams
+
+    prompt = [71, 1337, 902, 5, 3840, 12, 44, 9] * 8  # 64 tokens: two whole blocks
+    params = SamplingParams(max_tokens=4, ignore_eos=True)
+    plain = [t async for out in engine.generate("fc-plain", prompt, params) for t in out.new_token_ids]
+    before = await settle(engine)
+    await engine.allocate_import("fc", len(prompt))
+    stream = engine.generate_from_import("fc-import", prompt, plain[0], "fc", params)
+    imported = [t async for out in stream for t in out.new_token_ids]
+    return {"same_tokens": imported == plain, "free_back": await settle(engine) == before}
+
+
+async def lend_and_borrow(engine, plain: list[int]) -> dict:
+    """A prompt's cached blocks lent (a reference in vLLM's pool: neither evicted nor
+    overwritten while lent), copied as a peer's pull would into blocks taken for a borrow,
+    released; the lent blocks evicted from vLLM's cache; the borrowed blocks named as the prompt's prefix: the
+    prefill takes them through the connector and samples a plain run's first token, vLLM
+    caches them, and a plain run then hits them. A borrow no prefill takes is given back."""
+    import torch
+
+    from kvmesh.engine.request import SamplingParams
+
+    core = engine.core
+    prompt = [504, 3575, 282, 4649, 314] * 14  # the story's prompt: cached by its plain run
+    hashes = engine.block_hashes(prompt)  # two whole blocks
+    params = SamplingParams(max_tokens=12, ignore_eos=True)
+    await engine._call(core.engine.reset_prefix_cache)
+    assert [t async for out in engine.generate("lb-plain", prompt, params) for t in out.new_token_ids] == plain
+    baseline = await settle(engine)
+    seen: dict = {"cached": await engine.cached_prefix_length(hashes)}
+    lent = await engine.lend_cached_blocks("loan", hashes)
+    stats = await engine.pool_stats()
+    seen["lent"] = {"blocks": len(lent), "in_use": stats.num_in_use, "held": stats.num_held}
+    snapshot = await engine._call(lambda: [cache[lent].clone() for cache in core.kv_caches])
+    # while lent: vLLM may not drop its prefix cache, and other work leaves the blocks as they are
+    seen["reset_refused"] = not await engine._call(core.engine.reset_prefix_cache)
+    other = [9, 8, 7, 6, 5, 4, 3] * 30
+    [t async for out in engine.generate("lb-other", other, SamplingParams(max_tokens=8, ignore_eos=True)) for t in out.new_token_ids]
+    seen["unchanged"] = await engine._call(lambda: all(torch.equal(cache[lent], old) for cache, old in zip(core.kv_caches, snapshot)))
+    staged = await engine.allocate_import("borrow-b", 2 * 32)
+    assert staged is not None
+
+    def pull() -> None:
+        src, dst = torch.tensor(lent), torch.tensor(staged)
+        for cache in core.kv_caches:
+            cache[dst] = cache[src]
+
+    await engine._call(pull)
+    seen["released"] = [await engine.release_export("loan"), await engine.release_export("loan")]
+    await engine._call(lambda: core.block_pool.evict_blocks(set(lent)))  # vLLM has the prompt no more
+    seen["cached_after_eviction"] = await engine.cached_prefix_length(hashes)
+    await engine.cache_imported_blocks("borrow-b", hashes, None)
+    out = await engine.prefill_export("lb-prefill", prompt, params)
+    seen["borrowed_prefill"] = {"first": out.new_token_ids == plain[:1], "cached_tokens": out.num_cached_tokens}
+    await engine.release_export("lb-prefill")
+    seen["taken"] = not await engine.release_import("borrow-b")
+    again = [o async for o in engine.generate("lb-again", prompt, params)]
+    seen["again"] = {"same": [t for o in again for t in o.new_token_ids] == plain, "cached_tokens": again[-1].num_cached_tokens}
+    unused = await engine.allocate_import("borrow-u", 2 * 32)
+    await engine.cache_imported_blocks("borrow-u", hashes, None)
+    seen["unused_given_back"] = unused is not None and await engine.release_import("borrow-u")
+    seen["free_back"] = await settle(engine) == baseline
+    return seen
 
 
 def small_steps(engine, tokens: int):

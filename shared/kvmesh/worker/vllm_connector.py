@@ -10,12 +10,16 @@ share one ``Exchange``, named in ``kv_connector_extra_config["kvmesh_exchange"]`
   ``VllmCore.release_export`` (the decode side pulled them, or the pin expired) hands its
   id to the worker side's ``get_finished`` as sent, and vLLM frees them.
 - **Import** (a decode worker): the request's prompt is the prompt plus the prefill's first
-  token, with ``kvmesh_import`` (the handle) and ``num_tokens`` (the prompt's); the scheduler
+  token, with ``kvmesh_import`` (the handle) and ``num_tokens`` (the prompt's); or (a prefill
+  worker that pulled a prefix from a peer) the prompt, with ``num_tokens`` the prefix's and
+  ``from_token`` where the pulled part starts (vLLM's own cached blocks before it). The scheduler
   side claims every prompt token vLLM has not cached itself, asynchronously
   (``get_num_new_matched_tokens``), and records the blocks vLLM allocated for them
   (``update_state_after_alloc``); ``VllmCore`` copies the pulled KV in and marks the request
   loaded, and the worker side reports it received. vLLM then computes only the first
-  token's position and samples the second: the first token is never sampled again.
+  token's position and samples the second: the first token is never sampled again (a
+  prefix import: the rest of the prompt). Where vLLM no longer holds its own blocks up to
+  ``from_token``, nothing is claimed and vLLM computes the prompt itself.
 
 No bytes move here: the worker's Mooncake pulls (by the producer's published layout) fill
 blocks of this pool, as for kvmesh's engine.
@@ -31,7 +35,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (  # type: ignore[
 )
 from vllm.v1.request import RequestStatus  # type: ignore[import-not-found]
 
-from kvmesh.worker.vllm_exchange import EXCHANGES, EXPORT, IMPORT, NUM_TOKENS, Import
+from kvmesh.worker.vllm_exchange import EXCHANGES, EXPORT, FROM_TOKEN, IMPORT, NUM_TOKENS, Import
 
 
 _EXPORTED = (RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH_CAPPED)  # an export's first token
@@ -51,6 +55,8 @@ class KvmeshConnector(KVConnectorBase_V1):  # type: ignore[misc]
             claimed = request.request_id in self.exchange.claimed
         if IMPORT not in params or claimed:
             return 0, False
+        if num_computed_tokens < int(params.get(FROM_TOKEN, 0)):
+            return 0, False  # vLLM lost some of its own prefix meanwhile: it computes the whole prompt
         wanted = int(params[NUM_TOKENS]) - num_computed_tokens
         return (wanted, True) if wanted > 0 else (0, False)
 

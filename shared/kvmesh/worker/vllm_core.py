@@ -19,6 +19,7 @@ from __future__ import annotations
 import logging
 import threading
 from collections import deque
+from dataclasses import dataclass
 from typing import Any
 
 from kvmesh.engine.block_pool import AllBlocksCleared, BlockRemoved, BlockStored, KVCacheEvent
@@ -29,7 +30,7 @@ from kvmesh.engine.request import FinishReason, SamplingParams
 from kvmesh.errors import ErrorCode
 from kvmesh.hashing import BlockHash, hash_token_blocks
 from kvmesh.transfer.layout import PoolLayout
-from kvmesh.worker.vllm_exchange import EXPORT, IMPORT, NUM_TOKENS, Exchange
+from kvmesh.worker.vllm_exchange import EXPORT, FROM_TOKEN, IMPORT, NUM_TOKENS, Exchange
 
 logger = logging.getLogger(__name__)
 
@@ -37,8 +38,16 @@ FINISH_REASONS = {"stop": FinishReason.STOP, "length": FinishReason.LENGTH, "abo
 
 
 class UnsupportedByVllm(ValueError):
-    """A hook the vLLM engine does not have (yet): lending cached blocks to a peer, or any
-    export or import without the connector."""
+    """A hook the vLLM engine does not have without the connector: any export or import."""
+
+
+@dataclass
+class PrefixImport:
+    """Blocks a peer's prefix was pulled into (``cache_imported_blocks``), waiting for the
+    prefill that asked for them: kvmesh's hashes of the blocks they hold, in chain order."""
+
+    blocks: list[Any]
+    hashes: list[BlockHash]
 
 
 class EventQueue:
@@ -73,6 +82,7 @@ class KVEventNames:
         self.block_size = block_size
         self.extra_keys = (model_name,)
         self._names: dict[Any, tuple[BlockHash, int]] = {}  # vLLM hash -> (kvmesh hash, blocks)
+        self._vllm: dict[BlockHash, Any] = {}  # kvmesh hash -> a vLLM hash named so
 
     def translate(self, events: list[Any]) -> list[KVCacheEvent]:
         out: list[KVCacheEvent] = []
@@ -88,6 +98,7 @@ class KVEventNames:
                     out.append(BlockRemoved(tuple(removed)))
             elif kind == "AllBlocksCleared":
                 self._names.clear()
+                self._vllm.clear()
                 out.append(AllBlocksCleared())
         return out
 
@@ -108,6 +119,7 @@ class KVEventNames:
         for vllm_hash, name in zip(event.block_hashes, names):
             seen = self._names.get(vllm_hash)
             self._names[vllm_hash] = (name, seen[1] + 1 if seen else 1)
+            self._vllm[name] = vllm_hash
             if seen is None:
                 fresh.append(name)
             elif not fresh:
@@ -127,11 +139,17 @@ class KVEventNames:
                 self._names[vllm_hash] = (name, count - 1)
             else:
                 del self._names[vllm_hash]
+                if self._vllm.get(name) == vllm_hash:
+                    del self._vllm[name]
                 gone.append(name)
         return gone
 
     def cached(self) -> list[BlockHash]:
         return [name for name, _ in self._names.values()]
+
+    def vllm_hash(self, name: BlockHash) -> Any:
+        """vLLM's hash of the block kvmesh names ``name`` (None: not announced, or gone)."""
+        return self._vllm.get(name)
 
 
 class VllmCore:
@@ -156,7 +174,10 @@ class VllmCore:
         self.tokenizer = engine.get_tokenizer()
         self._exports: set[str] = set()  # requests prefilled for export, until their last output
         self._staged: dict[str, list[Any]] = {}  # handle -> vLLM blocks a pull fills (allocate_import)
-        self._importing: dict[str, list[Any]] = {}  # handle -> those blocks, once its request is in vLLM
+        self._prefixes: dict[str, PrefixImport] = {}  # handle -> blocks holding a peer's prefix, for a prefill
+        # handle -> those blocks, and the prompt block the first holds, once its request is in vLLM
+        self._importing: dict[str, tuple[list[Any], int]] = {}
+        self._lent: dict[str, list[Any]] = {}  # handle -> cached blocks referenced for a peer's pull
         self._import_of: dict[str, str] = {}  # request id -> its import's handle, until filled or aborted
         self._delta = RequestOutputKind.DELTA
         core = engine.engine_core.engine_core  # EngineCore, in this process
@@ -178,12 +199,23 @@ class VllmCore:
             raise ValueError(f"request id {request_id!r} is already in use")
         self._this_thread()
         params = params or SamplingParams()
-        if export_kv:  # the first token, then the blocks stay for a peer (the connector's request_finished)
-            sampling = self.sampling(params, max_tokens=1, transfer={EXPORT: request_id})
+        transfer: dict[str, Any] = {EXPORT: request_id} if export_kv else {}
+        prefix = self._take_prefix(prompt_token_ids)
+        if prefix is not None:  # a prefix pulled from a peer: the connector loads it, vLLM computes the rest
+            handle, start, end = prefix
+            transfer.update({IMPORT: handle, NUM_TOKENS: end * self.block_size, FROM_TOKEN: start * self.block_size})
+        # export: the first token, then the blocks stay for a peer (the connector's request_finished)
+        sampling = self.sampling(params, max_tokens=1 if export_kv else None, transfer=transfer or None)
+        try:
+            self.engine.add_request(request_id, {"prompt_token_ids": list(prompt_token_ids)}, sampling)
+        except BaseException:
+            if prefix is not None:
+                self._forget_import(prefix[0])
+            raise
+        if export_kv:
             self._exports.add(request_id)
-        else:
-            sampling = self.sampling(params)
-        self.engine.add_request(request_id, {"prompt_token_ids": list(prompt_token_ids)}, sampling)
+        if prefix is not None:
+            self._import_of[request_id] = prefix[0]
         self._prompts[request_id] = len(prompt_token_ids)
 
     def sampling(
@@ -219,6 +251,9 @@ class VllmCore:
             export = None
             if out.finished:
                 self._prompts.pop(out.request_id, None)
+                handle = self._import_of.pop(out.request_id, None)
+                if handle is not None:  # vLLM did not claim it (it had every block cached itself)
+                    self._forget_import(handle)
                 if out.request_id in self._exports:
                     self._exports.discard(out.request_id)
                     export = self._export_of(out.request_id, len(out.prompt_token_ids or ()), reason)
@@ -271,7 +306,12 @@ class VllmCore:
         )  # fmt: skip
 
     def release_export(self, handle: str) -> bool:
-        """vLLM may free the blocks it kept for ``handle``: at its next step."""
+        """vLLM may free the blocks it kept for ``handle`` (at its next step), or the
+        cached blocks lent under ``handle`` (at once)."""
+        lent = self._lent.pop(handle, None)
+        if lent is not None:
+            self.block_pool.free_blocks(reversed(lent))  # the chain's tail evicted first, as vLLM frees
+            return True
         exchange = self._connector()
         with exchange.lock:
             kept = exchange.exports.pop(handle, None)
@@ -297,7 +337,7 @@ class VllmCore:
         """Blocks of vLLM's pool for a pull to fill, outside any request of vLLM's (its
         request gets blocks of its own when scheduled, and the pulled KV is copied there)."""
         self._connector()
-        if handle in self._staged or handle in self._importing:
+        if handle in self._staged or handle in self._importing or handle in self._prefixes:
             raise ValueError(f"handle {handle!r} is already in use")
         needed = -(-num_tokens // self.block_size)
         if self.block_pool.get_num_free_blocks() < 2 * needed + 1:  # the copy needs as many again
@@ -307,7 +347,12 @@ class VllmCore:
         return [b.block_id for b in blocks]
 
     def release_import(self, handle: str) -> bool:
+        """Give back blocks of ``allocate_import`` no request took: pulled into or not, or
+        holding a peer's prefix no prefill used."""
         blocks = self._staged.pop(handle, None)
+        if blocks is None:
+            prefix = self._prefixes.pop(handle, None)
+            blocks = prefix.blocks if prefix is not None else None
         if blocks is None:
             return False
         self.block_pool.free_blocks(blocks)
@@ -336,7 +381,7 @@ class VllmCore:
             reason = FinishReason.STOP if stop else FinishReason.LENGTH
             return RequestOutput(request_id, [first_token_id], text, True, reason, n, n)
         sampling = self.sampling(params, max_tokens=params.max_tokens - 1, generated=1, transfer={IMPORT: handle, NUM_TOKENS: n})
-        self._importing[handle] = staged
+        self._importing[handle] = (staged, 0)
         try:
             self.engine.add_request(request_id, {"prompt_token_ids": [*prompt_token_ids, first_token_id]}, sampling)
         except BaseException:
@@ -360,15 +405,16 @@ class VllmCore:
         import torch
 
         for vllm_id, imp in ready:
-            staged = self._importing.pop(imp.handle, None)
-            if staged is None:  # aborted meanwhile: vLLM frees its blocks once they are reported received
+            entry = self._importing.pop(imp.handle, None)
+            if entry is None:  # aborted meanwhile: vLLM frees its blocks once they are reported received
                 with self.exchange.lock:
                     self.exchange.loaded.add(vllm_id)
                 continue
+            staged, start = entry  # staged[i] holds the prompt's block start + i
             self._import_of = {r: h for r, h in self._import_of.items() if h != imp.handle}
-            first, last = imp.first_block, min(len(staged), len(imp.block_ids))
+            first, last = max(imp.first_block, start), min(start + len(staged), len(imp.block_ids))
             if first < last:
-                src = torch.tensor([b.block_id for b in staged[first:last]])
+                src = torch.tensor([b.block_id for b in staged[first - start : last - start]])
                 dst = torch.tensor(imp.block_ids[first:last])
                 for cache in self.kv_caches:
                     cache[dst] = cache[src]
@@ -377,29 +423,70 @@ class VllmCore:
                 self.exchange.loaded.add(vllm_id)
 
     def _forget_import(self, handle: str) -> None:
-        staged = self._importing.pop(handle, None)
-        if staged is not None:
-            self.block_pool.free_blocks(staged)
+        entry = self._importing.pop(handle, None)
+        if entry is not None:
+            self.block_pool.free_blocks(entry[0])
 
     def _connector(self) -> Exchange:
         if self.exchange is None:
             raise UnsupportedByVllm("this vLLM engine runs without the kvmesh KV connector")
         return self.exchange
 
-    # -- cached blocks lent to peers (not yet) ----------------------------------------------
-    def _unsupported(self, *args: object) -> Any:
-        raise UnsupportedByVllm("a vLLM worker cannot lend or borrow cached blocks yet")
-
-    lend_cached_blocks = cache_imported_blocks = _unsupported
-
+    # -- cached blocks shared with peers ------------------------------------------------
     def cached_prefix_length(self, block_hashes: list[int]) -> int:
-        cached = set(self.names.cached())
-        count = 0
-        for block_hash in block_hashes:
-            if block_hash not in cached:
+        return len(self._leading_cached(block_hashes))
+
+    def _leading_cached(self, block_hashes: list[int]) -> list[Any]:
+        """vLLM's cached blocks of the chain's leading blocks (to the first it lacks)."""
+        blocks: list[Any] = []
+        for name in block_hashes:
+            vllm_hash = self.names.vllm_hash(name)
+            if not isinstance(vllm_hash, bytes):  # unknown (or vLLM's int event hashes: no lookup)
                 break
-            count += 1
-        return count
+            found = self.block_pool.get_cached_block(vllm_hash, [0])  # one KV cache group
+            if not found:
+                break
+            blocks.append(found[0])
+        return blocks
+
+    def lend_cached_blocks(self, handle: str, block_hashes: list[int]) -> list[int]:
+        """Reference the leading cached blocks of the chain in vLLM's block pool under
+        ``handle``: while referenced, vLLM neither evicts nor reuses them (and never writes a
+        full cached block), so a peer may read them in place; ``release_export`` lets go."""
+        if handle in self._lent:
+            raise ValueError(f"blocks are already lent under {handle!r}")
+        blocks = self._leading_cached(block_hashes)
+        self.block_pool.touch(blocks)
+        self._lent[handle] = blocks
+        return [b.block_id for b in blocks]
+
+    def cache_imported_blocks(self, handle: str, block_hashes: list[int], parent_hash: int | None) -> None:
+        """The blocks of ``allocate_import(handle, ...)`` now hold these blocks' KV (a prefix
+        pulled from a peer): the next request whose prompt has this chain (the prefill that
+        pulled it) takes them through the connector, and vLLM caches them under its own
+        hashes as it does every block; ``release_import`` frees them if none does."""
+        blocks = self._staged.get(handle)
+        if blocks is None:
+            raise ValueError(f"no blocks were allocated for {handle!r}")
+        if len(blocks) != len(block_hashes) or not block_hashes:
+            raise ValueError(f"{len(blocks)} blocks allocated for {len(block_hashes)} hashes")
+        del self._staged[handle]
+        self._prefixes[handle] = PrefixImport(blocks, list(block_hashes))
+
+    def _take_prefix(self, prompt_token_ids: list[int]) -> tuple[str, int, int] | None:
+        """A prefix import this prompt can use: (handle, its first prompt block, the block
+        after its last). Only blocks before the prompt's last token (vLLM computes that one)."""
+        if not self._prefixes:
+            return None
+        hashes = hash_token_blocks(prompt_token_ids[:-1], self.block_size, (self.model_name,))
+        where = {h: i for i, h in enumerate(hashes)}  # chained: a hash names its whole prefix
+        for handle, prefix in self._prefixes.items():
+            first = where.get(prefix.hashes[0])
+            if first is not None and hashes[first : first + len(prefix.hashes)] == prefix.hashes:
+                del self._prefixes[handle]
+                self._importing[handle] = (prefix.blocks, first)
+                return handle, first, first + len(prefix.hashes)
+        return None
 
     # -- reporting -----------------------------------------------------------------------
     def take_kv_events(self) -> list[KVCacheEvent]:
@@ -415,9 +502,18 @@ class VllmCore:
         total = self.block_pool.num_gpu_blocks - 1  # block 0 is vLLM's null block, never handed out
         free = self.block_pool.get_num_free_blocks()
         return PoolStats(
-            num_blocks=total, num_free=free, num_cached=len(self.names.cached()), num_in_use=total - free, num_held=0,
-            block_size=self.block_size,
+            num_blocks=total, num_free=free, num_cached=len(self.names.cached()), num_in_use=total - free,
+            num_held=self._num_held(), block_size=self.block_size,
         )  # fmt: skip
+
+    def _num_held(self) -> int:
+        """Blocks held outside vLLM's requests: lent, taken for imports, kept for exports."""
+        held = sum(map(len, self._lent.values())) + sum(map(len, self._staged.values()))
+        held += sum(len(p.blocks) for p in self._prefixes.values()) + sum(len(b) for b, _ in self._importing.values())
+        if self.exchange is not None:
+            with self.exchange.lock:
+                held += sum(len(blocks) for _, blocks in self.exchange.exports.values())
+        return held
 
     def load(self) -> dict[str, int]:
         return {

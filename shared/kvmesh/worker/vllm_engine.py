@@ -11,8 +11,9 @@ process is bound to its cores (``--cpu-bind``) before vLLM loads, and the engine
 runs ``num_threads`` OpenMP threads there.
 
 Prefill for export and decode from imported KV go through kvmesh's KV connector
-(``kvmesh.worker.vllm_connector``, vLLM's connector V1 API) in this process. Not yet: lending
-cached blocks to peers.
+(``kvmesh.worker.vllm_connector``, vLLM's connector V1 API) in this process, and so does a
+prefix pulled from a peer; cached blocks are lent to peers by holding a reference to them in
+vLLM's block pool (``VllmCore.lend_cached_blocks``).
 """
 
 from __future__ import annotations
@@ -56,6 +57,9 @@ class VllmEngine(AsyncEngine):
         cores = bind_cores(s.cpu_bind, s.num_threads)
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # the engine core (and the KV pool) in this process
         os.environ.setdefault("VLLM_HOST_IP", "127.0.0.1")  # its internal traffic on loopback
+        # KV events with vLLM's own block hashes (bytes), not 64-bit ints made of them: a lend
+        # looks the blocks up by them in vLLM's prefix cache
+        os.environ["VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES"] = "0"
         os.environ["VLLM_CPU_OMP_THREADS_BIND"] = ",".join(map(str, cores))
         from vllm import EngineArgs  # type: ignore[import-not-found]
         from vllm.v1.engine.llm_engine import LLMEngine as VllmLLMEngine  # type: ignore[import-not-found]

@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 EXPORT = "kvmesh_export"  # kv_transfer_params key: this request's blocks are kept for a peer
 IMPORT = "kvmesh_import"  # kv_transfer_params key: this request's prompt KV comes from a peer
 NUM_TOKENS = "num_tokens"  # with IMPORT: how many prompt tokens the imported KV holds
+FROM_TOKEN = "from_token"  # with IMPORT: the first of them it holds (a prefix pulled from a peer: past vLLM's own)
 
 
 @dataclass
