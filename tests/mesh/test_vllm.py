@@ -4,7 +4,9 @@ layout and kvmesh's KV connector, gives the greedy text of one vLLM process
 (``LLM.generate``), chat and completion, streamed and not; the bytes are counted on both
 sides and no block is left held; the prefix cache shows in ``cached_tokens``, the KV events
 reach kv-metadata under kvmesh's block hashes. Two vLLM decode workers that prefill
-themselves survive the death of the one streaming.
+themselves survive the death of the one streaming. Of two vLLM prefill workers, one pulls
+a prefix the other holds (lent from vLLM's block pool, taken through the connector); pins
+that expire and forged handles free or refuse, and nothing is left held.
 
 The test process runs in kvmesh's virtualenv; the workers and the reference run with
 ``.venv-vllm/bin/python`` (``make vllm``), and the module is skipped without it.
@@ -22,10 +24,23 @@ import pytest
 
 from kvmesh.engine.tokenizer import Tokenizer
 from kvmesh.hashing import hash_to_hex, hash_token_blocks
-from kvmesh.protocol import Keys, KVQuery, KVQueryReply, Subjects, WorkerRecord
+from kvmesh.protocol import (
+    DecodeAck,
+    DecodeRequest,
+    Keys,
+    KVQuery,
+    KVQueryReply,
+    PeerPrefix,
+    PrefillRequest,
+    PrefillResponse,
+    SamplingSpec,
+    Subjects,
+    TokenEvent,
+    WorkerRecord,
+)
 from kvmesh.worker.engines import DEFAULT_BLOCK_SIZE, worker_python
-from tests.mesh.client import post, stream, streamed_text, worker_stats
-from tests.mesh.meshes import MODEL, NEW_TOKENS, PROMPTS, make_mesh, wait_for_a_pin
+from tests.mesh.client import post, send_work, stream, streamed_text, worker_stats
+from tests.mesh.meshes import MODEL, NEW_TOKENS, PROMPTS, assert_pools_at_baseline, make_mesh, wait_for_a_pin
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 
@@ -73,11 +88,20 @@ def _env() -> dict[str, str]:
     return {k: v for k, v in os.environ.items() if not k.startswith("VLLM_")}
 
 
+_meshes: list = []  # the module's meshes, each stopped before the next one starts: one at a time
+
+
+def _one_mesh_at_a_time() -> None:
+    while _meshes:
+        _meshes.pop().stop()
+
+
 @pytest.fixture(scope="module")
 def mesh(tmp_path_factory, default_model_dir, vllm_python, reference):
     """A vLLM prefill worker and a vLLM decode worker, a core each (started after the
     reference has finished)."""
     local = make_mesh(tmp_path_factory.mktemp("vllm-mesh"), default_model_dir, prefill=1, decode=1, engine="vllm", kv_cache_mib=64)
+    _meshes.append(local)
     try:
         yield local
     finally:
@@ -128,8 +152,6 @@ async def test_chat_streamed_and_not_with_cached_tokens(mesh, reference, prompt_
 
 
 async def test_the_kv_crossed_through_mooncake_and_no_block_is_left_held(mesh):
-    from tests.mesh.meshes import assert_pools_at_baseline
-
     response = await post(mesh.base_url, "/v1/completions", completion_body(PROMPTS[3]))
     assert response.status_code == 200, response.text
     await assert_pools_at_baseline(mesh, ["prefill-1", "decode-2"])
@@ -170,12 +192,10 @@ async def test_the_worker_publishes_vllms_layer_major_pool_and_leaks_nothing(mes
     assert (stats.num_in_use, stats.num_held, stats.pins) == (0, 0, 0) and stats.num_cached > 0
 
 
-async def test_a_vllm_decode_worker_killed_mid_stream_resumes_on_the_other(tmp_path, default_model_dir, vllm_python, mesh):
+async def test_a_vllm_decode_worker_killed_mid_stream_resumes_on_the_other(tmp_path, default_model_dir, vllm_python, reference):
     """Two vLLM decode workers (one core each): the stream goes on from the tokens already
     sent on the survivor, and the client gets the same text as without the fault."""
-    from tests.mesh.meshes import assert_pools_at_baseline
-
-    mesh.stop()  # the module's mesh is done with (this test runs last): one mesh at a time
+    _one_mesh_at_a_time()  # the module's mesh is done with (the tests from here on)
     pair = make_mesh(tmp_path, default_model_dir, prefill=0, decode=2, engine="vllm", kv_cache_mib=64)
     try:
         body = {"model": MODEL, "prompt": "Tell me a long story:", "max_tokens": 60, "temperature": 0, "ignore_eos": True}
@@ -201,40 +221,178 @@ async def test_a_vllm_decode_worker_killed_mid_stream_resumes_on_the_other(tmp_p
         pair.stop()
 
 
-async def test_a_vllm_prefill_worker_killed_before_the_pull_is_retried(tmp_path, default_model_dir, vllm_python, prompt_ids, mesh):
-    """Two vLLM prefill workers and a vLLM decode worker that waits 1.5 s before pulling.
-    A repeated chat goes to the prefill worker whose vLLM cache holds its prefix (from its KV
-    events in kv-metadata: the other one has none of it). Then the prefill worker holding a
-    request's pin is killed, the pull fails, the request is retried and completes with the
-    same text, and the survivors hold no block."""
+S = Subjects("default")
 
-    from kvmesh.cluster.etcd_store import EtcdStore
-    from tests.mesh.meshes import assert_pools_at_baseline
 
-    mesh.stop()  # one mesh at a time
-    trio = make_mesh(
-        tmp_path, default_model_dir, prefill=2, decode=1, engine="vllm", kv_cache_mib=64, env={"KVMESH_FAULT_PULL_DELAY": "1.5"}
+@pytest.fixture(scope="module")
+def trio(tmp_path_factory, default_model_dir, vllm_python, reference):
+    """Two vLLM prefill workers and a vLLM decode worker that waits 1.5 s before each pull
+    (so that a test can act between a prefill and its pull), kv-aware routing."""
+    _one_mesh_at_a_time()  # the first mesh is done with (these tests run last)
+    local = make_mesh(
+        tmp_path_factory.mktemp("vllm-trio"), default_model_dir, prefill=2, decode=1, engine="vllm", kv_cache_mib=64,
+        env={"KVMESH_FAULT_PULL_DELAY": "1.5"},
     )  # fmt: skip
     try:
-        n = len(prompt_ids["chat"])
-        first = (await post(trio.base_url, "/v1/chat/completions", chat_body())).json()
-        assert first["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
-        for _ in range(3):  # kv-aware routing: each time the worker that holds the prefix
-            again = (await post(trio.base_url, "/v1/chat/completions", chat_body())).json()
-            assert again["usage"]["prompt_tokens_details"]["cached_tokens"] == (n - 1) // BLOCK * BLOCK
-            assert again["choices"][0]["message"]["content"] == first["choices"][0]["message"]["content"]
-        body = {"model": MODEL, "prompt": "The capital of France is", "max_tokens": 8, "temperature": 0}
-        want = (await post(trio.base_url, "/v1/completions", body)).json()["choices"][0]["text"]
-        async with EtcdStore([trio.etcd.endpoint], **trio.etcd.store_options()) as store:
-            request = asyncio.create_task(post(trio.base_url, "/v1/completions", body))
-            victim = await wait_for_a_pin(store, ["prefill-1", "prefill-2"])  # prefill done, pull pending
-            assert victim is not None
-            trio.workers[victim].kill()
-            response = await asyncio.wait_for(request, 60)
-        assert response.status_code == 200, response.text
-        assert response.json()["choices"][0]["text"] == want
-        assert "retrying" in trio.router.tail(200)
-        survivor = "prefill-2" if victim == "prefill-1" else "prefill-1"
-        await assert_pools_at_baseline(trio, [survivor, "decode-3"])
+        yield local
     finally:
-        trio.stop()
+        local.stop()
+
+
+async def cached_blocks(mesh, chain: list[str]) -> dict[str, int]:
+    """kv-metadata's answer: how many leading blocks of ``chain`` each worker holds."""
+    nc = await nats.connect(mesh.nats.url, connect_timeout=5, **mesh.nats.connect_options())
+    try:
+        reply = await nc.request(S.kv_query, KVQuery(block_hashes=chain).encode(), timeout=5)
+        return KVQueryReply.decode(reply.data).matches
+    finally:
+        await nc.close()
+
+
+async def wait_cached(mesh, chain: list[str], worker_id: str) -> dict[str, int]:
+    """kv-metadata's answer once ``worker_id`` holds the whole chain (or after 5 s)."""
+    for _ in range(50):
+        matches = await cached_blocks(mesh, chain)
+        if matches.get(worker_id) == len(chain):
+            break
+        await asyncio.sleep(0.1)
+    return matches
+
+
+async def prefill_directly(nc, worker_id: str, request_id: str, prompt: list[int], *, peer: PeerPrefix | None = None, max_tokens: int = 8) -> PrefillResponse:
+    """A prefill sent to one worker as a router sends it."""
+    request = PrefillRequest(request_id=request_id, prompt_token_ids=prompt, sampling=SamplingSpec(max_tokens=max_tokens), peer=peer)
+    [answer] = await send_work(nc, S.prefill(worker_id), request.encode(), S.stream("test", request_id, "prefill"), timeout=120)
+    assert isinstance(answer, PrefillResponse) and answer.error is None and answer.kv is not None, answer
+    return answer
+
+
+async def decode_directly(nc, request_id: str, prompt: list[int], answer: PrefillResponse, kv=None, max_tokens: int = 8) -> list:
+    """A decode from ``answer``'s handle (or ``kv``) sent to decode-3 as a router sends it:
+    its ack and token events."""
+    request = DecodeRequest(
+        request_id=request_id, prompt_token_ids=prompt, sampling=SamplingSpec(max_tokens=max_tokens),
+        first_token_id=answer.first_token_id, kv=kv or answer.kv, prefill_cached_tokens=answer.num_cached_tokens,
+    )  # fmt: skip
+    return await send_work(nc, S.decode("decode-3"), request.encode(), S.stream("test", request_id, "decode"), timeout=120)
+
+
+async def test_kv_aware_routing_and_a_prefix_pulled_from_a_peer_vllm_worker(trio, reference, prompt_ids):
+    """A repeated chat goes each time to the prefill worker whose vLLM cache holds its
+    prefix (from its KV events in kv-metadata: the other has none of it). Then the other is
+    asked to prefill it with the holder as its peer: it pulls the prefix from the holder's
+    vLLM pool (lent: referenced there until released), vLLM takes it through the connector
+    and computes the rest; the decode worker's greedy tokens from that prefill equal one vLLM
+    process's, the bytes were pulled and served, vLLM cached the pulled blocks as its own, and
+    every pool is back to its baseline."""
+    n = len(prompt_ids["chat"])
+    first = (await post(trio.base_url, "/v1/chat/completions", chat_body())).json()
+    assert first["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+    for _ in range(3):  # kv-aware routing: each time the worker that holds the prefix
+        again = (await post(trio.base_url, "/v1/chat/completions", chat_body())).json()
+        assert again["usage"]["prompt_tokens_details"]["cached_tokens"] == (n - 1) // BLOCK * BLOCK
+        assert again["choices"][0]["message"]["content"] == first["choices"][0]["message"]["content"]
+    chain = [hash_to_hex(h) for h in hash_token_blocks(prompt_ids["chat"], BLOCK, (MODEL,))]
+    matches = await cached_blocks(trio, chain)
+    [holder] = [w for w in ("prefill-1", "prefill-2") if matches.get(w) == len(chain)]
+    borrower = "prefill-2" if holder == "prefill-1" else "prefill-1"
+    assert matches.get(borrower, 0) == 0
+    before = {w: await worker_stats(trio.nats.url, "default", w, **trio.nats.connect_options()) for w in (holder, borrower)}
+    want = reference["chat"]["token_ids"]
+    nc = await nats.connect(trio.nats.url, connect_timeout=5, **trio.nats.connect_options())
+    try:
+        peer = PeerPrefix(worker_id=holder, num_blocks=len(chain))
+        answer = await prefill_directly(nc, borrower, "peer-1", prompt_ids["chat"], peer=peer, max_tokens=CHAT_TOKENS)
+        pulled_blocks = (n - 1) // BLOCK  # all but the block of the last prompt token, which vLLM computes
+        assert answer.first_token_id == want[0]
+        assert answer.num_cached_tokens == pulled_blocks * BLOCK  # vLLM's count: the blocks the connector loaded
+        ack, *events = await decode_directly(nc, "peer-1", prompt_ids["chat"], answer, max_tokens=CHAT_TOKENS)
+        assert isinstance(ack, DecodeAck) and ack.accepted
+        assert all(isinstance(e, TokenEvent) and e.error is None for e in events), events[-1]
+        assert [t for e in events for t in e.token_ids] == want  # the first event carries the prefill's token
+    finally:
+        await nc.close()
+    after = {w: await worker_stats(trio.nats.url, "default", w, **trio.nats.connect_options()) for w in (holder, borrower)}
+    layout_bytes = after[borrower].bytes_pulled - before[borrower].bytes_pulled
+    assert layout_bytes == pulled_blocks * 30 * 3 * BLOCK * 2 * 64 * 4  # blocks x layers x heads x tokens x K,V x dim x fp32
+    assert after[holder].bytes_served - before[holder].bytes_served == layout_bytes  # the lender counted the loan's release
+    assert (await wait_cached(trio, chain, borrower)).get(borrower) == len(chain)  # vLLM cached what it pulled
+    await assert_pools_at_baseline(trio, [holder, borrower, "decode-3"])
+
+
+async def test_an_expired_pin_frees_vllms_blocks(trio):
+    """A prefill whose pull never comes: its pin's etcd key goes (as when its lease runs
+    out), and the vLLM prefill worker frees the blocks vLLM kept for it."""
+    from kvmesh.cluster.etcd_store import EtcdStore
+
+    prompt = list(range(300, 400))  # four blocks of 32 tokens
+    nc = await nats.connect(trio.nats.url, connect_timeout=5, **trio.nats.connect_options())
+    try:
+        answer = await prefill_directly(nc, "prefill-1", "expiring-1", prompt)
+    finally:
+        await nc.close()
+    assert answer.kv is not None
+    stats = await worker_stats(trio.nats.url, "default", "prefill-1", **trio.nats.connect_options())
+    assert (stats.pins, stats.num_held) == (1, len(answer.kv.block_ids)) and stats.num_in_use >= 4
+    async with EtcdStore([trio.etcd.endpoint], **trio.etcd.store_options()) as store:
+        for _ in range(50):  # written beside the answer
+            if await store.get(answer.kv.pin_key) is not None:
+                break
+            await asyncio.sleep(0.1)
+        assert await store.delete(answer.kv.pin_key)
+    await assert_pools_at_baseline(trio, ["prefill-1"])
+    assert "pin of expiring-1 released: lease expired" in trio.workers["prefill-1"].tail(200)
+
+
+async def test_forged_handles_are_refused_by_a_vllm_decode_worker(trio, reference):
+    """Handles naming another worker, an earlier incarnation, blocks outside the producer's
+    pool, more blocks than the prompt needs or another request's pin: each refused with an
+    error event (retryable where the KV is gone), never a crash, nothing allocated; the
+    worker goes on serving, with one vLLM process's text."""
+    prompt = list(range(500, 600))
+    nc = await nats.connect(trio.nats.url, connect_timeout=5, **trio.nats.connect_options())
+    try:
+        answer = await prefill_directly(nc, "prefill-1", "forged-1", prompt)
+        kv = answer.kv
+        assert kv is not None
+        forged = [
+            (kv.model_copy(update={"prefill_worker_id": "prefill-9"}), "kv_lost"),  # no such worker
+            (kv.model_copy(update={"producer_started_at": kv.producer_started_at - 60}), "kv_lost"),  # another incarnation
+            (kv.model_copy(update={"block_ids": (*kv.block_ids[:-1], 10_000)}), "bad_request"),  # outside its pool
+            (kv.model_copy(update={"block_ids": (*kv.block_ids, kv.block_ids[0] + 1)}), "bad_request"),  # more than the prompt's
+            (kv.model_copy(update={"pin_key": kv.pin_key + "x"}), "bad_request"),  # not this request's pin
+        ]
+        for number, (handle, code) in enumerate(forged):
+            ack, event = await decode_directly(nc, "forged-1", prompt, answer, kv=handle)
+            assert isinstance(ack, DecodeAck) and ack.accepted
+            assert isinstance(event, TokenEvent) and event.finished and event.error is not None, event
+            assert event.error.code == code, (number, event)
+            await assert_pools_at_baseline(trio, ["decode-3"])
+        # each refused pull released the pin (ok=False, with the handle's own token)
+    finally:
+        await nc.close()
+    await assert_pools_at_baseline(trio, ["prefill-1", "decode-3"])
+    response = await post(trio.base_url, "/v1/completions", completion_body(PROMPTS[0]))
+    assert response.status_code == 200, response.text
+    assert response.json()["choices"][0]["text"] == reference["completions"][0]["text"]
+
+
+async def test_a_vllm_prefill_worker_killed_before_the_pull_is_retried(trio, prompt_ids):
+    """The prefill worker holding a request's pin is killed before the pull (the decode
+    worker waits 1.5 s): the pull fails, the request is retried and completes with the same
+    text, and the survivors hold no block (the decode side's pulled-into blocks go back)."""
+    from kvmesh.cluster.etcd_store import EtcdStore
+
+    body = {"model": MODEL, "prompt": "The capital of France is", "max_tokens": 8, "temperature": 0}
+    want = (await post(trio.base_url, "/v1/completions", body)).json()["choices"][0]["text"]
+    async with EtcdStore([trio.etcd.endpoint], **trio.etcd.store_options()) as store:
+        request = asyncio.create_task(post(trio.base_url, "/v1/completions", body))
+        victim = await wait_for_a_pin(store, ["prefill-1", "prefill-2"])  # prefill done, pull pending
+        assert victim is not None
+        trio.workers[victim].kill()
+        response = await asyncio.wait_for(request, 60)
+    assert response.status_code == 200, response.text
+    assert response.json()["choices"][0]["text"] == want
+    assert "retrying" in trio.router.tail(200)
+    survivor = "prefill-2" if victim == "prefill-1" else "prefill-1"
+    await assert_pools_at_baseline(trio, [survivor, "decode-3"])
