@@ -15,7 +15,7 @@ from nats.aio.msg import Msg
 from pydantic import ValidationError
 
 from kvmesh.errors import ErrorCode, MeshError
-from kvmesh.protocol import QUEUE_GROUP, DecodeAck, DecodeRequest, ErrorInfo, ReleaseRequest, Stage, TokenEvent
+from kvmesh.protocol import QUEUE_GROUP, DecodeAck, DecodeRequest, ErrorInfo, ReleaseReply, ReleaseRequest, Stage, TokenEvent
 from kvmesh.services.decode_worker.handle_check import check_handle, producer_layout
 from kvmesh.telemetry import extract_context, inject_headers, record_queue_wait
 from kvmesh.transfer.mooncake_agent import TransferError
@@ -29,6 +29,9 @@ logger = logging.getLogger(__name__)
 
 IMPORT_RETRY_INTERVAL = 0.05  # seconds between tries for blocks while the pool is full
 RESUMED_IMPORT_WAIT = 1.0  # seconds a retried request waits for room here before trying elsewhere
+# A pull that ends this many seconds after its request came waits for the producer to say its
+# pin was still held (else its lease may have run out and its blocks been reused: kv_lost, retried)
+CONFIRM_RELEASE_AFTER = 1.0
 
 
 class DecodeWorker:
@@ -153,8 +156,10 @@ class DecodeWorker:
         kv = request.kv
         assert kv is not None and rt.directory is not None
         local = rt.engine.kv_layout
-        ok = False
+        ok = confirmed = False
         bytes_pulled = 0
+        loop = asyncio.get_running_loop()
+        came = loop.time()
         try:
             producer = rt.directory.workers.get(kv.prefill_worker_id)
             check_handle(
@@ -184,14 +189,31 @@ class DecodeWorker:
                 span.set_attribute("kvmesh.ranges", stats.ranges)
                 span.set_attribute("kvmesh.seconds", stats.seconds)
                 ok = True
+                if loop.time() - came >= CONFIRM_RELEASE_AFTER:
+                    confirmed = True
+                    await self._release_confirmed(request.request_id, kv.prefill_worker_id, kv.pin_token, bytes_pulled)
                 assert request.first_token_id is not None  # check_handle saw to it
                 return request.first_token_id
         finally:
-            release = ReleaseRequest(request_id=request.request_id, pin_token=kv.pin_token, bytes_pulled=bytes_pulled, ok=ok)
-            try:
-                await rt.nc.publish(rt.subjects.release(kv.prefill_worker_id), release.encode())
-            except Exception as exc:  # noqa: BLE001 - the pin's lease frees the blocks anyway
-                logger.warning("could not release the pin of %s: %s", request.request_id, exc)
+            if not confirmed:
+                release = ReleaseRequest(request_id=request.request_id, pin_token=kv.pin_token, bytes_pulled=bytes_pulled, ok=ok)
+                try:
+                    await rt.nc.publish(rt.subjects.release(kv.prefill_worker_id), release.encode())
+                except Exception as exc:  # noqa: BLE001 - the pin's lease frees the blocks anyway
+                    logger.warning("could not release the pin of %s: %s", request.request_id, exc)
+
+    async def _release_confirmed(self, request_id: str, producer: str, pin_token: str, bytes_pulled: int) -> None:
+        """Release a late pull's pin and hear that it was still held; else raise ``kv_lost``
+        (its blocks may be another request's by now: retried; the caller frees ours)."""
+        rt = self.runtime
+        release = ReleaseRequest(request_id=request_id, pin_token=pin_token, bytes_pulled=bytes_pulled, ok=True)
+        try:
+            reply = await rt.nc.request(rt.subjects.release(producer), release.encode(), timeout=min(2.0, rt.timeout))
+            released = ReleaseReply.decode(reply.data).released
+        except Exception as exc:  # noqa: BLE001 - no answer: the producer is gone, or says nothing usable
+            raise MeshError(ErrorCode.KV_LOST, f"{producer} did not confirm the pin of {request_id}: {exc!r}") from exc
+        if not released:
+            raise MeshError(ErrorCode.KV_LOST, f"the pin of {request_id} on {producer} was gone before the pull ended")
 
 
     async def _allocate_import(self, request_id: str, num_tokens: int, *, resumed: bool = False) -> list[int]:

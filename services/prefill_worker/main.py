@@ -24,6 +24,7 @@ from kvmesh.protocol import (
     KVLayoutSpec,
     PrefillRequest,
     PrefillResponse,
+    ReleaseReply,
     ReleaseRequest,
     Subjects,
 )
@@ -180,6 +181,8 @@ class PrefillWorker:
         )
         if pin is not None and release.ok:
             self.runtime.bytes_served += release.bytes_pulled
+        if msg.reply:  # the puller asks whether the blocks were still pinned all along
+            await msg.respond(ReleaseReply(released=pin is not None).encode())
 
     async def _handle_lend(self, msg: Msg) -> None:
         """A peer pulls our cached prefix blocks: hold them (under a pin, so a peer that dies

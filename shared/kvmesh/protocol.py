@@ -389,6 +389,13 @@ STREAM_MESSAGE: TypeAdapter[PrefillResponse | DecodeAck | Progress | TokenEvent]
 STREAM_KINDS: dict[str, tuple[type[Message], ...]] = {"prefill": (PrefillResponse, Progress), "decode": (DecodeAck, Progress, TokenEvent)}
 
 
+class ReleaseReply(Message):
+    """Prefill -> releaser, to a release sent as a request: whether it freed the pin (held
+    until then: its blocks untouched) or found none (expired, released, a wrong token)."""
+
+    released: bool
+
+
 class CancelRequest(Message):
     request_id: str
 
