@@ -28,6 +28,8 @@ from kvmesh.protocol import (
     DecodeAck,
     DecodeRequest,
     Keys,
+    KVLendReply,
+    KVLendRequest,
     KVQuery,
     KVQueryReply,
     PeerPrefix,
@@ -322,8 +324,13 @@ async def test_kv_aware_routing_and_a_prefix_pulled_from_a_peer_vllm_worker(trio
 
 async def test_an_expired_pin_frees_vllms_blocks(trio):
     """A prefill whose pull never comes: its pin's etcd key goes (as when its lease runs
-    out), and the vLLM prefill worker frees the blocks vLLM kept for it."""
+    out), and the vLLM prefill worker frees the blocks vLLM kept for it; so does a loan's pin
+    (a borrower that died), and vLLM's references to the lent blocks go. A request whose pin
+    goes while its pull waits: the pull, late, hears from the prefill worker that the pin was
+    gone (its blocks may be another request's), fails kv_lost and the request is retried:
+    the same text, soon, and nothing left held."""
     from kvmesh.cluster.etcd_store import EtcdStore
+    from kvmesh.protocol import Keys
 
     prompt = list(range(300, 400))  # four blocks of 32 tokens
     nc = await nats.connect(trio.nats.url, connect_timeout=5, **trio.nats.connect_options())
@@ -343,10 +350,47 @@ async def test_an_expired_pin_frees_vllms_blocks(trio):
     await assert_pools_at_baseline(trio, ["prefill-1"])
     assert "pin of expiring-1 released: lease expired" in trio.workers["prefill-1"].tail(200)
 
+    # a loan of those blocks (now cached) to a borrower that never releases it: the lend's
+    # pin goes too, and vLLM's references to the lent blocks with it
+    chain = [hash_to_hex(h) for h in hash_token_blocks(prompt, BLOCK, (MODEL,))]
+    nc = await nats.connect(trio.nats.url, connect_timeout=5, **trio.nats.connect_options())
+    try:
+        lend = KVLendRequest(handle="gone-1", block_hashes=chain)
+        loan = KVLendReply.decode((await nc.request(S.kv_lend("prefill-1", "gone"), lend.encode(), timeout=10)).data)
+    finally:
+        await nc.close()
+    assert loan.error is None and len(loan.block_ids) == len(chain) == 3, loan
+    stats = await worker_stats(trio.nats.url, "default", "prefill-1", **trio.nats.connect_options())
+    assert (stats.pins, stats.num_held, stats.num_in_use) == (1, 3, 3)
+    async with EtcdStore([trio.etcd.endpoint], **trio.etcd.store_options()) as store:
+        for _ in range(50):
+            if await store.get(Keys("default").pin("prefill-1", loan.loan_id)) is not None:
+                break
+            await asyncio.sleep(0.1)
+        assert await store.delete(Keys("default").pin("prefill-1", loan.loan_id))
+    await assert_pools_at_baseline(trio, ["prefill-1"])
+
+    body = {"model": MODEL, "prompt": PROMPTS[5], "max_tokens": 8, "temperature": 0, "ignore_eos": True}
+    want = (await post(trio.base_url, "/v1/completions", body)).json()["choices"][0]["text"]
+    async with EtcdStore([trio.etcd.endpoint], **trio.etcd.store_options()) as store:
+        started = asyncio.get_running_loop().time()
+        request = asyncio.create_task(post(trio.base_url, "/v1/completions", body))
+        holder = await wait_for_a_pin(store, ["prefill-1", "prefill-2"])  # prefill done, the pull waits 1.5 s
+        assert holder is not None
+        [pin], _ = await store.get_prefix(Keys("default").pins(holder))
+        assert await store.delete(pin.key)  # expired
+        response = await asyncio.wait_for(request, 60)
+    assert response.status_code == 200, response.text
+    assert response.json()["choices"][0]["text"] == want
+    assert asyncio.get_running_loop().time() - started < 15  # two pulls of 1.5 s and a retry
+    assert "was gone before the pull ended" in trio.workers["decode-3"].tail(200)
+    assert "retrying" in trio.router.tail(200)
+    await assert_pools_at_baseline(trio, ["prefill-1", "prefill-2", "decode-3"])
+
 
 async def test_forged_handles_are_refused_by_a_vllm_decode_worker(trio, reference):
-    """Handles naming another worker, an earlier incarnation, blocks outside the producer's
-    pool, more blocks than the prompt needs or another request's pin: each refused with an
+    """Handles with another pin token, naming another worker, an earlier incarnation, blocks
+    outside the producer's pool, more blocks than the prompt needs or another request's pin: each refused with an
     error event (retryable where the KV is gone), never a crash, nothing allocated; the
     worker goes on serving, with one vLLM process's text."""
     prompt = list(range(500, 600))
@@ -356,6 +400,9 @@ async def test_forged_handles_are_refused_by_a_vllm_decode_worker(trio, referenc
         kv = answer.kv
         assert kv is not None
         forged = [
+            # another token: pulled (the blocks are real), but the release is refused, so
+            # the pin is not known to have held them all along (it stays until released)
+            (kv.model_copy(update={"pin_token": "forged"}), "kv_lost"),
             (kv.model_copy(update={"prefill_worker_id": "prefill-9"}), "kv_lost"),  # no such worker
             (kv.model_copy(update={"producer_started_at": kv.producer_started_at - 60}), "kv_lost"),  # another incarnation
             (kv.model_copy(update={"block_ids": (*kv.block_ids[:-1], 10_000)}), "bad_request"),  # outside its pool
@@ -368,7 +415,8 @@ async def test_forged_handles_are_refused_by_a_vllm_decode_worker(trio, referenc
             assert isinstance(event, TokenEvent) and event.finished and event.error is not None, event
             assert event.error.code == code, (number, event)
             await assert_pools_at_baseline(trio, ["decode-3"])
-        # each refused pull released the pin (ok=False, with the handle's own token)
+        assert "refused a release of forged-1: wrong pin token" in trio.workers["prefill-1"].tail(200)
+        # each pull refused later released the pin (ok=False, with the handle's own token)
     finally:
         await nc.close()
     await assert_pools_at_baseline(trio, ["prefill-1", "decode-3"])
