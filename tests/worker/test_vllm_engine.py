@@ -31,6 +31,7 @@ def test_export_import_and_release_through_the_connector(default_model_dir):
     assert seen["export"] == {"first": seen["plain"][:1], "blocks": 3, "tokens": 70}
     assert seen["released"] == [True, False]  # a second release of one export is a no-op
     assert seen["imported"] == seen["plain"]  # the first token from the export, the rest from the imported KV
+    assert seen["blocks_copied"] == 1  # the two whole blocks used where they were pulled, the part block copied
     assert seen["release_unused"] == [True, True, False]
     # an import of a prompt vLLM had wholly cached: the blocks taken for it go back
     assert seen["fully_cached_import"] == {"same_tokens": True, "free_back": True}

@@ -52,6 +52,7 @@ async def story(model: str) -> dict:
         await engine._call(reset)
         stream = engine.generate_from_import("y", prompt, out.new_token_ids[0], "y", params)
         seen["imported"] = [t async for o in stream for t in o.new_token_ids]
+        seen["blocks_copied"] = engine.core.blocks_copied  # of the import's three
         for i in range(3):  # leave after one, two, three outputs
             await engine.allocate_import(f"h{i}", len(prompt))
             stream = engine.generate_from_import(f"r{i}", prompt, 504, f"h{i}", SamplingParams(max_tokens=50, ignore_eos=True))

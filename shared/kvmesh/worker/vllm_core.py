@@ -3,8 +3,9 @@ this process) with the face ``kvmesh.engine.async_engine.AsyncEngine`` drives on
 thread: add, step, abort, load, pool stats and KV events in kvmesh's terms, and with
 kvmesh's KV connector (``vllm_connector``, sharing an ``Exchange``) prefill for export and
 decode from imported KV: an export's blocks are the ones vLLM keeps for it; an import is
-pulled into blocks taken from vLLM's pool and copied, between steps, into the blocks vLLM's
-scheduler allocates for the request.
+pulled into blocks taken from vLLM's pool, whose whole blocks are then named in vLLM's prefix
+cache under the request's own hashes (vLLM uses them in place), and whose part block is
+copied, between steps, into the block vLLM's scheduler allocates for it.
 
 The one module that knows vLLM's insides (with ``vllm_engine``): the scheduler's queues
 and block pool for load and stats, the model runner's KV tensors for the pool's layout, and
@@ -88,6 +89,7 @@ class VllmCore:
         self._prompts: dict[str, int] = {}  # request id -> prompt tokens, while vLLM has it
         self._num_threads = num_threads
         self._thread_set: int | None = None
+        self.blocks_copied = 0  # blocks of imports copied into a request's blocks (the rest used in place)
 
     # -- requests ------------------------------------------------------------------------
     def add_request(
@@ -281,14 +283,27 @@ class VllmCore:
         sampling = self.sampling(params, max_tokens=params.max_tokens - 1, generated=1, transfer={IMPORT: handle, NUM_TOKENS: n})
         self._importing[handle] = (staged, 0)
         try:
-            self.engine.add_request(request_id, {"prompt_token_ids": [*prompt_token_ids, first_token_id]}, sampling)
+            vllm_id = self.engine.add_request(request_id, {"prompt_token_ids": [*prompt_token_ids, first_token_id]}, sampling)
         except BaseException:
             self._importing.pop(handle, None)
             self.block_pool.free_blocks(staged)
             raise
+        self._adopt(vllm_id, staged, n)
         self._prompts[request_id] = n
         self._import_of[request_id] = handle
         return RequestOutput(request_id, [first_token_id], text, False, None, n, n)
+
+    def _adopt(self, vllm_id: str, staged: list[Any], num_tokens: int) -> None:
+        """Name an import's whole blocks in vLLM's prefix cache under its request's own block
+        hashes: vLLM's scheduler finds them as prefix hits and uses them where the pull put
+        them, and the connector loads only the part block after them (copied). Our
+        reference keeps them from eviction until the request has them."""
+        request = self.scheduler.requests.get(vllm_id)
+        if request is None or not self.block_pool.enable_caching:
+            return  # the connector loads (copies) every block
+        whole = min(num_tokens // self.block_size, len(request.block_hashes), len(staged))
+        if whole > 0:
+            self.block_pool.cache_full_blocks(request, staged, 0, whole, self.block_size, 0)
 
     def _fill_imports(self) -> None:
         """Copy each import's pulled KV into the blocks vLLM allocated for its request, then
@@ -316,6 +331,7 @@ class VllmCore:
                 dst = torch.tensor(imp.block_ids[first:last])
                 for cache in self.kv_caches:
                     cache[dst] = cache[src]
+                self.blocks_copied += last - first
             self.block_pool.free_blocks(staged)
             with self.exchange.lock:
                 self.exchange.loaded.add(vllm_id)
