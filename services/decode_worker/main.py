@@ -17,7 +17,7 @@ from pydantic import ValidationError
 from kvmesh.errors import ErrorCode, MeshError
 from kvmesh.protocol import QUEUE_GROUP, DecodeAck, DecodeRequest, ErrorInfo, ReleaseReply, ReleaseRequest, Stage, TokenEvent
 from kvmesh.services.decode_worker.handle_check import check_handle, producer_layout
-from kvmesh.telemetry import extract_context, inject_headers, record_queue_wait
+from kvmesh.telemetry import extract_context, inject_headers, record_queue_wait, setup_logging
 from kvmesh.transfer.mooncake_agent import TransferError
 from kvmesh.transfer.runs import coalesce
 from kvmesh.worker.in_flight import InFlight
@@ -157,7 +157,7 @@ class DecodeWorker:
         assert kv is not None and rt.directory is not None
         local = rt.engine.kv_layout
         ok = confirmed = False
-        bytes_pulled = 0
+        bytes_pulled, seconds_pulled = 0, 0.0
         loop = asyncio.get_running_loop()
         came = loop.time()
         try:
@@ -182,7 +182,8 @@ class DecodeWorker:
                 except BaseException:
                     await rt.engine.release_import(request.request_id)
                     raise
-                bytes_pulled = stats.bytes
+                bytes_pulled, seconds_pulled = stats.bytes, stats.seconds
+                rt.transferred("in", stats.bytes, stats.seconds)
                 span.set_attribute("kvmesh.peer", kv.prefill_worker_id)
                 span.set_attribute("kvmesh.bytes", stats.bytes)
                 span.set_attribute("kvmesh.blocks", len(block_ids))
@@ -191,22 +192,22 @@ class DecodeWorker:
                 ok = True
                 if loop.time() - came >= CONFIRM_RELEASE_AFTER:
                     confirmed = True
-                    await self._release_confirmed(request.request_id, kv.prefill_worker_id, kv.pin_token, bytes_pulled)
+                    await self._release_confirmed(request.request_id, kv.prefill_worker_id, kv.pin_token, bytes_pulled, seconds_pulled)
                 assert request.first_token_id is not None  # check_handle saw to it
                 return request.first_token_id
         finally:
             if not confirmed:
-                release = ReleaseRequest(request_id=request.request_id, pin_token=kv.pin_token, bytes_pulled=bytes_pulled, ok=ok)
+                release = ReleaseRequest(request_id=request.request_id, pin_token=kv.pin_token, bytes_pulled=bytes_pulled, seconds_pulled=seconds_pulled, ok=ok)
                 try:
                     await rt.nc.publish(rt.subjects.release(kv.prefill_worker_id), release.encode())
                 except Exception as exc:  # noqa: BLE001 - the pin's lease frees the blocks anyway
                     logger.warning("could not release the pin of %s: %s", request.request_id, exc)
 
-    async def _release_confirmed(self, request_id: str, producer: str, pin_token: str, bytes_pulled: int) -> None:
+    async def _release_confirmed(self, request_id: str, producer: str, pin_token: str, bytes_pulled: int, seconds_pulled: float) -> None:
         """Release a late pull's pin and hear that it was still held; else raise ``kv_lost``
         (its blocks may be another request's by now: retried; the caller frees ours)."""
         rt = self.runtime
-        release = ReleaseRequest(request_id=request_id, pin_token=pin_token, bytes_pulled=bytes_pulled, ok=True)
+        release = ReleaseRequest(request_id=request_id, pin_token=pin_token, bytes_pulled=bytes_pulled, seconds_pulled=seconds_pulled, ok=True)
         try:
             reply = await rt.nc.request(rt.subjects.release(producer), release.encode(), timeout=min(2.0, rt.timeout))
             released = ReleaseReply.decode(reply.data).released
@@ -255,7 +256,7 @@ def error_code(exc: BaseException) -> ErrorCode:
 
 async def main(argv: list[str] | None = None) -> int:
     settings = worker_settings("decode", argv if argv is not None else sys.argv[1:])
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    setup_logging()
     worker = DecodeWorker(WorkerRuntime(settings))
     await worker.start()
     return await worker.runtime.serve_until_signalled()

@@ -4,6 +4,11 @@ Fed by the workers' KV event batches (applied in order per worker; a gap or a fi
 mid-stream triggers a snapshot resync), mirrored in etcd under each owner's lease (batched),
 rebuilt from etcd when it restarts, and asked over NATS: "for this chain of block hashes,
 how many leading blocks does each worker hold?".
+
+Metrics (``kvmesh.metrics.kvindex``) at ``/metrics`` on the health port. Traces: a
+``kv_query`` span per query, a child of the router's request span; ingestion, which never
+stops, is summed up in one ``kv_ingest`` span per ``INGEST_SPAN_INTERVAL`` in which batches
+came (never one per batch), and a ``kv_resync`` span per snapshot resync.
 """
 
 from __future__ import annotations
@@ -29,6 +34,7 @@ from kvmesh.cluster.registration import LeasedKey
 from kvmesh.hashing import hash_from_hex
 from kvmesh.kvindex.events import EventSequencer, Gap, Verdict
 from kvmesh.kvindex.index import KVIndex
+from kvmesh.metrics.kvindex import KVIndexMetrics
 from kvmesh.protocol import (
     KVEventBatch,
     KVIndexStats,
@@ -40,10 +46,50 @@ from kvmesh.protocol import (
     WorkerRecord,
 )
 from kvmesh.services.kv_metadata.mirror import EtcdMirror
+from kvmesh.telemetry import extract_context, setup_logging, setup_tracing, shutdown_tracing, tracer
 from kvmesh.worker.health import HealthServer, HealthStatus
 from kvmesh.worker.settings import MeshSettings, add_mesh_args, mesh_settings
 
 logger = logging.getLogger(__name__)
+
+INGEST_SPAN_INTERVAL = 10.0  # seconds one kv_ingest span sums up
+
+
+class IngestWindow:
+    """What the event batches of one interval did, for one ``kv_ingest`` span."""
+
+    def __init__(self) -> None:
+        self.reset()
+
+    def reset(self) -> None:
+        self.start_ns = time.time_ns()
+        self.batches = 0
+        self.events = 0
+        self.stored = 0
+        self.removed = 0
+        self.workers: set[str] = set()
+
+    def add(self, batch: KVEventBatch) -> None:
+        self.batches += 1
+        self.events += len(batch.events)
+        self.workers.add(batch.worker_id)
+        for event in batch.events:
+            if event.kind == "stored":
+                self.stored += len(event.block_hashes)
+            elif event.kind == "removed":
+                self.removed += len(event.block_hashes)
+
+    def emit(self, tracer_) -> None:
+        """The interval's span (none for an interval without batches); a new interval begins."""
+        if self.batches:
+            span = tracer_.start_span("kv_ingest", start_time=self.start_ns)
+            span.set_attribute("kvmesh.batches", self.batches)
+            span.set_attribute("kvmesh.events", self.events)
+            span.set_attribute("kvmesh.blocks_stored", self.stored)
+            span.set_attribute("kvmesh.blocks_removed", self.removed)
+            span.set_attribute("kvmesh.workers", len(self.workers))
+            span.end()
+        self.reset()
 
 
 class KVMetadataService:
@@ -68,6 +114,10 @@ class KVMetadataService:
         self.resyncs = 0
         self.forged_batches = 0  # batches whose worker id was not their subject's
         self._started = time.monotonic()
+        self.metrics = KVIndexMetrics(lambda: self.index.num_blocks, lambda: len(self.index.workers()))
+        self.tracer = tracer("kvmesh.kv_metadata")
+        self.ingest = IngestWindow()
+        self.health_url = ""  # published in its record when a health server runs
 
     async def start(self) -> None:
         self.nc, self.store = await connect_mesh(self.mesh, self.service_id)
@@ -80,6 +130,7 @@ class KVMetadataService:
         await self.nc.subscribe(self.subjects.kv_query, cb=self._handle_query)
         await self.nc.subscribe(self.subjects.kv_stats, cb=self._handle_stats)
         self._spawn(self.mirror.run(self.mirror_interval), "kv-mirror")
+        self._spawn(self._ingest_spans(), "kv-ingest-spans")
         record = WorkerRecord(
             worker_id=self.service_id,
             role="kv-metadata",
@@ -89,6 +140,7 @@ class KVMetadataService:
             host=socket.gethostname(),
             pid=os.getpid(),
             started_at=time.time(),
+            health_url=self.health_url,
         )
         self.registration = LeasedKey(self.store, self.keys.worker("kv-metadata", self.service_id), record.encode(), ttl=5)
         await self.registration.start()
@@ -111,6 +163,7 @@ class KVMetadataService:
     async def close(self) -> None:
         for task in list(self._tasks):
             task.cancel()
+        self.ingest.emit(self.tracer)
         await self.mirror.flush()
         if self.registration is not None:
             await self.registration.stop()
@@ -136,8 +189,15 @@ class KVMetadataService:
             if dropped:
                 logger.info("worker %s left: %d blocks out of the index", worker_id, dropped)
 
+    async def _ingest_spans(self) -> None:
+        while True:
+            await asyncio.sleep(INGEST_SPAN_INTERVAL)
+            self.ingest.emit(self.tracer)
+
     def _apply(self, batch: KVEventBatch) -> None:
         worker = batch.worker_id
+        self.metrics.events.inc(len(batch.events))
+        self.ingest.add(batch)
         for event in batch.events:
             if event.kind == "stored":
                 hashes = [hash_from_hex(h) for h in event.block_hashes]
@@ -173,6 +233,7 @@ class KVMetadataService:
         if verdict is Verdict.DROP:
             return
         if isinstance(verdict, Gap):
+            self.metrics.gaps.inc()
             logger.info("gap in %s's events (expected %d, got %d): resyncing", batch.worker_id, verdict.expected, verdict.got)
             self._resyncing[batch.worker_id] = [batch]
             self._spawn(self._resync(batch.worker_id), f"resync {batch.worker_id}")
@@ -183,6 +244,11 @@ class KVMetadataService:
         self._apply(batch)
 
     async def _resync(self, worker_id: str) -> None:
+        with self.tracer.start_as_current_span("kv_resync") as span:
+            span.set_attribute("kvmesh.worker_id", worker_id)
+            await self._resync_from_snapshot(worker_id, span)
+
+    async def _resync_from_snapshot(self, worker_id: str, span) -> None:
         try:
             reply = await self.nc.request(self.subjects.kv_snapshot(worker_id), b"", timeout=self.mesh.request_timeout)
             snapshot = KVSnapshot.decode(reply.data)
@@ -190,9 +256,12 @@ class KVMetadataService:
                 raise ValueError(f"the snapshot names {snapshot.worker_id}")
         except Exception as exc:  # noqa: BLE001 - the next batch will try again
             logger.warning("snapshot of %s failed: %s", worker_id, exc)
+            span.record_exception(exc)
             self._resyncing.pop(worker_id, None)
             return
         self.resyncs += 1
+        self.metrics.resyncs.inc()
+        span.set_attribute("kvmesh.blocks", len(snapshot.block_hashes))
         self.index.remove_worker(worker_id)
         self.index.stored(worker_id, [hash_from_hex(h) for h in snapshot.block_hashes], snapshot.tier)
         self.mirror.replace(worker_id, snapshot.block_hashes, snapshot.tier)
@@ -203,15 +272,23 @@ class KVMetadataService:
     # -- queries -------------------------------------------------------------------------
     async def _handle_query(self, msg: Msg) -> None:
         started = time.perf_counter()
-        try:
-            chain = [hash_from_hex(h) for h in KVQuery.decode(msg.data).block_hashes]
-        except (ValidationError, ValueError):
-            await msg.respond(KVQueryReply(matches={}).encode())
-            return
-        reply = KVQueryReply(matches=self.index.prefix_match(chain))
-        self._query_ms.append((time.perf_counter() - started) * 1e3)
-        self.queries += 1
-        await msg.respond(reply.encode())
+        with self.tracer.start_as_current_span("kv_query", context=extract_context(msg.headers)) as span:
+            try:
+                chain = [hash_from_hex(h) for h in KVQuery.decode(msg.data).block_hashes]
+            except (ValidationError, ValueError):
+                span.set_attribute("kvmesh.malformed", True)
+                await msg.respond(KVQueryReply(matches={}).encode())
+                return
+            matches = self.index.prefix_match(chain)
+            reply = KVQueryReply(matches=matches)
+            seconds = time.perf_counter() - started
+            self._query_ms.append(seconds * 1e3)
+            self.metrics.query_seconds.observe(seconds)
+            self.queries += 1
+            span.set_attribute("kvmesh.chain_blocks", len(chain))
+            span.set_attribute("kvmesh.workers_matched", len(matches))
+            span.set_attribute("kvmesh.best_match_blocks", max(matches.values(), default=0))
+            await msg.respond(reply.encode())
 
     def stats(self) -> KVIndexStats:
         latencies = sorted(self._query_ms)
@@ -246,10 +323,11 @@ async def main(argv: list[str] | None = None) -> None:
         help="port of /health/live and /health/ready; 0 picks a free one (KVMESH_HEALTH_PORT)",
     )
     args = parser.parse_args(argv if argv is not None else sys.argv[1:])
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    setup_logging()
     service = KVMetadataService(mesh_settings(args, parser), service_id=args.service_id, mirror_interval=args.mirror_interval)
-    health = HealthServer(service.health_status, args.health_host, args.health_port)
-    await health.start()
+    setup_tracing("kvmesh-kv-metadata", service.service_id)
+    health = HealthServer(service.health_status, args.health_host, args.health_port, metrics=service.metrics.render)
+    service.health_url = await health.start()
     await service.start()
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
@@ -260,3 +338,4 @@ async def main(argv: list[str] | None = None) -> None:
     await stop.wait()
     await service.close()
     await health.stop()
+    shutdown_tracing()

@@ -32,7 +32,7 @@ from kvmesh.hashing import hash_from_hex
 from kvmesh.protocol import KVLendReply, KVLendRequest
 from kvmesh.services.prefill_worker.peer_prefix import CostModel, borrow_handle, borrow_prefix
 from kvmesh.services.prefill_worker.pins import PinTable
-from kvmesh.telemetry import extract_context, record_queue_wait
+from kvmesh.telemetry import extract_context, record_queue_wait, setup_logging
 from kvmesh.worker.in_flight import InFlight
 from kvmesh.worker.engine_api import EngineDeadError, FinishReason
 from kvmesh.worker.runtime import WorkerRuntime
@@ -181,6 +181,7 @@ class PrefillWorker:
         )
         if pin is not None and release.ok:
             self.runtime.bytes_served += release.bytes_pulled
+            self.runtime.transferred("out", release.bytes_pulled, release.seconds_pulled)
         if msg.reply:  # the puller asks whether the blocks were still pinned all along
             await msg.respond(ReleaseReply(released=pin is not None).encode())
 
@@ -246,7 +247,7 @@ class PrefillWorker:
 
 async def main(argv: list[str] | None = None) -> int:
     settings = worker_settings("prefill", argv if argv is not None else sys.argv[1:])
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    setup_logging()
     worker = PrefillWorker(WorkerRuntime(settings))
     await worker.start()
     return await worker.runtime.serve_until_signalled()

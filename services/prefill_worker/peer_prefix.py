@@ -80,7 +80,7 @@ async def borrow_prefix(rt: WorkerRuntime, cost: CostModel, request_id: str, pro
         if reply.error is not None:
             logger.info("peer %s refused to lend (%s); computing the prefix", peer.worker_id, reply.error.message)
         return 0
-    ok, pulled_bytes = False, 0
+    ok, pulled_bytes, pulled_seconds = False, 0, 0.0
     try:
         problem = lend_reply_problem(reply, rt.directory.workers.get(peer.worker_id) if rt.directory else None, len(wanted))
         if problem is not None:
@@ -104,13 +104,16 @@ async def borrow_prefix(rt: WorkerRuntime, cost: CostModel, request_id: str, pro
         got = len(reply.block_ids)
         await engine.cache_imported_blocks(handle, wanted[:got], hashes[local - 1] if local else None)
         cost.observe_pull(stats.bytes, time.perf_counter() - started)
-        ok, pulled_bytes = True, stats.bytes
+        ok, pulled_bytes, pulled_seconds = True, stats.bytes, stats.seconds
+        rt.transferred("in", stats.bytes, stats.seconds)
         span.set_attribute("kvmesh.pulled_blocks", got)
         span.set_attribute("kvmesh.pulled_bytes", stats.bytes)
         span.set_attribute("kvmesh.pull_seconds", stats.seconds)
         return got
     finally:
-        release = ReleaseRequest(request_id=reply.loan_id, pin_token=reply.pin_token, bytes_pulled=pulled_bytes, ok=ok)
+        release = ReleaseRequest(
+            request_id=reply.loan_id, pin_token=reply.pin_token, bytes_pulled=pulled_bytes, seconds_pulled=pulled_seconds, ok=ok
+        )
         await rt.nc.publish(rt.subjects.release(peer.worker_id), release.encode())
 
 

@@ -176,7 +176,8 @@ def create_app(
         raise ValueError("auth on /metrics or the docs needs API keys (--api-key-file or KVMESH_API_KEY)")
     limits = limits or Limits()
     defaults = generation_defaults or GenerationDefaults()
-    metrics = RouterMetrics()
+    metrics = RouterMetrics(backend.model_name)
+    metrics.watch(backend)  # routing decisions and retries
     shutdown = Shutdown()
     limiter = None
     if rate_limits is not None and not rate_limits.empty:

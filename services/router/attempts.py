@@ -63,17 +63,31 @@ class Attempt:
         return self.incarnations.get(worker_id)
 
 
+RETRY_KINDS = (
+    "worker_gone", "silent", "event_lost", "no_responders", "kv_lost", "overloaded", "worker_error",
+    "refused", "no_first_token", "publish_failed", "stream_ended",
+)  # fmt: skip
+
+
 class Retry(Exception):
     """Try again elsewhere; ``exclude``: give up on ``bad_worker`` for this request (not
-    when it was only too busy: then wait a moment instead)."""
+    when it was only too busy: then wait a moment instead). ``kind``: one of
+    ``RETRY_KINDS``, the bounded reason the router's retry counter goes by."""
 
     def __init__(
-        self, reason: str, bad_worker: str | None, *, exclude: bool = True, incarnation: float | None = None
+        self,
+        reason: str,
+        bad_worker: str | None,
+        *,
+        exclude: bool = True,
+        incarnation: float | None = None,
+        kind: str = "worker_error",
     ) -> None:
         super().__init__(reason)
         self.bad_worker = bad_worker
         self.exclude = exclude
         self.incarnation = incarnation  # the ``started_at`` of the worker given up on, when known
+        self.kind = kind
 
 
 def _wanted(attempt: Attempt, item: object) -> bool:
@@ -82,7 +96,7 @@ def _wanted(attempt: Attempt, item: object) -> bool:
     if not isinstance(item, WorkerGone):
         return True
     if attempt.waits_on(item.worker_id):
-        raise Retry(f"worker {item.worker_id} is gone", item.worker_id, incarnation=attempt.incarnation(item.worker_id))
+        raise Retry(f"worker {item.worker_id} is gone", item.worker_id, incarnation=attempt.incarnation(item.worker_id), kind="worker_gone")
     return False
 
 
@@ -108,7 +122,7 @@ async def next_item(attempt: Attempt, mesh: MeshSettings, waiting_on: str, until
             raise MeshError(ErrorCode.TIMEOUT, f"the request took longer than {mesh.request_deadline:g}s")
         silent = now - attempt.last_heard
         if silent >= mesh.silence_timeout:
-            raise Retry(f"no word from {waiting_on} for {silent:.1f}s", waiting_on, incarnation=attempt.incarnation(waiting_on))
+            raise Retry(f"no word from {waiting_on} for {silent:.1f}s", waiting_on, incarnation=attempt.incarnation(waiting_on), kind="silent")
         wait = min(mesh.silence_timeout - silent, attempt.deadline - now)
         if until is not None:
             wait = min(wait, until - now)
@@ -130,9 +144,9 @@ async def events_in_order(attempt: Attempt, mesh: MeshSettings) -> AsyncIterator
     while True:
         item = await next_item(attempt, mesh, attempt.decode_worker, gap_deadline)
         if item is None:
-            raise Retry(f"token event {expected} from {attempt.decode_worker} was lost", attempt.decode_worker, exclude=False)
+            raise Retry(f"token event {expected} from {attempt.decode_worker} was lost", attempt.decode_worker, exclude=False, kind="event_lost")
         if isinstance(item, NoResponders) and item.phase == "decode":
-            raise Retry(f"decode on {attempt.decode_worker}: no responders", attempt.decode_worker, incarnation=attempt.incarnation(attempt.decode_worker))
+            raise Retry(f"decode on {attempt.decode_worker}: no responders", attempt.decode_worker, incarnation=attempt.incarnation(attempt.decode_worker), kind="no_responders")
         if isinstance(item, DecodeAck):
             _check_ack(attempt, item)
             continue
@@ -147,13 +161,14 @@ async def events_in_order(attempt: Attempt, mesh: MeshSettings) -> AsyncIterator
             if event.error is not None:
                 code = event.error.code
                 if code is ErrorCode.KV_LOST and attempt.prefill_worker:  # the pull failed: the prefill side is gone
-                    raise Retry(event.error.message, attempt.prefill_worker, incarnation=attempt.incarnation(attempt.prefill_worker))
+                    raise Retry(event.error.message, attempt.prefill_worker, incarnation=attempt.incarnation(attempt.prefill_worker), kind="kv_lost")
                 if is_retryable(code):
                     raise Retry(
                         event.error.message,
                         attempt.decode_worker,
                         exclude=code is not ErrorCode.OVERLOADED,
                         incarnation=attempt.incarnation(attempt.decode_worker),
+                        kind="overloaded" if code is ErrorCode.OVERLOADED else "worker_error",
                     )
                 raise MeshError(code, event.error.message)
             yield event
@@ -177,5 +192,6 @@ def _check_ack(attempt: Attempt, ack: DecodeAck) -> None:
             attempt.decode_worker,
             exclude=error is None or error.code is not ErrorCode.OVERLOADED,
             incarnation=attempt.incarnation(attempt.decode_worker),
+            kind="overloaded" if error is not None and error.code is ErrorCode.OVERLOADED else "refused",
         )
     raise MeshError(error.code, error.message)

@@ -154,7 +154,9 @@ class Generation:
             if admission is not None:
                 admission.release()
             raise
-        tracker = RequestTracker(self.metrics, endpoint, request_id, len(prompt_ids), key=key, admission=admission)
+        tracker = RequestTracker(
+            self.metrics, endpoint, request_id, len(prompt_ids), key=key, admission=admission, request=body, max_tokens=max_tokens
+        )
         return _Choice(events, tracker)
 
     @staticmethod

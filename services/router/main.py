@@ -25,7 +25,7 @@ from kvmesh.services.router.mesh_backend import MeshBackend
 from kvmesh.services.router.rate_limits import RateLimitConfig, RateLimitConfigError, load_rate_limits
 from kvmesh.services.router.rate_store import NatsCounters
 from kvmesh.services.router.server import RouterServer, bind, serve
-from kvmesh.telemetry import setup_tracing, shutdown_tracing
+from kvmesh.telemetry import setup_logging, setup_tracing, shutdown_tracing
 from kvmesh.worker.settings import add_mesh_args, mesh_settings
 
 logger = logging.getLogger("kvmesh.router")
@@ -153,7 +153,7 @@ async def main(argv: list[str] | None = None) -> None:
     mesh = mesh_settings(args, parser)
     limits = limits_from(args, parser)
     keys, rate_limits = access_from(args, parser)
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    setup_logging()
     logger.info("settings: %s", {k: v for k, v in vars(args).items() if k != "api_key"})
     logger.info(
         "API keys: %s; rate limits: %s (store: %s)",
@@ -191,7 +191,8 @@ async def main(argv: list[str] | None = None) -> None:
     try:
         from opentelemetry.instrumentation.fastapi import FastAPIInstrumentor
 
-        FastAPIInstrumentor.instrument_app(app, excluded_urls="health,metrics")
+        # One server span per request: no ``http send`` span per SSE chunk, no ``receive`` span.
+        FastAPIInstrumentor.instrument_app(app, excluded_urls="health,metrics", exclude_spans=["send", "receive"])
     except ImportError:
         logger.info("opentelemetry-instrumentation-fastapi not installed: no HTTP spans")
 

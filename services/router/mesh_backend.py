@@ -17,7 +17,7 @@ import asyncio
 import contextlib
 import logging
 import uuid
-from collections.abc import AsyncGenerator, AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator, Callable
 
 import nats
 import nats.errors
@@ -66,7 +66,7 @@ from kvmesh.services.router.attempts import (
 from kvmesh.services.router.backend import HealthReport
 from kvmesh.services.router.progress import RequestProgress
 from kvmesh.services.router.streams import Streams, new_key
-from kvmesh.services.router.worker_choice import Choice, Excluded, LayoutPairing, LoadBoard, least_loaded
+from kvmesh.services.router.worker_choice import Choice, Excluded, LayoutPairing, LoadBoard, least_loaded, route_reason
 from kvmesh.telemetry import inject_headers, tracer
 from kvmesh.worker.settings import MeshSettings
 
@@ -107,6 +107,9 @@ class MeshBackend:
         self._attempts: dict[str, Attempt] = {}  # by attempt id
         self.streams = Streams()  # the same, by the random key of their stream subjects
         self._tracer = tracer("kvmesh.router")
+        # The router's metrics hear of each routing decision and retry (``RouterMetrics.watch``).
+        self.on_route: Callable[[str], None] = lambda reason: None
+        self.on_retry: Callable[[str], None] = lambda kind: None
         self.nc: nats.NATS
         self.store: EtcdStore
         self.directory: WorkerDirectory
@@ -223,9 +226,10 @@ class MeshBackend:
                                 yield event
                             if progress.finished:
                                 return
-                    raise Retry("the stream ended without a last event", None)
+                    raise Retry("the stream ended without a last event", None, kind="stream_ended")
                 except Retry as retry:
                     last_reason = str(retry)
+                    self.on_retry(retry.kind)
                     span.add_event("retry", {"reason": last_reason, "tokens_sent": len(progress.emitted)})
                     if retry.exclude:
                         failures += 1
@@ -265,6 +269,7 @@ class MeshBackend:
         decode = await self._decode_worker(excluded, deadline)
         routed = await self._choose_prefill(attempt_id, prompt, excluded, session_id, span, decode.worker)
         prefill, peer = routed if routed is not None else (None, None)
+        self.on_route(route_reason(prefill, peer))
         span.set_attribute("kvmesh.decode_worker", decode.worker.worker_id)
         span.set_attribute("kvmesh.decode_choice", decode.reason)
         span.set_attribute("kvmesh.prefill_worker", prefill.worker.worker_id if prefill else "")
@@ -360,7 +365,7 @@ class MeshBackend:
             return None
         layout = next(iter(records.values())).kv_layout
         block_size = layout.block_size if layout else 16
-        matches = await self._prefix_matches(prompt, block_size)
+        matches = await self._prefix_matches(prompt, block_size, span)
         candidates = [self._candidate(record, matches.get(worker_id, 0)) for worker_id, record in records.items()]
         route = RouteRequest(attempt_id, num_blocks=len(prompt) // block_size, num_tokens=len(prompt), session_id=session_id)
         decision = self.scorer.choose(route, candidates)
@@ -381,7 +386,7 @@ class MeshBackend:
             route_span.set_attribute("kvmesh.route.peer", best_peer)
             route_span.set_attribute("kvmesh.route.peer_prefix_blocks", peer.num_blocks)
         route_span.end()
-        return Choice(records[decision.worker_id], f"score {decision.total:.1f}, {cached} prefix blocks cached"), peer
+        return Choice(records[decision.worker_id], f"score {decision.total:.1f}, {cached} prefix blocks cached", cached), peer
 
     def _candidate(self, record: WorkerRecord, cached_prefix_blocks: int) -> Candidate:
         report = self.board.reports.get(record.worker_id)
@@ -395,7 +400,7 @@ class MeshBackend:
             cached_prefix_blocks=cached_prefix_blocks,
         )
 
-    async def _prefix_matches(self, prompt: list[int], block_size: int) -> dict[str, int]:
+    async def _prefix_matches(self, prompt: list[int], block_size: int, span: trace.Span | None = None) -> dict[str, int]:
         """kv-metadata's answer for the prompt's block chain; empty when it is not running
         or does not answer in time (routing then goes on load alone)."""
         if not self.directory.alive("kv-metadata"):
@@ -404,7 +409,10 @@ class MeshBackend:
         if not chain:
             return {}
         try:
-            reply = await self.nc.request(self.subjects.kv_query, KVQuery(block_hashes=chain).encode(), timeout=self.kv_query_timeout)
+            headers = inject_headers(trace.set_span_in_context(span)) if span is not None else None  # kv-metadata's span joins the request's
+            reply = await self.nc.request(
+                self.subjects.kv_query, KVQuery(block_hashes=chain).encode(), timeout=self.kv_query_timeout, headers=headers
+            )
             return KVQueryReply.decode(reply.data).matches
         except (TimeoutError, NatsTimeoutError, NoRespondersError, ValidationError) as exc:
             logger.debug("kv-metadata did not answer: %r", exc)
@@ -442,11 +450,11 @@ class MeshBackend:
                         worker.subject, payload, reply=self._stream(attempt, "prefill"), headers=inject_headers()
                     )
                 except nats.errors.Error as exc:
-                    raise Retry(f"prefill on {worker.worker_id}: {type(exc).__name__}", worker.worker_id, incarnation=worker.started_at) from None
+                    raise Retry(f"prefill on {worker.worker_id}: {type(exc).__name__}", worker.worker_id, incarnation=worker.started_at, kind="publish_failed") from None
                 while True:
                     item = await next_item(attempt, self.mesh, worker.worker_id)
                     if isinstance(item, NoResponders) and item.phase == "prefill":
-                        raise Retry(f"prefill on {worker.worker_id}: no responders", worker.worker_id, incarnation=worker.started_at)
+                        raise Retry(f"prefill on {worker.worker_id}: no responders", worker.worker_id, incarnation=worker.started_at, kind="no_responders")
                     if isinstance(item, PrefillResponse):
                         response = item
                         break
@@ -455,10 +463,10 @@ class MeshBackend:
         if response.error is not None:
             if is_retryable(response.error.code):
                 busy = response.error.code is ErrorCode.OVERLOADED
-                raise Retry(f"prefill on {worker.worker_id}: {response.error.message}", worker.worker_id, exclude=not busy, incarnation=worker.started_at)
+                raise Retry(f"prefill on {worker.worker_id}: {response.error.message}", worker.worker_id, exclude=not busy, incarnation=worker.started_at, kind="overloaded" if busy else "worker_error")
             raise MeshError(response.error.code, response.error.message)
         if response.first_token_id is None or response.kv is None:
-            raise Retry(f"prefill on {worker.worker_id} answered without a first token and KV", worker.worker_id, incarnation=worker.started_at)
+            raise Retry(f"prefill on {worker.worker_id} answered without a first token and KV", worker.worker_id, incarnation=worker.started_at, kind="no_first_token")
         return response
 
     async def _start_decode(self, worker: WorkerRecord, attempt: Attempt, request: DecodeRequest, ctx) -> None:
@@ -469,7 +477,7 @@ class MeshBackend:
         try:
             await self.nc.publish(worker.subject, payload, reply=self._stream(attempt, "decode"), headers=inject_headers(ctx))
         except nats.errors.Error as exc:
-            raise Retry(f"decode on {worker.worker_id}: {type(exc).__name__}", worker.worker_id, incarnation=worker.started_at) from None
+            raise Retry(f"decode on {worker.worker_id}: {type(exc).__name__}", worker.worker_id, incarnation=worker.started_at, kind="publish_failed") from None
 
     def _stream(self, attempt: Attempt, phase: StreamPhase) -> str:
         return self.subjects.stream(self.router_id, attempt.key, phase)
@@ -487,3 +495,4 @@ class MeshBackend:
             await self.nc.publish(self.subjects.cancel, CancelRequest(request_id=attempt_id).encode())
         except Exception as exc:  # noqa: BLE001 - best effort; leases and timeouts clean up
             logger.debug("cancel of %s not sent: %s", attempt_id, exc)
+

@@ -19,6 +19,7 @@ logger = logging.getLogger(__name__)
 class Choice:
     worker: WorkerRecord
     reason: str
+    cached_blocks: int = 0  # a prefill worker's: leading prompt blocks it holds
 
 
 class LoadBoard:
@@ -149,3 +150,17 @@ class LayoutPairing:
                 self._logged.add(pair)
                 logger.warning("not pairing prefill worker %s with decode worker %s: %s", prefill.worker_id, decode.worker_id, reason)
         return kept, skipped
+
+
+ROUTE_REASONS = ("prefix_cache", "peer_prefix", "load", "local_prefill")
+
+
+def route_reason(prefill: Choice | None, peer: object | None) -> str:
+    """Why an attempt went where it did, in ``ROUTE_REASONS``: no prefill worker (the decode
+    worker prefills), a prefill worker holding part of the prompt's prefix, one that will
+    pull it from a peer, or one chosen on load alone."""
+    if prefill is None:
+        return "local_prefill"
+    if peer is not None:
+        return "peer_prefix"
+    return "prefix_cache" if prefill.cached_blocks else "load"

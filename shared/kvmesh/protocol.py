@@ -380,6 +380,7 @@ class ReleaseRequest(Message):
     request_id: str
     pin_token: str  # the pin's secret, from the handle (or the lend reply)
     bytes_pulled: int = 0
+    seconds_pulled: float = 0.0  # how long the read took the puller (the lender's transfer metrics)
     ok: bool = True
 
 

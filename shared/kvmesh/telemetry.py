@@ -1,5 +1,7 @@
 """OpenTelemetry for every service: one tracer provider per process, W3C trace context in
-NATS headers, OTLP/HTTP export when ``OTEL_EXPORTER_OTLP_ENDPOINT`` is set."""
+NATS headers, OTLP/HTTP export when ``OTEL_EXPORTER_OTLP_ENDPOINT`` is set; and the
+services' log format (``setup_logging``), whose every line names the trace and span it
+was logged in (``trace=- span=-`` outside any)."""
 
 from __future__ import annotations
 
@@ -15,6 +17,29 @@ from opentelemetry.sdk.trace.export import BatchSpanProcessor
 logger = logging.getLogger(__name__)
 
 _provider: TracerProvider | None = None
+
+LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s [trace=%(trace_id)s span=%(span_id)s]: %(message)s"
+
+
+class TraceContextFilter(logging.Filter):
+    """Puts the current span's trace and span ids on every record (``-`` without one)."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        context_ = trace.get_current_span().get_span_context()
+        if context_.is_valid:
+            record.trace_id = format(context_.trace_id, "032x")
+            record.span_id = format(context_.span_id, "016x")
+        else:
+            record.trace_id = record.span_id = "-"
+        return True
+
+
+def setup_logging(level: int = logging.INFO) -> None:
+    """The services' logging: to stderr, each line with its trace and span ids."""
+    logging.basicConfig(level=level, format=LOG_FORMAT)
+    for handler in logging.getLogger().handlers:
+        if not any(isinstance(f, TraceContextFilter) for f in handler.filters):
+            handler.addFilter(TraceContextFilter())
 
 
 def setup_tracing(service_name: str, worker_id: str | None = None) -> TracerProvider:

@@ -21,7 +21,7 @@ from typing import Any, TypeVar
 
 from kvmesh.engine.kv_cache_manager import PoolStats
 from kvmesh.engine.llm_engine import EngineConfig, LLMEngine
-from kvmesh.engine.outputs import RequestOutput
+from kvmesh.engine.outputs import RequestOutput, StepObserver
 from kvmesh.engine.request import SamplingParams
 from kvmesh.errors import EngineDeadError
 
@@ -29,7 +29,7 @@ logger = logging.getLogger(__name__)
 
 T = TypeVar("T")
 
-__all__ = ["AsyncEngine", "EngineDeadError"]
+__all__ = ["AsyncEngine", "EngineDeadError", "StepObserver"]
 
 
 class AsyncEngine:
@@ -46,6 +46,7 @@ class AsyncEngine:
         self._lock = threading.Lock()
         self._beat = time.monotonic()
         self._load = engine.load()  # replaced (never mutated) by the engine thread
+        self._observer: StepObserver | None = None
         self._thread = threading.Thread(target=self._run, name="kvmesh-engine", daemon=True)
         self._thread.start()
 
@@ -64,8 +65,11 @@ class AsyncEngine:
                 self._run_commands(wait=idle)
                 self._load = self.engine.load()
                 if self.engine.has_unfinished():
+                    started = time.perf_counter()
                     outputs = self.engine.step()
                     self._load = self.engine.load()
+                    if self.engine.last_step_tokens and self._observer is not None:
+                        self._stepped(outputs, time.perf_counter() - started)
                     self._deliver(outputs)
                     if not self.engine.last_step_tokens:
                         # Nothing could be scheduled (no room); wait for a command to change that.
@@ -78,6 +82,23 @@ class AsyncEngine:
             self._stop.set()
             self._fail_everything()
             self._wake_dead_waiters()
+
+    def observe_steps(self, observer: StepObserver) -> None:
+        """Tell ``observer`` of every request and step from now on."""
+        self._observer = observer
+
+    def _observe(self, call: Callable[[StepObserver], None]) -> None:
+        observer = self._observer
+        if observer is None:
+            return
+        try:
+            call(observer)
+        except Exception:  # noqa: BLE001 - metrics never stop the engine
+            logger.exception("the step observer failed")
+
+    def _stepped(self, outputs: list[RequestOutput], seconds: float) -> None:
+        preemptions = int(getattr(self.engine, "num_preemptions", 0))  # vLLM's core keeps no count
+        self._observe(lambda o: o.stepped(outputs, seconds, preemptions))
 
     def _run_commands(self, wait: bool) -> None:
         try:
@@ -162,6 +183,7 @@ class AsyncEngine:
         """Submit a request (``first``: ahead of those waiting) and iterate its outputs;
         leaving early aborts it."""
         q = self._open_stream(request_id)
+        self._observe(lambda o: o.arrived(request_id))
         try:
             await self._call(
                 lambda: self.engine.add_request(request_id, prompt_token_ids, params, export_kv=export_kv, first=first)
@@ -183,9 +205,11 @@ class AsyncEngine:
         """Decode a request whose prompt KV was written into the blocks of ``handle``; the
         first output carries ``first_token_id``."""
         q = self._open_stream(request_id)
+        self._observe(lambda o: o.arrived(request_id))
 
         def command() -> None:
             first = self.engine.add_imported_request(request_id, prompt_token_ids, first_token_id, handle, params)
+            self._observe(lambda o: o.imported(first))
             self._deliver([first])  # from the engine thread, so it is queued before any later step's output
 
         try:
@@ -207,6 +231,7 @@ class AsyncEngine:
         """The submission failed or its caller was cancelled; a cancelled submission still
         runs on the engine thread, so an abort follows it there."""
         self._streams.pop(request_id, None)
+        self._observe(lambda o: o.closed(request_id))
         if not isinstance(exc, Exception) and not self._stop.is_set():
             self._commands.put((lambda: self.engine.abort_request(request_id), None))
 
@@ -223,6 +248,7 @@ class AsyncEngine:
                     return
         finally:
             self._streams.pop(request_id, None)
+            self._observe(lambda o: o.closed(request_id))
             if not finished and not self._stop.is_set():
                 self._commands.put((lambda: self.engine.abort_request(request_id), None))
 

@@ -98,6 +98,7 @@ class LLMEngine:
         self._grammars: GrammarCompiler | None = None  # built for the first guided request
         self._failed_steps = 0  # steps in a row whose batch raised
         self.last_step_tokens = 0  # tokens the last step scheduled; 0: no room for anything
+        self.num_preemptions = 0  # requests preempted (recomputed later) since the start
         logger.info(
             "engine ready in %.1fs: model %s (%s, %d layers) on %s in %s, %d KV blocks of %d tokens",
             time.monotonic() - started,
@@ -186,6 +187,7 @@ class LLMEngine:
         steps in a row the error is raised: the engine cannot go on."""
         out = self.scheduler.schedule()
         self.last_step_tokens = out.num_tokens
+        self.num_preemptions += len(out.preempted)
         if not out.scheduled:
             return []
         try:

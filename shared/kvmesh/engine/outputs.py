@@ -1,9 +1,11 @@
 """What a request's progress looks like from outside the engine: its outputs and, for a
-prefill kept for export, the blocks that hold its KV. Plain data, free of torch."""
+prefill kept for export, the blocks that hold its KV; and what an observer of its steps is
+told (``StepObserver``). Plain data, free of torch."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Protocol
 
 from kvmesh.engine.kv_layout import KVLayout
 from kvmesh.engine.request import FinishReason
@@ -35,3 +37,22 @@ class RequestOutput:
     # failed (it would anywhere); ``internal`` when its whole step did (a co-batched
     # request, the device): another worker may well succeed.
     error_code: ErrorCode | None = None
+
+
+class StepObserver(Protocol):
+    """Told of every request and engine step as they happen (metrics): ``arrived`` and
+    ``closed`` on the event loop, ``imported`` and ``stepped`` on the engine thread."""
+
+    def arrived(self, request_id: str) -> None: ...
+
+    def imported(self, output: RequestOutput) -> None:
+        """The first output of a request decoded from imported KV (its token was sampled
+        by the prefill worker)."""
+        ...
+
+    def stepped(self, outputs: list[RequestOutput], seconds: float, preemptions: int) -> None:
+        """One model step took ``seconds`` and gave ``outputs``; ``preemptions``: the
+        engine's total so far."""
+        ...
+
+    def closed(self, request_id: str) -> None: ...

@@ -18,7 +18,7 @@ from typing import Protocol
 
 from kvmesh.engine.block_pool import AllBlocksCleared, BlockRemoved, BlockStored, KVCacheEvent
 from kvmesh.engine.kv_cache_manager import PoolStats
-from kvmesh.engine.outputs import KVExport, RequestOutput
+from kvmesh.engine.outputs import KVExport, RequestOutput, StepObserver
 from kvmesh.engine.request import FinishReason, SamplingParams
 from kvmesh.errors import EngineDeadError
 from kvmesh.transfer.layout import PoolLayout
@@ -36,6 +36,7 @@ __all__ = [
     "PoolStats",
     "RequestOutput",
     "SamplingParams",
+    "StepObserver",
 ]
 
 
@@ -138,6 +139,11 @@ class Engine(Protocol):
 
     def load_now(self) -> dict[str, int]:
         """``running``, ``waiting`` and ``free_blocks``, read without waiting for the engine."""
+        ...
+
+    def observe_steps(self, observer: StepObserver) -> None:
+        """Tell ``observer`` of every request's arrival and end and of every engine step
+        (its outputs, its time), as they happen: the worker's metrics."""
         ...
 
     # -- liveness and lifetime -----------------------------------------------------------

@@ -8,6 +8,7 @@ supervisor restarts it: never a live process with a dead engine."""
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import os
 import signal
@@ -22,6 +23,7 @@ from kvmesh.cluster.connect import connect_mesh
 from kvmesh.cluster.directory import WorkerDirectory
 from kvmesh.cluster.etcd_store import EtcdStore
 from kvmesh.cluster.registration import LeasedKey
+from kvmesh.metrics.worker import WorkerMetrics
 from kvmesh.protocol import CancelRequest, Keys, KVLayoutSpec, LoadReport, Stage, Subjects, WorkerRecord, WorkerStats
 from kvmesh.service_main import running_as_service
 from kvmesh.telemetry import setup_tracing, shutdown_tracing, tracer
@@ -65,6 +67,7 @@ class WorkerRuntime:
         self.directory: WorkerDirectory | None = None  # every worker's record, to check handles against
         self.control = ControlHandlers()  # cancels, releases, lends: off their NATS callbacks
         self.health = HealthServer(self.health_status, settings.health_host, settings.health_port)
+        self.metrics: WorkerMetrics | None = None  # once the engine is loaded: /metrics on the health port
 
     # -- start ---------------------------------------------------------------------------
     async def start(self) -> None:
@@ -75,6 +78,9 @@ class WorkerRuntime:
         await self.health.start()  # live (and not ready) while the model loads
         logger.info("loading the model")
         self.engine = await create_engine(s)
+        metrics = self.metrics = WorkerMetrics(self.engine.model_name, s.role, self.worker_id)
+        self.engine.observe_steps(metrics)
+        self.health.metrics = functools.partial(metrics.render, self.engine)
         pool = self.engine.kv_layout
         self.agent = MooncakeAgent(s.advertise_host, port_range=s.transfer_port_range)
         self.agent.register(pool.base_address, pool.pool_bytes)
@@ -204,6 +210,11 @@ class WorkerRuntime:
             bytes_served=self.bytes_served,
             transfers=self.agent.transfers,
         )
+
+    def transferred(self, direction: str, nbytes: int, seconds: float) -> None:
+        """A KV pull into this worker (``in``) or out of it (``out``), for its metrics."""
+        if self.metrics is not None:
+            self.metrics.transferred(direction, nbytes, seconds)
 
     async def _handle_stats(self, msg: Msg) -> None:
         await msg.respond((await self.stats()).encode())
