@@ -117,7 +117,6 @@ class KVMetadataService:
         self.metrics = KVIndexMetrics(lambda: self.index.num_blocks, lambda: len(self.index.workers()))
         self.tracer = tracer("kvmesh.kv_metadata")
         self.ingest = IngestWindow()
-        self.health_url = ""  # published in its record when a health server runs
 
     async def start(self) -> None:
         self.nc, self.store = await connect_mesh(self.mesh, self.service_id)
@@ -140,7 +139,6 @@ class KVMetadataService:
             host=socket.gethostname(),
             pid=os.getpid(),
             started_at=time.time(),
-            health_url=self.health_url,
         )
         self.registration = LeasedKey(self.store, self.keys.worker("kv-metadata", self.service_id), record.encode(), ttl=5)
         await self.registration.start()
@@ -327,7 +325,7 @@ async def main(argv: list[str] | None = None) -> None:
     service = KVMetadataService(mesh_settings(args, parser), service_id=args.service_id, mirror_interval=args.mirror_interval)
     setup_tracing("kvmesh-kv-metadata", service.service_id)
     health = HealthServer(service.health_status, args.health_host, args.health_port, metrics=service.metrics.render)
-    service.health_url = await health.start()
+    await health.start()
     await service.start()
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
