@@ -52,7 +52,7 @@ from kvmesh.worker.settings import MeshSettings, add_mesh_args, mesh_settings
 
 logger = logging.getLogger(__name__)
 
-INGEST_SPAN_INTERVAL = 10.0  # seconds one kv_ingest span sums up
+INGEST_SPAN_INTERVAL = 10.0  # seconds one kv_ingest span sums up (KVMESH_INGEST_SPAN_INTERVAL)
 
 
 class IngestWindow:
@@ -93,8 +93,16 @@ class IngestWindow:
 
 
 class KVMetadataService:
-    def __init__(self, mesh: MeshSettings, *, service_id: str | None = None, mirror_interval: float = 0.2) -> None:
+    def __init__(
+        self,
+        mesh: MeshSettings,
+        *,
+        service_id: str | None = None,
+        mirror_interval: float = 0.2,
+        ingest_span_interval: float = INGEST_SPAN_INTERVAL,
+    ) -> None:
         self.mesh = mesh
+        self.ingest_span_interval = ingest_span_interval
         self.service_id = service_id or f"kv-metadata-{uuid.uuid4().hex[:8]}"
         self.subjects = Subjects(mesh.namespace)
         self.keys = Keys(mesh.namespace)
@@ -189,7 +197,7 @@ class KVMetadataService:
 
     async def _ingest_spans(self) -> None:
         while True:
-            await asyncio.sleep(INGEST_SPAN_INTERVAL)
+            await asyncio.sleep(self.ingest_span_interval)
             self.ingest.emit(self.tracer)
 
     def _apply(self, batch: KVEventBatch) -> None:
@@ -315,6 +323,10 @@ async def main(argv: list[str] | None = None) -> None:
     add_mesh_args(parser)
     parser.add_argument("--service-id", default=os.environ.get("KVMESH_SERVICE_ID"))
     parser.add_argument("--mirror-interval", type=float, default=float(os.environ.get("KVMESH_MIRROR_INTERVAL", "0.2")))
+    parser.add_argument(
+        "--ingest-span-interval", type=float, default=float(os.environ.get("KVMESH_INGEST_SPAN_INTERVAL", INGEST_SPAN_INTERVAL)),
+        help="seconds of event ingestion one kv_ingest span sums up (KVMESH_INGEST_SPAN_INTERVAL)",
+    )
     parser.add_argument("--health-host", default=os.environ.get("KVMESH_HEALTH_HOST", "127.0.0.1"))
     parser.add_argument(
         "--health-port", type=int, default=int(os.environ.get("KVMESH_HEALTH_PORT", "0")),
@@ -322,7 +334,14 @@ async def main(argv: list[str] | None = None) -> None:
     )
     args = parser.parse_args(argv if argv is not None else sys.argv[1:])
     setup_logging()
-    service = KVMetadataService(mesh_settings(args, parser), service_id=args.service_id, mirror_interval=args.mirror_interval)
+    if args.ingest_span_interval <= 0:
+        parser.error("--ingest-span-interval must be positive")
+    service = KVMetadataService(
+        mesh_settings(args, parser),
+        service_id=args.service_id,
+        mirror_interval=args.mirror_interval,
+        ingest_span_interval=args.ingest_span_interval,
+    )
     setup_tracing("kvmesh-kv-metadata", service.service_id)
     health = HealthServer(service.health_status, args.health_host, args.health_port, metrics=service.metrics.render)
     await health.start()

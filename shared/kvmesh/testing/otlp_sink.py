@@ -24,6 +24,8 @@ class ReceivedSpan:
 
 def _value(any_value) -> object:
     kind = any_value.WhichOneof("value")
+    if kind == "array_value":
+        return [_value(v) for v in any_value.array_value.values]
     return getattr(any_value, kind) if kind else None
 
 
