@@ -64,3 +64,42 @@ async def test_a_silent_client_does_not_block_others():
         idle_writer.close()
     finally:
         await server.stop()
+
+
+async def raw_get(port: int, path: str) -> tuple[int, str, bytes]:
+    reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    writer.write(f"GET {path} HTTP/1.1\r\nHost: x\r\n\r\n".encode())
+    await writer.drain()
+    raw = await asyncio.wait_for(reader.read(), 5)
+    writer.close()
+    head, _, body = raw.partition(b"\r\n\r\n")
+    content_type = next(line.split(b":", 1)[1].strip().decode() for line in head.split(b"\r\n") if line.lower().startswith(b"content-type"))
+    return int(head.split()[1]), content_type, body
+
+
+async def test_metrics_are_served_beside_the_checks_and_a_failing_render_is_empty():
+    from prometheus_client import CollectorRegistry, Counter, generate_latest
+
+    registry = CollectorRegistry()
+    Counter("kvmesh:things", "things", registry=registry).inc(3)
+    server = HealthServer(lambda: HealthStatus(live=True, ready=True))
+    await server.start()
+    try:
+        assert await raw_get(server.port, "/metrics") == (200, "text/plain; version=0.0.4; charset=utf-8", b"")  # none yet
+
+        async def render() -> bytes:
+            return generate_latest(registry)
+
+        server.metrics = render
+        code, content_type, body = await raw_get(server.port, "/metrics?x=1")
+        assert (code, content_type.split(";")[0]) == (200, "text/plain")
+        assert b"kvmesh:things_total 3.0" in body
+
+        async def broken() -> bytes:
+            raise RuntimeError("no")
+
+        server.metrics = broken
+        assert (await raw_get(server.port, "/metrics"))[::2] == (200, b"")
+        assert (await get(server.port, "/health/ready"))[0] == 200  # the checks still answer
+    finally:
+        await server.stop()
