@@ -46,7 +46,7 @@ from kvmesh.protocol import (
     WorkerRecord,
 )
 from kvmesh.services.kv_metadata.mirror import EtcdMirror
-from kvmesh.telemetry import extract_context, setup_logging, setup_tracing, shutdown_tracing, tracer
+from kvmesh.telemetry import extract_context, log_settings, setup_logging, setup_tracing, shutdown_tracing, tracer
 from kvmesh.worker.health import HealthServer, HealthStatus
 from kvmesh.worker.settings import MeshSettings, add_mesh_args, mesh_settings
 
@@ -334,6 +334,7 @@ async def main(argv: list[str] | None = None) -> None:
     )
     args = parser.parse_args(argv if argv is not None else sys.argv[1:])
     setup_logging()
+    log_settings("kv-metadata", vars(args))
     if args.ingest_span_interval <= 0:
         parser.error("--ingest-span-interval must be positive")
     service = KVMetadataService(

@@ -25,7 +25,7 @@ from kvmesh.services.router.mesh_backend import MeshBackend
 from kvmesh.services.router.rate_limits import RateLimitConfig, RateLimitConfigError, load_rate_limits
 from kvmesh.services.router.rate_store import NatsCounters
 from kvmesh.services.router.server import RouterServer, bind, serve
-from kvmesh.telemetry import setup_logging, setup_tracing, shutdown_tracing
+from kvmesh.telemetry import log_settings, setup_logging, setup_tracing, shutdown_tracing
 from kvmesh.worker.settings import add_mesh_args, mesh_settings
 
 logger = logging.getLogger("kvmesh.router")
@@ -154,7 +154,7 @@ async def main(argv: list[str] | None = None) -> None:
     limits = limits_from(args, parser)
     keys, rate_limits = access_from(args, parser)
     setup_logging()
-    logger.info("settings: %s", {k: v for k, v in vars(args).items() if k != "api_key"})
+    log_settings("router", {k: v for k, v in vars(args).items() if k != "api_key"})
     logger.info(
         "API keys: %s; rate limits: %s (store: %s)",
         ", ".join(keys.names) if keys else "none (/v1 is open)",

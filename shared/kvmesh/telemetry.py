@@ -34,6 +34,34 @@ class TraceContextFilter(logging.Filter):
         return True
 
 
+SECRET_WORDS = ("password", "secret", "token", "api_key", "apikey")
+MASK = "***"
+
+
+def masked(name: str, value: object) -> object:
+    """A setting as it may be logged: a value whose name says it is a secret is masked, and
+    so is the password of a URL (``nats://user:pass@host``)."""
+    if value is None or value == "":
+        return value
+    if any(word in name.lower() for word in SECRET_WORDS) and not name.lower().endswith(("_file", "_credentials")):
+        return MASK
+    if isinstance(value, str) and "://" in value and "@" in value:
+        from urllib.parse import urlsplit, urlunsplit
+
+        parts = urlsplit(value)
+        if parts.password is not None:
+            netloc = f"{parts.username}:{MASK}@{parts.hostname}" + (f":{parts.port}" if parts.port else "")
+            return urlunsplit(parts._replace(netloc=netloc))
+    if isinstance(value, (list, tuple)):
+        return type(value)(masked(name, v) for v in value)
+    return value
+
+
+def log_settings(service: str, values: dict[str, object]) -> None:
+    """The resolved settings, once at start, secrets masked."""
+    logger.info("%s settings: %s", service, ", ".join(f"{k}={masked(k, v)}" for k, v in values.items()))
+
+
 def setup_logging(level: int = logging.INFO) -> None:
     """The services' logging: to stderr, each line with its trace and span ids."""
     logging.basicConfig(level=level, format=LOG_FORMAT)

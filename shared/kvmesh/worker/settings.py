@@ -88,8 +88,11 @@ class WorkerSettings:
     fault_pull_delay: float = float(os.environ.get("KVMESH_FAULT_PULL_DELAY", "0"))
 
     def log(self) -> None:
+        from kvmesh.telemetry import log_settings
+
         values = asdict(self)
-        logger.info("settings: %s", ", ".join(f"{k}={v}" for k, v in values.items()))
+        values.update({f"mesh.{k}": v for k, v in values.pop("mesh").items()})
+        log_settings(f"{self.role} worker", values)
 
 
 def add_mesh_args(parser: argparse.ArgumentParser) -> None:

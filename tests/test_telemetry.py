@@ -1,0 +1,50 @@
+"""The services' logging: trace ids on every record, settings logged with secrets masked."""
+
+from __future__ import annotations
+
+import logging
+
+from opentelemetry.sdk.trace import TracerProvider
+
+from kvmesh.telemetry import LOG_FORMAT, MASK, TraceContextFilter, log_settings, masked
+
+
+def test_secrets_are_masked_and_paths_are_not():
+    assert masked("api_key", "sk-123") == MASK
+    assert masked("nats_password", "hunter2") == MASK
+    assert masked("api_key_file", "/run/keys") == "/run/keys"
+    assert masked("nats_credentials", "/run/creds") == "/run/creds"
+    assert masked("nats_url", "nats://router:s3cret@nats:4222") == f"nats://router:{MASK}@nats:4222"
+    assert masked("etcd_endpoints", ("http://root:pw@etcd:2379", "http://etcd2:2379")) == (
+        f"http://root:{MASK}@etcd:2379", "http://etcd2:2379",
+    )  # fmt: skip
+    assert masked("nats_url", "nats://127.0.0.1:4222") == "nats://127.0.0.1:4222"
+    assert masked("api_key", None) is None
+
+
+def test_log_lines_name_their_trace(caplog):
+    formatter = logging.Formatter(LOG_FORMAT)
+    records: list[str] = []
+
+    class Keep(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            records.append(formatter.format(record))
+
+    keep = Keep()
+    keep.addFilter(TraceContextFilter())
+    log = logging.getLogger("kvmesh.test_telemetry")
+    log.addHandler(keep)
+    log.setLevel(logging.INFO)
+    try:
+        log.info("outside")
+        tracer = TracerProvider().get_tracer("t")
+        with tracer.start_as_current_span("s") as span:
+            log.info("inside")
+            context = span.get_span_context()
+    finally:
+        log.removeHandler(keep)
+    assert "[trace=- span=-]: outside" in records[0]
+    assert f"[trace={context.trace_id:032x} span={context.span_id:016x}]: inside" in records[1]
+    with caplog.at_level(logging.INFO, logger="kvmesh.telemetry"):
+        log_settings("svc", {"nats_url": "nats://a:b@h:1", "api_key": "k"})
+    assert caplog.messages[-1] == "svc settings: nats_url=nats://a:***@h:1, api_key=***"
