@@ -20,6 +20,8 @@ def test_secrets_are_masked_and_paths_are_not():
     )  # fmt: skip
     assert masked("nats_url", "nats://127.0.0.1:4222") == "nats://127.0.0.1:4222"
     assert masked("api_key", None) is None
+    assert masked("max_num_batched_tokens", 1024) == 1024  # tokens, not a token
+    assert masked("pin_token", "abc") == MASK
 
 
 def test_log_lines_name_their_trace(caplog):

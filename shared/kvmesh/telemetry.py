@@ -34,7 +34,7 @@ class TraceContextFilter(logging.Filter):
         return True
 
 
-SECRET_WORDS = ("password", "secret", "token", "api_key", "apikey")
+SECRET_WORDS = {"password", "passwd", "secret", "token", "apikey", "key"}  # words of a setting's name
 MASK = "***"
 
 
@@ -43,7 +43,8 @@ def masked(name: str, value: object) -> object:
     so is the password of a URL (``nats://user:pass@host``)."""
     if value is None or value == "":
         return value
-    if any(word in name.lower() for word in SECRET_WORDS) and not name.lower().endswith(("_file", "_credentials")):
+    words = name.lower().replace("-", "_").split("_")
+    if SECRET_WORDS.intersection(words) and words[-1] not in ("file", "credentials", "path"):
         return MASK
     if isinstance(value, str) and "://" in value and "@" in value:
         from urllib.parse import urlsplit, urlunsplit
