@@ -298,14 +298,14 @@ def test_allocate_held_when_short() -> None:
 
 def test_stats_fields() -> None:
     kv = make_kv(8)
-    assert kv.stats() == PoolStats(num_blocks=8, num_free=8, num_cached=0, num_in_use=0, num_held=0, block_size=4)
+    assert kv.stats() == PoolStats(num_blocks=8, num_free=8, num_cached=0, num_in_use=0, num_held=0, block_size=4, num_cached_free=0)
     r1 = req("r1", list(range(9)))
     admit(kv, r1)
     compute(r1, 9)
     kv.allocate_held("imp", 5)
-    assert kv.stats() == PoolStats(num_blocks=8, num_free=3, num_cached=2, num_in_use=5, num_held=2, block_size=4)
+    assert kv.stats() == PoolStats(num_blocks=8, num_free=3, num_cached=2, num_in_use=5, num_held=2, block_size=4, num_cached_free=0)
     kv.free(r1)
-    # Cached blocks that are free still count as cached (and as free).
-    assert kv.stats() == PoolStats(num_blocks=8, num_free=6, num_cached=2, num_in_use=2, num_held=2, block_size=4)
+    # Cached blocks that are free still count as cached (and as free, and as cached and free).
+    assert kv.stats() == PoolStats(num_blocks=8, num_free=6, num_cached=2, num_in_use=2, num_held=2, block_size=4, num_cached_free=2)
     kv.release_held("imp")
-    assert kv.stats() == PoolStats(num_blocks=8, num_free=8, num_cached=2, num_in_use=0, num_held=0, block_size=4)
+    assert kv.stats() == PoolStats(num_blocks=8, num_free=8, num_cached=2, num_in_use=0, num_held=0, block_size=4, num_cached_free=2)

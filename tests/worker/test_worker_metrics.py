@@ -46,6 +46,9 @@ async def test_tokens_are_counted_per_step_and_requests_forgotten(tiny_model_dir
                 assert values["kvmesh:kv_blocks,state=used"] >= 3
         assert seen == list(range(1, 65))  # as each step made its token, not at the end
         values = scrape_values(await metrics.render(engine))
+        blocks = [values[f"kvmesh:kv_blocks,state={state}"] for state in ("used", "cached", "free")]
+        full = (12 + 64 - 1) // 4  # the request's full blocks (the last token's KV is never written)
+        assert blocks == [0, full, 128 - full]  # they stay cached; the states partition the pool
         assert values["kvmesh:prompt_tokens_total"] == values["kvmesh:prefix_cache_queries_total"] == 12
         assert values["kvmesh:prefix_cache_hits_total"] == 0
         for name in ("e2e_request_latency_seconds", "time_to_first_token_seconds", "request_queue_time_seconds",

@@ -32,6 +32,7 @@ class PoolStats:
     num_in_use: int  # referenced by a running request or a held export/import
     num_held: int  # of those, held for a KV export or import
     block_size: int
+    num_cached_free: int | None = None  # cached and not referenced (evictable); None: the engine does not say
 
 
 class KVCacheManager:
@@ -202,4 +203,5 @@ class KVCacheManager:
             num_in_use=self.pool.num_blocks - free,
             num_held=sum(len(blocks) for blocks in self.held.values()),
             block_size=self.block_size,
+            num_cached_free=sum(1 for block in self.pool.cached.values() if block.ref_cnt == 0),
         )

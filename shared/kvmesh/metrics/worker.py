@@ -178,12 +178,16 @@ class WorkerMetrics:
             logger.debug("pool stats for /metrics: %r", exc)
         self.running.set(load["running"])
         self.waiting.set(load["waiting"])
-        free = load["free_blocks"]
+        free = load["free_blocks"]  # unreferenced: empty or cached (evictable)
         self.kv_cache_usage.set((total - free) / total if total else 0.0)
-        self.kv_blocks["free"].set(free)
+        cached = 0
         if self._pool is not None:
-            self.kv_blocks["used"].set(self._pool.num_in_use)
-            self.kv_blocks["cached"].set(self._pool.num_cached)
-        else:
-            self.kv_blocks["used"].set(total - free)
+            pool = self._pool
+            # vLLM's pool does not say which of its cached blocks are unreferenced: at most all of them.
+            cached = pool.num_cached_free if pool.num_cached_free is not None else min(pool.num_cached, pool.num_free)
+            cached = min(cached, free)
+        # The states partition the pool: used + cached + free = every block.
+        self.kv_blocks["used"].set(total - free)
+        self.kv_blocks["cached"].set(cached)
+        self.kv_blocks["free"].set(free - cached)
         return generate_latest(self.registry)
