@@ -9,6 +9,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from kvmesh.metrics.contract import BY_SERVICE
+
 WORKER_LABELS = ("model_name", "role", "worker")
 SERVICE_LABELS = ("model_name",)
 # Labels Prometheus adds to every scraped series (the scrape job and the target).
@@ -28,51 +30,10 @@ class Metric:
         return frozenset(own + self.labels + TARGET_LABELS + (("le",) if self.kind == "histogram" else ()))
 
 
-def _worker(name: str, kind: str, *labels: str) -> Metric:
-    return Metric(name, kind, labels, "worker")
-
-
-def _kv_metadata(name: str, kind: str, *labels: str) -> Metric:
-    return Metric(name, kind, labels, "kv-metadata")
-
-
-def _router(name: str, kind: str, *labels: str) -> Metric:
-    return Metric(name, kind, labels, "router")
-
-
-METRICS: tuple[Metric, ...] = (
-    _worker("kvmesh:kv_cache_usage_perc", "gauge"),
-    _worker("kvmesh:kv_blocks", "gauge", "state", "tier"),
-    _worker("kvmesh:num_requests_running", "gauge"),
-    _worker("kvmesh:num_requests_waiting", "gauge"),
-    _worker("kvmesh:num_preemptions", "counter"),
-    _worker("kvmesh:prefix_cache_queries", "counter"),
-    _worker("kvmesh:prefix_cache_hits", "counter"),
-    _worker("kvmesh:prompt_tokens", "counter"),
-    _worker("kvmesh:generation_tokens", "counter"),
-    _worker("kvmesh:request_queue_time_seconds", "histogram"),
-    _worker("kvmesh:request_prefill_time_seconds", "histogram"),
-    _worker("kvmesh:request_decode_time_seconds", "histogram"),
-    _worker("kvmesh:time_to_first_token_seconds", "histogram"),
-    _worker("kvmesh:inter_token_latency_seconds", "histogram"),
-    _worker("kvmesh:e2e_request_latency_seconds", "histogram"),
-    _worker("kvmesh:kv_transfer_bytes", "counter", "direction"),
-    _worker("kvmesh:kv_transfer_seconds", "histogram", "direction"),
-    _worker("kvmesh:engine_step_seconds", "histogram"),
-    _kv_metadata("kvmesh:kvindex_blocks", "gauge"),
-    _kv_metadata("kvmesh:kvindex_workers", "gauge"),
-    _kv_metadata("kvmesh:kvindex_events", "counter"),
-    _kv_metadata("kvmesh:kvindex_event_gaps", "counter"),
-    _kv_metadata("kvmesh:kvindex_resyncs", "counter"),
-    _kv_metadata("kvmesh:kvindex_query_seconds", "histogram"),
-    _router("kvmesh:router_requests", "counter", "endpoint", "status"),
-    _router("kvmesh:router_requests_in_flight", "gauge"),
-    _router("kvmesh:router_routing_decisions", "counter", "reason"),
-    _router("kvmesh:router_retries", "counter", "reason"),
-    _router("kvmesh:router_rate_limit_rejections", "counter", "limit"),
-    _router("kvmesh:router_time_to_first_token_seconds", "histogram"),
-    _router("kvmesh:router_inter_token_latency_seconds", "histogram"),
-    _router("kvmesh:router_e2e_request_latency_seconds", "histogram"),
+# The contract itself lives in the services' code (kvmesh.metrics.contract, which docs/metrics.md
+# describes and tests/mesh/test_metrics.py checks against a live mesh): one list, read here.
+METRICS: tuple[Metric, ...] = tuple(
+    Metric(entry.name, entry.kind, entry.labels, service) for service, entries in BY_SERVICE.items() for entry in entries
 )
 
 SUFFIXES = {"gauge": ("",), "counter": ("_total",), "histogram": ("_bucket", "_sum", "_count")}
