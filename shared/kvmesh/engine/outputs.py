@@ -6,7 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from kvmesh.engine.kv_layout import KVLayout
-from kvmesh.engine.request import FinishReason
+from kvmesh.engine.request import FinishReason, TokenLogprob
 from kvmesh.errors import ErrorCode
 
 
@@ -35,3 +35,8 @@ class RequestOutput:
     # failed (it would anywhere); ``internal`` when its whole step did (a co-batched
     # request, the device): another worker may well succeed.
     error_code: ErrorCode | None = None
+    # With ``logprobs``: one per token of ``new_token_ids`` (None: not computed here, as an
+    # import's first token). With ``prompt_logprobs``: every prompt token's (the first None),
+    # on the output that finished the prompt.
+    logprobs: list[TokenLogprob | None] | None = None
+    prompt_logprobs: list[TokenLogprob | None] | None = None
