@@ -33,15 +33,17 @@ from kvmesh.protocol import LogprobSpec, SamplingSpec, TokenEvent
 
 __all__ = ["ChoiceLogprobs", "PromptEcho", "after_leader", "choice_sampling", "leading", "merge_logprobs"]
 
-SEED_SPAN = 2**64  # torch's seeds: [-(2**63), 2**64 - 1]
-SEED_MIN = -(2**63)
+SEED_MAX = 2**64 - 1  # torch takes [-(2**63), 2**64 - 1], and seeds the same generator mod 2**64
 
 
 def choice_sampling(spec: SamplingSpec, index: int) -> SamplingSpec:
-    """The sampling of a prompt's choice ``index``: its own seed, ``seed + index``."""
+    """The sampling of a prompt's choice ``index``: its own seed, ``seed + index`` (mod 2**64
+    past the largest seed, which is the same generator to torch)."""
     if spec.seed is None or index == 0:
         return spec
-    seed = (spec.seed + index - SEED_MIN) % SEED_SPAN + SEED_MIN
+    seed = spec.seed + index
+    if seed > SEED_MAX:
+        seed -= 2**64
     return spec.model_copy(update={"seed": seed})
 
 

@@ -13,7 +13,7 @@ import pytest
 from fastapi import FastAPI
 
 from kvmesh.errors import MeshError
-from kvmesh.protocol import SamplingSpec, TokenEvent
+from kvmesh.protocol import LogprobSpec, SamplingSpec, TokenEvent
 from kvmesh.services.router.app import create_app
 from tests.router.fakes import Call, FakeBackend
 from tests.router.test_app import MODEL, RIVER_IDS, error, usage
@@ -235,3 +235,184 @@ async def test_nested_unknown_fields_are_named(client: httpx.AsyncClient) -> Non
         CHAT, json={"model": MODEL, "messages": [{"role": "assistant", "content": "Hi", "tool_calls": [{"id": "1"}]}]}
     )
     assert resp.json() == error("messages.0.tool_calls: tool_calls in messages are not supported", param="messages.0.tool_calls")
+
+
+# --------------------------------------------------------------------------- n, logprobs, echo
+@dataclass
+class LogprobBackend(FakeBackend):
+    """Answers every request with tokens 7 then 8 (text from the tokenizer), with scripted
+    logprobs when asked (top: tokens 9 and 7), the prompt's on the first event when asked;
+    records in ``log`` when each request's iteration began and yielded its first event."""
+
+    log: list[tuple[str, str]] = field(default_factory=list)
+
+    def generate(
+        self, request_id: str, prompt_token_ids: list[int], sampling: SamplingSpec, *, session_id: str | None = None
+    ) -> AsyncIterator[TokenEvent]:
+        self.calls.append(Call(request_id, list(prompt_token_ids), sampling, session_id))
+        return self._lp(request_id, list(prompt_token_ids), sampling)
+
+    async def _lp(self, request_id: str, prompt: list[int], sampling: SamplingSpec) -> AsyncIterator[TokenEvent]:
+        self.log.append(("begin", request_id))
+        await asyncio.sleep(0.01)
+        want = sampling.logprobs is not None
+
+        def lp(token: int, value: float) -> LogprobSpec:
+            return LogprobSpec(t=token, lp=value, top=[(9, -0.5), (7, -1.0)][: sampling.logprobs or 0])
+
+        prompt_lps = None
+        if sampling.prompt_logprobs is not None:
+            prompt_lps = [None] + [LogprobSpec(t=t, lp=-2.0 - i) for i, t in enumerate(prompt[1:])]
+        self.log.append(("first", request_id))
+        text = self.tokenizer.decode
+        yield TokenEvent(
+            request_id=request_id, seq=0, token_ids=[7], text=text([7]),
+            logprobs=[lp(7, -1.0)] if want else None, prompt_logprobs=prompt_lps,
+        )  # fmt: skip
+        yield TokenEvent(
+            request_id=request_id, seq=1, token_ids=[8], text=text([8]), finished=True, finish_reason="length",
+            num_prompt_tokens=len(prompt), num_cached_tokens=0, logprobs=[lp(8, -3.0)] if want else None,
+        )  # fmt: skip
+
+
+@pytest.fixture
+def lp_fake(tokenizer) -> LogprobBackend:
+    return LogprobBackend(tokenizer)
+
+
+@pytest.fixture
+async def lp_client(lp_fake: LogprobBackend) -> AsyncIterator[httpx.AsyncClient]:
+    async with httpx.AsyncClient(transport=httpx.ASGITransport(app=create_app(lp_fake)), base_url="http://test") as c:
+        yield c
+
+
+def _text(tokenizer, token: int) -> str:
+    return tokenizer.decode([token], skip_special_tokens=False)
+
+
+async def test_n_choices_derive_seeds_share_a_session_and_count_the_prompt_once(
+    lp_client: httpx.AsyncClient, lp_fake: LogprobBackend
+) -> None:
+    payload = {"model": MODEL, "prompt": "The river", "n": 3, "seed": 2**64 - 2, "max_tokens": 2}
+    body = (await lp_client.post(COMPLETIONS, json=payload)).json()
+    assert [c["index"] for c in body["choices"]] == [0, 1, 2]
+    text = _text(lp_fake.tokenizer, 7) + _text(lp_fake.tokenizer, 8)
+    assert [c["text"] for c in body["choices"]] == [text] * 3
+    assert body["usage"] == usage(3, 6)  # the prompt once, every choice's tokens
+    assert [c.sampling.seed for c in lp_fake.calls] == [2**64 - 2, 2**64 - 1, 0]  # seed + j, mod 2**64 past the top
+    assert len({c.session_id for c in lp_fake.calls}) == 1 and lp_fake.calls[0].session_id is not None
+    assert len({c.request_id for c in lp_fake.calls}) == 3
+    # the other choices begin only once the first one's first token came (its prompt is cached)
+    leader = lp_fake.calls[0].request_id
+    assert lp_fake.log.index(("first", leader)) < min(lp_fake.log.index(("begin", c.request_id)) for c in lp_fake.calls[1:])
+
+
+async def test_n_with_a_list_of_prompts_indexes_prompt_major(lp_client: httpx.AsyncClient, lp_fake: LogprobBackend) -> None:
+    payload = {"model": MODEL, "prompt": [[5, 6], [5, 6, 7]], "n": 2, "max_tokens": 2}
+    body = (await lp_client.post(COMPLETIONS, json=payload)).json()
+    assert [c["index"] for c in body["choices"]] == [0, 1, 2, 3]
+    assert [c.prompt_token_ids for c in lp_fake.calls] == [[5, 6], [5, 6], [5, 6, 7], [5, 6, 7]]
+    assert body["usage"] == usage(5, 8)
+    sessions = [c.session_id for c in lp_fake.calls]
+    assert sessions[0] == sessions[1] != sessions[2] == sessions[3]
+
+
+async def test_a_clients_session_is_kept_for_every_choice(lp_client: httpx.AsyncClient, lp_fake: LogprobBackend) -> None:
+    payload = {"model": MODEL, "prompt": "The river", "n": 2, "max_tokens": 2}
+    await lp_client.post(COMPLETIONS, json=payload, headers={"x-session-id": "s-1"})
+    assert [c.session_id for c in lp_fake.calls] == ["s-1", "s-1"]
+
+
+async def test_n_streamed_tags_each_choice(lp_client: httpx.AsyncClient, lp_fake: LogprobBackend) -> None:
+    payload = {"model": MODEL, "messages": [{"role": "user", "content": "Hi"}], "n": 2, "stream": True,
+               "stream_options": {"include_usage": True}, "max_tokens": 2}  # fmt: skip
+    _, events = await sse(lp_client, CHAT, payload)
+    *chunks, usage_chunk, done = events
+    assert done == "[DONE]"
+    prompt_len = len(lp_fake.calls[0].prompt_token_ids)
+    assert usage_chunk["usage"] == usage(prompt_len, 4)
+    roles = [c["choices"][0]["index"] for c in chunks if c["choices"][0]["delta"].get("role")]
+    assert roles == [0, 1]
+    texts: dict[int, str] = {}
+    for chunk in chunks:
+        (choice,) = chunk["choices"]
+        texts[choice["index"]] = texts.get(choice["index"], "") + (choice["delta"].get("content") or "")
+    expected = _text(lp_fake.tokenizer, 7) + _text(lp_fake.tokenizer, 8)
+    assert texts == {0: expected, 1: expected}
+
+
+def _entry(tokenizer, token: int, logprob: float, tops) -> dict:
+    text = _text(tokenizer, token)
+    return {
+        "token": text,
+        "logprob": logprob,
+        "bytes": list(text.encode()),
+        "top_logprobs": [{"token": _text(tokenizer, t), "logprob": v, "bytes": list(_text(tokenizer, t).encode())} for t, v in tops],
+    }
+
+
+async def test_chat_logprobs_in_openais_shape(lp_client: httpx.AsyncClient, lp_fake: LogprobBackend) -> None:
+    payload = {"model": MODEL, "messages": [{"role": "user", "content": "Hi"}], "logprobs": True, "top_logprobs": 2}
+    body = (await lp_client.post(CHAT, json=payload)).json()
+    assert lp_fake.calls[0].sampling.logprobs == 2 and lp_fake.calls[0].sampling.prompt_logprobs is None
+    tok = lp_fake.tokenizer
+    assert body["choices"][0]["logprobs"] == {
+        "content": [_entry(tok, 7, -1.0, [(9, -0.5), (7, -1.0)]), _entry(tok, 8, -3.0, [(9, -0.5), (7, -1.0)])],
+        "refusal": None,
+    }
+    payload = {**payload, "top_logprobs": 0}
+    body = (await lp_client.post(CHAT, json=payload)).json()
+    assert body["choices"][0]["logprobs"]["content"] == [_entry(tok, 7, -1.0, []), _entry(tok, 8, -3.0, [])]
+    body = (await lp_client.post(CHAT, json={**payload, "logprobs": False, "top_logprobs": None})).json()
+    assert body["choices"][0]["logprobs"] is None and lp_fake.calls[-1].sampling.logprobs is None
+
+
+async def test_chat_logprobs_streamed(lp_client: httpx.AsyncClient, lp_fake: LogprobBackend) -> None:
+    payload = {"model": MODEL, "messages": [{"role": "user", "content": "Hi"}], "logprobs": True, "top_logprobs": 1,
+               "stream": True}  # fmt: skip
+    _, events = await sse(lp_client, CHAT, payload)
+    content = [e for c in events[:-1] if (lp := c["choices"][0]["logprobs"]) for e in lp["content"]]
+    tok = lp_fake.tokenizer
+    assert content == [_entry(tok, 7, -1.0, [(9, -0.5)]), _entry(tok, 8, -3.0, [(9, -0.5)])]
+
+
+async def test_completion_logprobs_and_echo(lp_client: httpx.AsyncClient, lp_fake: LogprobBackend) -> None:
+    tok = lp_fake.tokenizer
+    t7, t8, t9 = (_text(tok, t) for t in (7, 8, 9))
+    body = (await lp_client.post(COMPLETIONS, json={"model": MODEL, "prompt": "The river", "logprobs": 1, "max_tokens": 2})).json()
+    assert lp_fake.calls[0].sampling.prompt_logprobs is None
+    assert body["choices"][0]["logprobs"] == {
+        "tokens": [t7, t8],
+        "token_logprobs": [-1.0, -3.0],
+        "top_logprobs": [{t9: -0.5, t7: -1.0}, {t9: -0.5, t8: -3.0}],  # the top 1, and the sampled token's
+        "text_offset": [0, len(t7)],
+    }
+    payload = {"model": MODEL, "prompt": "The river", "logprobs": 0, "echo": True, "max_tokens": 2, "n": 2}
+    body = (await lp_client.post(COMPLETIONS, json=payload)).json()
+    leader, sibling = lp_fake.calls[1:]
+    assert leader.sampling.prompt_logprobs == 0 and sibling.sampling.prompt_logprobs is None  # computed once
+    prompt_texts = [_text(tok, t) for t in RIVER_IDS]
+    for choice in body["choices"]:
+        assert choice["text"] == "The river" + t7 + t8
+        lp = choice["logprobs"]
+        assert lp["tokens"] == [*prompt_texts, t7, t8]
+        assert lp["token_logprobs"] == [None, -2.0, -3.0, -1.0, -3.0]
+        assert lp["top_logprobs"] == [None, {prompt_texts[1]: -2.0}, {prompt_texts[2]: -3.0}, {t7: -1.0}, {t8: -3.0}]
+        offsets = [sum(len(t) for t in lp["tokens"][:i]) for i in range(5)]
+        assert lp["text_offset"] == offsets
+    # streamed: the prompt (and its logprobs) first, then the completion's
+    _, events = await sse(lp_client, COMPLETIONS, {**payload, "n": 1, "stream": True})
+    chunks = [c["choices"][0] for c in events[:-1]]
+    assert chunks[0]["text"] == "The river" and chunks[0]["logprobs"]["token_logprobs"] == [None, -2.0, -3.0]
+    streamed = [o for c in chunks if c["logprobs"] for o in c["logprobs"]["text_offset"]]
+    assert streamed == offsets
+    assert "".join(c["text"] for c in chunks) == "The river" + t7 + t8
+
+
+async def test_echo_without_logprobs(lp_client: httpx.AsyncClient, lp_fake: LogprobBackend) -> None:
+    body = (await lp_client.post(COMPLETIONS, json={"model": MODEL, "prompt": [5, 6], "echo": True, "max_tokens": 2})).json()
+    assert body["choices"][0]["text"] == lp_fake.tokenizer.decode([5, 6], skip_special_tokens=False) + _text(
+        lp_fake.tokenizer, 7
+    ) + _text(lp_fake.tokenizer, 8)
+    assert body["choices"][0]["logprobs"] is None
+    assert lp_fake.calls[0].sampling.prompt_logprobs is None and lp_fake.calls[0].sampling.logprobs is None
