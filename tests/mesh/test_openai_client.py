@@ -215,5 +215,107 @@ def test_models_version_and_unknown_routes(client: openai.OpenAI, mesh: LocalMes
     assert missing.status_code == 404 and missing.json()["error"]["message"] == "Invalid URL (POST /v1/nothing)"
 
 
+# --------------------------------------------------------------------------- n, logprobs, echo
+LOGPROB_ATOL = 2e-3  # float32 on both sides; the mesh's batches and transformers' differ in order
+
+
+@pytest.fixture(scope="module")
+def reference(default_model_dir):
+    from tests.engine.reference import load_reference
+
+    return load_reference(default_model_dir)
+
+
+def ref_logprobs(reference, tokens: list[int]):
+    """Row p: the raw log-probabilities of the token after position p (transformers)."""
+    import torch
+
+    from tests.engine.reference import reference_logits
+
+    return torch.log_softmax(reference_logits(reference, tokens), dim=-1)
+
+
+def test_chat_logprobs_equal_the_reference(client: openai.OpenAI, engine: LLMEngine, reference) -> None:
+    question = "Name three rivers."
+    got = client.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": question}], max_tokens=8, temperature=0,
+        logprobs=True, top_logprobs=3,
+    )  # fmt: skip
+    content = got.choices[0].logprobs.content
+    ids = chat_ids(engine, question)
+    _, want_ids = in_process(engine, ids, max_tokens=8)
+    assert len(content) == len(want_ids) == got.usage.completion_tokens
+    rows = ref_logprobs(reference, ids + want_ids)
+    for i, (entry, token) in enumerate(zip(content, want_ids)):
+        row = rows[len(ids) - 1 + i]
+        text = engine.tokenizer.decode([token], skip_special_tokens=False)
+        assert entry.token == text and bytes(entry.bytes) == text.encode()
+        assert entry.logprob == pytest.approx(float(row[token]), abs=LOGPROB_ATOL)
+        top = row.topk(3)
+        assert [t.logprob for t in entry.top_logprobs] == pytest.approx(top.values.tolist(), abs=LOGPROB_ATOL)
+        assert entry.top_logprobs[0].token == text  # greedy: the sampled token is the most likely
+
+
+def test_completion_echo_with_prompt_logprobs_equals_the_reference(
+    client: openai.OpenAI, engine: LLMEngine, reference
+) -> None:
+    got = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=4, temperature=0, logprobs=2, echo=True)
+    ids = engine.tokenizer.encode(PROMPT)
+    _, want_ids = in_process(engine, ids, max_tokens=4)
+    choice = got.choices[0]
+    assert choice.text == PROMPT + engine.tokenizer.decode(want_ids)
+    lp = choice.logprobs
+    rows = ref_logprobs(reference, ids + want_ids)
+    tokens = ids + want_ids
+    assert len(lp.tokens) == len(tokens) and lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
+    want = [float(rows[i - 1][tokens[i]]) for i in range(1, len(tokens))]
+    assert lp.token_logprobs[1:] == pytest.approx(want, abs=LOGPROB_ATOL)
+    assert all(2 <= len(top) <= 3 for top in lp.top_logprobs[1:])  # the top 2, and the token's own
+    assert lp.text_offset == [sum(len(t) for t in lp.tokens[:i]) for i in range(len(tokens))]
+    assert got.usage.prompt_tokens == len(ids) and got.usage.completion_tokens == 4
+    # streamed: the same numbers
+    streamed: list[float | None] = []
+    with client.completions.create(
+        model=MODEL, prompt=PROMPT, max_tokens=4, temperature=0, logprobs=2, echo=True, stream=True
+    ) as stream:
+        for chunk in stream:
+            if chunk.choices and chunk.choices[0].logprobs:
+                streamed += chunk.choices[0].logprobs.token_logprobs
+    assert streamed[0] is None and streamed[1:] == pytest.approx(lp.token_logprobs[1:], abs=1e-5)
+
+
+def test_n_greedy_choices_are_equal_and_the_prompt_counts_once(client: openai.OpenAI, engine: LLMEngine) -> None:
+    want, _ = in_process(engine, PROMPT, max_tokens=8, ignore_eos=True)
+    got = client.completions.create(
+        model=MODEL, prompt=PROMPT, max_tokens=8, temperature=0, n=4, extra_body={"ignore_eos": True}
+    )
+    assert [c.index for c in got.choices] == [0, 1, 2, 3]
+    assert [c.text for c in got.choices] == [want] * 4
+    assert got.usage.prompt_tokens == len(engine.tokenizer.encode(PROMPT))
+    assert got.usage.completion_tokens == 32
+
+
+def test_n_seeded_choices_are_reproducible_and_distinct(client: openai.OpenAI) -> None:
+    def run() -> list[str]:
+        got = client.chat.completions.create(
+            model=MODEL, messages=[{"role": "user", "content": "Write a line about the sea."}], max_tokens=12,
+            temperature=1.0, seed=5, n=4,
+        )  # fmt: skip
+        return [c.message.content or "" for c in got.choices]
+
+    first = run()
+    assert run() == first
+    assert len(set(first)) == 4
+    with client.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": "Write a line about the sea."}], max_tokens=12,
+        temperature=1.0, seed=5, n=4, stream=True,
+    ) as stream:  # fmt: skip
+        texts = ["", "", "", ""]
+        for chunk in stream:
+            for choice in chunk.choices:
+                texts[choice.index] += choice.delta.content or ""
+    assert texts == first
+
+
 async def test_pools_back_at_baseline(mesh: LocalMesh) -> None:
     await assert_pools_at_baseline(mesh, ["prefill-1", "decode-2"])

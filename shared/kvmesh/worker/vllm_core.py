@@ -192,10 +192,10 @@ class VllmCore:
         """vLLM's sampling parameters for ``p``; ``generated`` tokens at the prompt's end were
         generated already (a resumed request's, an import's first token): min_tokens counts
         them. vLLM's presence and frequency penalties see only the tokens it generates."""
-        from vllm import SamplingParams as VllmSamplingParams  # type: ignore[import-not-found]
-
         if p.logprobs is not None or p.prompt_logprobs is not None:  # never silently dropped
             raise UnsupportedByVllm("logprobs (and echo with logprobs) are not supported by vLLM workers yet")
+        from vllm import SamplingParams as VllmSamplingParams  # type: ignore[import-not-found]
+
         generated += p.prior_output_tokens
         return VllmSamplingParams(
             temperature=p.temperature, top_p=p.top_p, top_k=p.top_k if p.top_k > 0 else 0, seed=p.seed,
