@@ -30,8 +30,21 @@ from typing import Any
 
 from kvmesh.engine.tokenizer import Tokenizer
 from kvmesh.protocol import LogprobSpec, SamplingSpec, TokenEvent
+from kvmesh.services.router.openai_api import APIError
 
-__all__ = ["ChoiceLogprobs", "PromptEcho", "after_leader", "choice_sampling", "leading", "merge_logprobs"]
+__all__ = [
+    "ChoiceLogprobs",
+    "PromptEcho",
+    "after_leader",
+    "check_prompt_logprobs",
+    "choice_sampling",
+    "leading",
+    "merge_logprobs",
+]
+
+# The prompt's logprobs cross NATS in one message (the prefill's answer, or the first event):
+# about 40 bytes a token plus 30 per top logprob, kept well under NATS' default 1 MiB.
+PROMPT_LOGPROBS_BUDGET = 768 * 1024
 
 SEED_MAX = 2**64 - 1  # torch takes [-(2**63), 2**64 - 1], and seeds the same generator mod 2**64
 
@@ -45,6 +58,20 @@ def choice_sampling(spec: SamplingSpec, index: int) -> SamplingSpec:
     if seed > SEED_MAX:
         seed -= 2**64
     return spec.model_copy(update={"seed": seed})
+
+
+def check_prompt_logprobs(top: int | None, prompts: list[list[int]]) -> None:
+    """A 400 for ``echo`` with logprobs of a prompt whose logprobs would not fit a message."""
+    if top is None:
+        return
+    longest = max(len(ids) for ids in prompts)
+    if longest * (40 + 30 * top) > PROMPT_LOGPROBS_BUDGET:
+        most = PROMPT_LOGPROBS_BUDGET // (40 + 30 * top)
+        raise APIError(
+            400,
+            f"echo with logprobs={top} is supported for prompts of up to {most} tokens; this one has {longest}",
+            param="echo",
+        )
 
 
 # --------------------------------------------------------------------------- leader gating

@@ -27,6 +27,7 @@ from kvmesh.services.router.choices import (
     PromptEcho,
     TokenText,
     after_leader,
+    check_prompt_logprobs,
     choice_sampling,
     leading,
     merge_logprobs,
@@ -129,6 +130,7 @@ class Generation:
         ]
         check_min_tokens(body.min_tokens, budgets)
         check_logit_bias(body.logit_bias, self.backend.tokenizer.vocab_size)
+        check_prompt_logprobs(body.num_prompt_logprobs, prompts)
         request_id = uuid.uuid4().hex
         fmt_cls = CompletionFormat if endpoint == COMPLETIONS else ChatFormat
         fmt = fmt_cls(request_id, self.backend.model_name, include_usage=body.include_usage)

@@ -15,6 +15,8 @@ from fastapi import FastAPI
 from kvmesh.errors import MeshError
 from kvmesh.protocol import LogprobSpec, SamplingSpec, TokenEvent
 from kvmesh.services.router.app import create_app
+from kvmesh.services.router.choices import check_prompt_logprobs
+from kvmesh.services.router.openai_api import APIError
 from tests.router.fakes import Call, FakeBackend
 from tests.router.test_app import MODEL, RIVER_IDS, error, usage
 from tests.router.test_streaming import sse
@@ -416,3 +418,13 @@ async def test_echo_without_logprobs(lp_client: httpx.AsyncClient, lp_fake: Logp
     ) + _text(lp_fake.tokenizer, 8)
     assert body["choices"][0]["logprobs"] is None
     assert lp_fake.calls[0].sampling.prompt_logprobs is None and lp_fake.calls[0].sampling.logprobs is None
+
+
+def test_echoed_prompt_logprobs_must_fit_a_message() -> None:
+    """They cross NATS in one message: a prompt too long for them is a 400 naming echo."""
+    check_prompt_logprobs(None, [[1] * 100_000])
+    check_prompt_logprobs(20, [[1] * 1000])
+    with pytest.raises(APIError) as info:
+        check_prompt_logprobs(20, [[1] * 10, [1] * 2000])
+    assert (info.value.status, info.value.param) == (400, "echo")
+    assert "up to 1228 tokens; this one has 2000" in info.value.message
