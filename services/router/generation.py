@@ -149,7 +149,7 @@ class Generation:
                     sampling = choice_sampling(spec, j)
                     if j:
                         sampling = sampling.model_copy(update={"prompt_logprobs": None})  # the first's serve them all
-                    choice = await self._start(request, endpoint, choice_id, ids, sampling, session)
+                    choice = await self._start(request, endpoint, choice_id, ids, sampling, session, charge_prompt=j == 0)
                     if n > 1:
                         choice.events = leading(choice.events, started) if j == 0 else after_leader(choice.events, started)
                     choice.counts_prompt = j == 0
@@ -182,9 +182,14 @@ class Generation:
         prompt_ids: list[int],
         sampling: SamplingSpec,
         session_id: str | None,
+        *,
+        charge_prompt: bool = True,
     ) -> _Choice:
+        """``charge_prompt``: False for a prompt's choices after its first (``n``), whose
+        prompt is charged to the key's input tokens once, as usage counts it."""
         key = key_name(request.scope)
-        admission = await self.limiter.admit(key, len(prompt_ids)) if self.limiter is not None else None
+        prompt_tokens = len(prompt_ids) if charge_prompt else 0
+        admission = await self.limiter.admit(key, prompt_tokens) if self.limiter is not None else None
         try:
             events = self.backend.generate(request_id, prompt_ids, sampling, session_id=session_id)
         except BaseException:

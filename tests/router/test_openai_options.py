@@ -428,3 +428,16 @@ def test_echoed_prompt_logprobs_must_fit_a_message() -> None:
         check_prompt_logprobs(20, [[1] * 10, [1] * 2000])
     assert (info.value.status, info.value.param) == (400, "echo")
     assert "up to 1228 tokens; this one has 2000" in info.value.message
+
+
+async def test_n_charges_the_prompt_once_to_input_token_limits(tokenizer) -> None:
+    from tests.router.test_rate_limits import RIVER, T0, Clock, bearer, limited_app
+
+    fake = FakeBackend(tokenizer)
+    app = limited_app(fake, Clock(T0), {"keys": {"alice": {"input_tokens_per_minute": 7}}})
+    async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://test") as client:
+        alice = bearer("sk-alice")
+        resp = await client.post(COMPLETIONS, json={**RIVER, "n": 4}, headers=alice)  # 3 of 7, not 12
+        assert resp.status_code == 200 and len(resp.json()["choices"]) == 4
+        assert (await client.post(COMPLETIONS, json=RIVER, headers=alice)).status_code == 200  # 6
+        assert (await client.post(COMPLETIONS, json=RIVER, headers=alice)).status_code == 429  # 9 > 7
