@@ -441,3 +441,20 @@ async def test_n_charges_the_prompt_once_to_input_token_limits(tokenizer) -> Non
         assert resp.status_code == 200 and len(resp.json()["choices"]) == 4
         assert (await client.post(COMPLETIONS, json=RIVER, headers=alice)).status_code == 200  # 6
         assert (await client.post(COMPLETIONS, json=RIVER, headers=alice)).status_code == 429  # 9 > 7
+
+
+def test_progress_carries_logprobs_across_attempts(tokenizer) -> None:
+    from kvmesh.services.router.progress import RequestProgress
+
+    spec = SamplingSpec(max_tokens=3, logprobs=1, prompt_logprobs=1)
+    progress = RequestProgress("r", tokenizer, spec, (2,), 4)
+    assert progress.attempt_sampling().prompt_logprobs == 1  # nothing sent yet: the retry computes them
+    progress.prompt_logprobs = [None, LogprobSpec(t=6, lp=-1.0)]
+    first = progress.add([7], None, [LogprobSpec(t=7, lp=-0.5)])
+    assert first is not None and first.prompt_logprobs == progress.prompt_logprobs and first.logprobs == [LogprobSpec(t=7, lp=-0.5)]
+    retry = progress.attempt_sampling()
+    assert (retry.prompt_logprobs, retry.logprobs, retry.prior_output_tokens) == (None, 1, 1)  # sent once
+    # a token that ends the request keeps its logprob; those after it are dropped with it
+    last = progress.add([2, 9], "stop", [LogprobSpec(t=2, lp=-0.1), LogprobSpec(t=9, lp=-0.2)])
+    assert last is not None and last.token_ids == [2] and last.logprobs == [LogprobSpec(t=2, lp=-0.1)]
+    assert last.prompt_logprobs is None
