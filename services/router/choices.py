@@ -36,6 +36,7 @@ __all__ = [
     "ChoiceLogprobs",
     "PromptEcho",
     "after_leader",
+    "check_choices",
     "check_prompt_logprobs",
     "choice_sampling",
     "leading",
@@ -45,6 +46,15 @@ __all__ = [
 # The prompt's logprobs cross NATS in one message (the prefill's answer, or the first event):
 # about 40 bytes a token plus 30 per top logprob, kept well under NATS' default 1 MiB.
 PROMPT_LOGPROBS_BUDGET = 768 * 1024
+MAX_CHOICES = 128  # in one request, n x prompts: each is a request of its own in the mesh
+
+
+def check_choices(n: int, num_prompts: int) -> None:
+    """A 400 for more choices than one request may start."""
+    if n * num_prompts > MAX_CHOICES:
+        raise APIError(
+            400, f"n x prompts may be at most {MAX_CHOICES} choices per request, got {n} x {num_prompts}", param="n"
+        )
 
 SEED_MAX = 2**64 - 1  # torch takes [-(2**63), 2**64 - 1], and seeds the same generator mod 2**64
 

@@ -27,6 +27,7 @@ from kvmesh.services.router.choices import (
     PromptEcho,
     TokenText,
     after_leader,
+    check_choices,
     check_prompt_logprobs,
     choice_sampling,
     leading,
@@ -131,6 +132,7 @@ class Generation:
         check_min_tokens(body.min_tokens, budgets)
         check_logit_bias(body.logit_bias, self.backend.tokenizer.vocab_size)
         check_prompt_logprobs(body.num_prompt_logprobs, prompts)
+        check_choices(body.num_choices, len(prompts))
         request_id = uuid.uuid4().hex
         fmt_cls = CompletionFormat if endpoint == COMPLETIONS else ChatFormat
         fmt = fmt_cls(request_id, self.backend.model_name, include_usage=body.include_usage)

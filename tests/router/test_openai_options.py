@@ -458,3 +458,12 @@ def test_progress_carries_logprobs_across_attempts(tokenizer) -> None:
     last = progress.add([2, 9], "stop", [LogprobSpec(t=2, lp=-0.1), LogprobSpec(t=9, lp=-0.2)])
     assert last is not None and last.token_ids == [2] and last.logprobs == [LogprobSpec(t=2, lp=-0.1)]
     assert last.prompt_logprobs is None
+
+
+async def test_n_times_prompts_is_bounded(lp_client: httpx.AsyncClient, lp_fake: LogprobBackend) -> None:
+    payload = {"model": MODEL, "prompt": [[5]] * 3, "n": 43, "max_tokens": 2}
+    resp = await lp_client.post(COMPLETIONS, json=payload)
+    assert (resp.status_code, resp.json()) == (400, error("n x prompts may be at most 128 choices per request, got 43 x 3", param="n"))
+    assert lp_fake.calls == []
+    assert (await lp_client.post(COMPLETIONS, json={**payload, "n": 42})).status_code == 200
+    assert len(lp_fake.calls) == 126
