@@ -286,14 +286,27 @@ def test_completion_echo_with_prompt_logprobs_equals_the_reference(
     assert streamed[0] is None and streamed[1:] == pytest.approx(lp.token_logprobs[1:], abs=1e-4)
 
 
-def test_n_greedy_choices_are_equal_and_the_prompt_counts_once(client: openai.OpenAI, engine: LLMEngine) -> None:
-    want, _ = in_process(engine, PROMPT, max_tokens=8, ignore_eos=True)
+def cached_tokens_metric(mesh: LocalMesh) -> float:
+    text = httpx.get(f"{mesh.base_url}/metrics", timeout=10).text
+    return float(next(line.split()[-1] for line in text.splitlines() if line.startswith("kvmesh_router_cached_prompt_tokens_total")))
+
+
+def test_n_greedy_choices_are_equal_and_the_prompt_counts_once(
+    client: openai.OpenAI, engine: LLMEngine, mesh: LocalMesh
+) -> None:
+    prompt = "A fresh prompt, so that only its own first choice can have cached it: " + PROMPT
+    want, _ = in_process(engine, prompt, max_tokens=8, ignore_eos=True)
+    before = cached_tokens_metric(mesh)
     got = client.completions.create(
-        model=MODEL, prompt=PROMPT, max_tokens=8, temperature=0, n=4, extra_body={"ignore_eos": True}
+        model=MODEL, prompt=prompt, max_tokens=8, temperature=0, n=4, extra_body={"ignore_eos": True}
     )
+    # the three later choices reused the first's full prompt blocks from the prefill worker's cache
+    num_prompt = len(engine.tokenizer.encode(prompt))
+    full_blocks = (num_prompt - 1) // 16 * 16
+    assert full_blocks > 0 and cached_tokens_metric(mesh) - before == 3 * full_blocks
     assert [c.index for c in got.choices] == [0, 1, 2, 3]
     assert [c.text for c in got.choices] == [want] * 4
-    assert got.usage.prompt_tokens == len(engine.tokenizer.encode(PROMPT))
+    assert got.usage.prompt_tokens == num_prompt
     assert got.usage.completion_tokens == 32
 
 
