@@ -3,8 +3,11 @@ PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.kvmesh-installed
+# checkov's own virtualenv (make checkov, below)
+CHECKOV_VENV := .venv-checkov
+CHECKOV_STAMP := $(CHECKOV_VENV)/.kvmesh-installed
 
-.PHONY: install system-deps up demo test lint bench vllm
+.PHONY: install system-deps up demo test lint bench vllm checkov
 
 # The Mooncake transfer engine wheel links libibverbs even without RDMA hardware.
 system-deps:
@@ -38,12 +41,22 @@ up: $(STAMP)
 demo: $(STAMP)
 	$(BIN)/kvmesh generate --chat --prompt "What is the capital of France?"
 
-test: $(STAMP)
+test: $(STAMP) $(CHECKOV_STAMP)
 	$(BIN)/python -m pytest -q
 
 lint: $(STAMP)
 	$(BIN)/ruff check shared services tests benchmarks
 	$(BIN)/mypy
+
+# checkov, the security linter of the Kubernetes manifests (tests/test_deploy.py), in a
+# virtualenv of its own: its pins (packaging<24, networkx<2.7) conflict with the test
+# environment's. Its dependencies at the versions of deploy/checkov/constraints.txt.
+$(CHECKOV_STAMP): deploy/checkov/constraints.txt
+	test -x $(CHECKOV_VENV)/bin/python || $(PYTHON) -m venv $(CHECKOV_VENV)
+	$(CHECKOV_VENV)/bin/python -m pip install --quiet -c deploy/checkov/constraints.txt checkov==3.3.30
+	touch $(CHECKOV_STAMP)
+
+checkov: $(CHECKOV_STAMP)
 
 bench: $(STAMP)
 	$(BIN)/python benchmarks/engine_bench.py --out docs/benchmarks-engine.json --markdown docs/benchmarks.md

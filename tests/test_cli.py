@@ -136,7 +136,7 @@ def test_up_on_a_busy_port_fails_at_once_on_one_line(tmp_path):
         (["--port", "70000"], "kvmesh up: error: argument --port: must be a port number in 0..65535, got 70000"),
         (["--prefill", "-1"], "kvmesh up: error: argument --prefill: must be >= 0, got -1"),
         (["--decode", "0"], "kvmesh up: error: argument --decode: must be a positive integer, got 0"),
-        (["--dtype", "float16"], "kvmesh up: error: argument --dtype: invalid choice: 'float16'"),
+        (["--dtype", "float64"], "kvmesh up: error: argument --dtype: invalid choice: 'float64'"),
         (["--engine", "vllm"], "kvmesh up: error: --engine vllm: "),
         (["--engine", "sglang"], "kvmesh up: error: argument --engine: invalid choice: 'sglang'"),
         (["--host", "no-such-host.invalid"], "kvmesh up: error: --host no-such-host.invalid:"),

@@ -16,21 +16,33 @@ import contextlib
 import functools
 import logging
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, TypeVar
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
+from starlette.datastructures import Headers
+from starlette.middleware.cors import CORSMiddleware
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from kvmesh import __version__
+from kvmesh.services.router.api_docs import (
+    CHAT_ANSWER,
+    CHAT_CHUNK,
+    COMPLETION_ANSWER,
+    COMPLETION_CHUNK,
+    RESPONSE_ANSWER,
+    RESPONSE_EVENT,
+    generation_responses,
+)
 from kvmesh.services.router.api_keys import DEFAULT_NAME, ApiKeys
 from kvmesh.services.router.auth import BearerAuth
 from kvmesh.services.router.backend import GenerationBackend, HealthReport
 from kvmesh.services.router.generation import CHAT_COMPLETIONS, COMPLETIONS, SESSION_HEADER, Generation
+from kvmesh.services.router.generation_defaults import GenerationDefaults
 from kvmesh.services.router.limits import BodyLimit, Limits
 from kvmesh.services.router.metrics import RouterMetrics
 from kvmesh.services.router.openai_api import (
@@ -43,6 +55,7 @@ from kvmesh.services.router.prompts import chat_prompt_ids, completion_prompt_id
 from kvmesh.services.router.rate_limit import RateLimited, RateLimiter
 from kvmesh.services.router.rate_limits import RateLimitConfig
 from kvmesh.services.router.rate_store import CounterStore
+from kvmesh.services.router.responses_api import RESPONSES, ResponsesRequest, chat_request, renamed, responses_answer
 from kvmesh.services.router.shutdown import Shutdown
 from kvmesh.services.router.streaming import CLIENT_CLOSED
 
@@ -59,7 +72,7 @@ __all__ = [
 
 logger = logging.getLogger(__name__)
 
-GENERATION_PATHS = frozenset({COMPLETIONS, CHAT_COMPLETIONS})
+GENERATION_PATHS = frozenset({COMPLETIONS, CHAT_COMPLETIONS, RESPONSES})
 HEALTH_TIMEOUT = 2.0  # seconds the backend has to answer a health check
 TOKENIZER_THREADS = 2
 
@@ -106,6 +119,28 @@ def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
     return "; ".join(parts) or "invalid request", (params[0] or None) if params else None
 
 
+class Cors(CORSMiddleware):
+    """Starlette's CORS, with a refused preflight answered by an OpenAI error body."""
+
+    def __init__(self, app: Any, *, origins: Sequence[str]) -> None:
+        super().__init__(
+            app,
+            allow_origins=list(origins),
+            allow_methods=["GET", "POST", "OPTIONS"],
+            allow_headers=["*"],  # Authorization, Content-Type, x-session-id, what client libraries add
+            expose_headers=["Retry-After"],
+            max_age=600,
+        )
+
+    def preflight_response(self, request_headers: Headers) -> Response:
+        response = super().preflight_response(request_headers)
+        if response.status_code != 400:
+            return response
+        error = _error_response(APIError(400, bytes(response.body).decode(), code="cors_refused"))
+        error.headers.update({k: v for k, v in response.headers.items() if k.lower().startswith("access-control-")})
+        return error
+
+
 # --------------------------------------------------------------------------- the app
 def create_app(
     backend: GenerationBackend,
@@ -119,6 +154,8 @@ def create_app(
     shared_rate_store: bool = False,
     clock: Callable[[], float] = time.time,
     limits: Limits | None = None,
+    cors_allow_origins: Sequence[str] = (),
+    generation_defaults: GenerationDefaults | None = None,
 ) -> FastAPI:
     """The router's FastAPI app serving ``backend``'s model.
 
@@ -127,7 +164,9 @@ def create_app(
     is always open. ``rate_limits`` are enforced per key name (``anonymous`` without keys), with
     counters in ``rate_store`` (default: this process; ``shared_rate_store``: batch output charges)
     and windows by ``clock`` (epoch seconds). ``app.state.shutdown`` is the app's ``Shutdown``:
-    the server begins it on SIGTERM / SIGINT.
+    the server begins it on SIGTERM / SIGINT. ``cors_allow_origins`` (origins, or ``*``) turns CORS
+    on: preflights answered, responses to those origins readable by browsers; off without any.
+    ``generation_defaults`` (the model's ``generation_config.json``) fill what a request omits.
     """
     if api_key is not None:
         if api_keys is not None:
@@ -136,6 +175,7 @@ def create_app(
     if (auth_metrics or auth_docs) and api_keys is None:
         raise ValueError("auth on /metrics or the docs needs API keys (--api-key-file or KVMESH_API_KEY)")
     limits = limits or Limits()
+    defaults = generation_defaults or GenerationDefaults()
     metrics = RouterMetrics()
     shutdown = Shutdown()
     limiter = None
@@ -169,6 +209,8 @@ def create_app(
         )
     # outermost: a body is bounded before anything reads it
     app.add_middleware(BodyLimit, limits=limits, metrics=metrics, counted_paths=GENERATION_PATHS)
+    if cors_allow_origins:  # outside even that: every answer, errors too, carries its CORS headers
+        app.add_middleware(Cors, origins=cors_allow_origins)
 
     async def off_loop(work: Callable[..., T], *args: Any) -> T:
         """Blocking work (tokenizing, templating) in the app's small thread pool."""
@@ -248,7 +290,7 @@ def create_app(
     async def liveness() -> JSONResponse:
         return JSONResponse({"status": "alive"})
 
-    @app.get("/metrics")
+    @app.get("/metrics", response_class=PlainTextResponse)  # Prometheus' text format
     async def prometheus_metrics() -> Response:
         return Response(metrics.render(), media_type=CONTENT_TYPE_LATEST)
 
@@ -265,16 +307,32 @@ def create_app(
         check_model(model)
         return JSONResponse(model_card())
 
-    @app.post(COMPLETIONS)
+    @app.post(COMPLETIONS, responses=generation_responses(COMPLETION_ANSWER, COMPLETION_CHUNK))
     async def completions(body: CompletionRequest, request: Request) -> Response:
         check_accepting(body.model)
         prompts = await off_loop(completion_prompt_ids, body, backend.tokenizer, backend.max_model_len)
+        body = defaults.apply(body, [len(ids) for ids in prompts], backend.max_model_len)
         return await generation.serve(request, COMPLETIONS, body, prompts)
 
-    @app.post(CHAT_COMPLETIONS)
+    @app.post(CHAT_COMPLETIONS, responses=generation_responses(CHAT_ANSWER, CHAT_CHUNK))
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
         check_accepting(body.model)
         prompt_ids = await off_loop(chat_prompt_ids, body, backend.tokenizer, backend.max_model_len)
+        body = defaults.apply(body, [len(prompt_ids)], backend.max_model_len)
         return await generation.serve(request, CHAT_COMPLETIONS, body, [prompt_ids])
+
+    @app.post(RESPONSES, responses=generation_responses(RESPONSE_ANSWER, RESPONSE_EVENT, done=False))
+    async def responses(body: ResponsesRequest, request: Request) -> Response:
+        """OpenAI's Responses API, served by the chat path (``responses_api``)."""
+        check_accepting(body.model)
+        chat = chat_request(body, await request.json())
+        try:
+            prompt_ids = await off_loop(chat_prompt_ids, chat, backend.tokenizer, backend.max_model_len)
+            chat = defaults.apply(chat, [len(prompt_ids)], backend.max_model_len)
+            answer = await generation.serve(request, RESPONSES, chat, [prompt_ids])
+        except APIError as exc:
+            renamed(exc)  # the chat path's field names, as this request spells them
+            raise
+        return responses_answer(answer, body, chat)
 
     return app

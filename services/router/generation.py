@@ -136,6 +136,8 @@ class Generation:
         request_id = uuid.uuid4().hex
         fmt_cls = CompletionFormat if endpoint == COMPLETIONS else ChatFormat
         fmt = fmt_cls(request_id, self.backend.model_name, include_usage=body.include_usage)
+        if isinstance(fmt, ChatFormat) and isinstance(body, ChatCompletionRequest):
+            fmt.tools = body.tool_set  # answers parsed for tool calls (``tools``)
         choices: list[_Choice] = []
         n = body.num_choices
         token_text = TokenText(self.backend.tokenizer) if body.num_logprobs is not None else None

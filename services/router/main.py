@@ -19,6 +19,7 @@ from typing import NoReturn
 
 from kvmesh.services.router.api_keys import ApiKeyError, ApiKeys, load_api_keys
 from kvmesh.services.router.app import create_app
+from kvmesh.services.router.generation_defaults import GenerationDefaults
 from kvmesh.services.router.limits import Limits
 from kvmesh.services.router.mesh_backend import MeshBackend
 from kvmesh.services.router.rate_limits import RateLimitConfig, RateLimitConfigError, load_rate_limits
@@ -39,6 +40,10 @@ class _NoApiKeyFlag(argparse.Action):
 
 def _flag(name: str) -> bool:
     return os.environ.get(name, "").strip().lower() in ("1", "true", "yes", "on")
+
+
+def _origins(value: str) -> tuple[str, ...]:
+    return tuple(origin.strip().rstrip("/") for origin in value.split(",") if origin.strip())
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -70,6 +75,18 @@ def build_parser() -> argparse.ArgumentParser:
         choices=["local", "nats"],
         default=os.environ.get("KVMESH_RATE_LIMIT_STORE", "local"),
         help="where token budgets are counted: this router (local, the default) or a NATS JetStream KV bucket every router shares",
+    )
+    parser.add_argument(
+        "--cors-allow-origins",
+        type=_origins,
+        default=_origins(os.environ.get("KVMESH_CORS_ALLOW_ORIGINS", "")),
+        help="comma-separated origins (or *) whose browser pages may call the API (CORS); none: CORS off (default)",
+    )
+    parser.add_argument(
+        "--generation-config",
+        default=os.environ.get("KVMESH_GENERATION_CONFIG", "auto"),
+        help="sampling defaults for what a request omits: auto (the model's generation_config.json, the default), "
+        "vllm (none: OpenAI's) or a directory holding a generation_config.json",
     )
     parser.add_argument("--max-attempts", type=int, default=3, help="tries per request")
     parser.add_argument(
@@ -152,6 +169,8 @@ async def main(argv: list[str] | None = None) -> None:
         max_attempts=args.max_attempts,
         routing_config=args.routing_config,
     )
+    defaults = GenerationDefaults.load(args.generation_config, backend.model_dir)
+    logger.info("generation defaults: %s", defaults.describe())
     await backend.start()
     shared = args.rate_limit_store == "nats"
     store = NatsCounters(backend.nc, mesh.namespace) if shared and rate_limits else None
@@ -166,6 +185,8 @@ async def main(argv: list[str] | None = None) -> None:
         rate_store=store,
         shared_rate_store=shared,
         limits=limits,
+        cors_allow_origins=args.cors_allow_origins,
+        generation_defaults=defaults,
     )
     try:
         from opentelemetry.instrumentation.fastapi import FastAPIInstrumentor

@@ -92,7 +92,7 @@ class MeshBackend:
         self.keys = Keys(mesh.namespace)
         self.router_id = router_id or uuid.uuid4().hex[:12]
         self.max_attempts = max_attempts
-        model_dir = resolve_model(model)
+        self.model_dir = model_dir = resolve_model(model)
         self.tokenizer = Tokenizer.from_dir(model_dir)
         self.model_name = served_name or served_model_name(model, model_dir)
         model_config = ModelConfig.from_dir(model_dir)

@@ -6,16 +6,28 @@ into a ``SamplingSpec`` and prompt, and the answer is built as plain dicts.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import time
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationInfo, WithJsonSchema, field_validator
+from pydantic import (
+    BaseModel,
+    BeforeValidator,
+    ConfigDict,
+    Field,
+    PrivateAttr,
+    ValidationInfo,
+    WithJsonSchema,
+    field_validator,
+    model_validator,
+)
 
 from kvmesh.engine.request import MAX_LOGPROBS, PENALTY_RANGE
-from kvmesh.protocol import SamplingSpec
+from kvmesh.engine.structured import GuidedDecoding
+from kvmesh.protocol import GuidedSpec, SamplingSpec
 from kvmesh.services.router.openai_fields import (
     CONTENT_SCHEMA,
     LOGIT_BIAS_SCHEMA,
@@ -32,6 +44,29 @@ from kvmesh.services.router.openai_fields import (
     _parse_prompt,
     _parse_stop,
     unicode_problem,
+)
+from kvmesh.services.router.tools import (
+    MESSAGE_TOOL_CALLS_SCHEMA,
+    TOOL_CHOICE_SCHEMA,
+    TOOLS_SCHEMA,
+    Tool,
+    ToolSet,
+    parse_message_tool_calls,
+    parse_tool_choice,
+    parse_tools,
+)
+from kvmesh.services.router.structured_fields import (
+    GUIDED_CHOICE_SCHEMA,
+    GUIDED_FIELDS,
+    GUIDED_JSON_SCHEMA,
+    GUIDED_REGEX_SCHEMA,
+    RESPONSE_FORMAT_SCHEMA,
+    STRUCTURED_OUTPUTS_SCHEMA,
+    parse_guided_choice,
+    parse_guided_json,
+    parse_guided_regex,
+    parse_response_format,
+    parse_structured_outputs,
 )
 
 __all__ = [
@@ -146,6 +181,34 @@ class _GenerationRequest(BaseModel):
     n: int | None = Field(default=None, ge=1, le=MAX_N)  # choices per prompt (``choices``)
 
     max_tokens: int | None = Field(default=None, ge=1)
+    # structured output (``structured_fields``): OpenAI's, and vLLM's spellings; at most one
+    response_format: Annotated[
+        GuidedDecoding | None, BeforeValidator(parse_response_format), WithJsonSchema(RESPONSE_FORMAT_SCHEMA)
+    ] = None
+    guided_json: Annotated[
+        GuidedDecoding | None, BeforeValidator(parse_guided_json), WithJsonSchema(GUIDED_JSON_SCHEMA)
+    ] = None
+    guided_regex: Annotated[
+        GuidedDecoding | None, BeforeValidator(parse_guided_regex), WithJsonSchema(GUIDED_REGEX_SCHEMA)
+    ] = None
+    guided_choice: Annotated[
+        GuidedDecoding | None, BeforeValidator(parse_guided_choice), WithJsonSchema(GUIDED_CHOICE_SCHEMA)
+    ] = None
+    structured_outputs: Annotated[
+        GuidedDecoding | None, BeforeValidator(parse_structured_outputs), WithJsonSchema(STRUCTURED_OUTPUTS_SCHEMA)
+    ] = None
+
+    @model_validator(mode="after")
+    def _one_guided_field(self) -> _GenerationRequest:
+        given = [name for name in GUIDED_FIELDS if getattr(self, name) is not None]
+        if len(given) > 1:
+            raise ValueError(f"only one of {', '.join(GUIDED_FIELDS)} may be given, got {' and '.join(given)}")
+        return self
+
+    @property
+    def guided(self) -> GuidedDecoding | None:
+        """What the output must match, if the request asks for structured output."""
+        return next((getattr(self, n) for n in GUIDED_FIELDS if getattr(self, n) is not None), None)
 
     @field_validator("stream_options")
     @classmethod
@@ -182,6 +245,7 @@ class _GenerationRequest(BaseModel):
             min_tokens=self.min_tokens or 0,
             logprobs=self.num_logprobs,
             prompt_logprobs=self.num_prompt_logprobs,
+            guided=None if self.guided is None else GuidedSpec(kind=self.guided.kind, value=self.guided.value),
         )
 
     @property
@@ -230,18 +294,45 @@ def _is_null(value: Any) -> bool:
     return value is None
 
 
+def _parse_optional_content(value: Any) -> str | None:
+    return None if value is None else _parse_content(value)
+
+
 class ChatMessage(BaseModel):
     model_config = _STRICT
 
-    role: Literal["system", "developer", "user", "assistant"]
-    content: Annotated[str, BeforeValidator(_parse_content), WithJsonSchema(CONTENT_SCHEMA)]
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    # null only in an assistant message with tool calls
+    content: Annotated[
+        str | None, BeforeValidator(_parse_optional_content), WithJsonSchema({"anyOf": [CONTENT_SCHEMA, {"type": "null"}]})
+    ] = None
     # what a client echoes back in an assistant message of the history, accepted when empty
     name: Annotated[Any, _only_off(_is_null, "a message's name is not supported")] = None
     refusal: Annotated[Any, _only_off(_is_null, "a message's refusal is not supported")] = None
+    # an assistant message's tool calls, and a tool message's answer to one (``tools``)
     tool_calls: Annotated[
-        Any, _only_off(lambda v: v is None or v == [], "tool_calls in messages are not supported", [])
+        tuple[dict[str, Any], ...] | None, BeforeValidator(parse_message_tool_calls), WithJsonSchema(MESSAGE_TOOL_CALLS_SCHEMA)
     ] = None
+    tool_call_id: Text | None = None
     function_call: Annotated[Any, _only_off(_is_null, "function_call in messages is not supported")] = None
+
+    @model_validator(mode="after")
+    def _content_or_tool_calls(self) -> ChatMessage:
+        if self.tool_calls and self.role != "assistant":
+            raise ValueError("only assistant messages may have tool_calls")
+        if (self.role == "tool") != (self.tool_call_id is not None):
+            raise ValueError("a tool message needs its tool_call_id, and only a tool message has one")
+        if self.content is None and not (self.role == "assistant" and self.tool_calls):
+            raise ValueError("content may be null only in an assistant message with tool_calls")
+        return self
+
+    def template_message(self) -> dict[str, Any]:
+        message: dict[str, Any] = {"role": self.template_role, "content": self.content}
+        if self.tool_calls:
+            message["tool_calls"] = list(self.tool_calls)
+        if self.tool_call_id is not None:
+            message["tool_call_id"] = self.tool_call_id
+        return message
 
     @property
     def template_role(self) -> str:
@@ -266,26 +357,37 @@ class ChatCompletionRequest(_GenerationRequest):
     @property
     def num_logprobs(self) -> int | None:
         return (self.top_logprobs or 0) if self.logprobs else None
-    tools: Annotated[Any, _only_off(lambda v: v is None or v == [], "tools are not supported", [])] = None
-    tool_choice: Annotated[
-        Any, _only_off(lambda v: v is None or v == "none", "tool_choice is not supported", "none")
-    ] = None
-    response_format: Annotated[
-        Any,
-        _only_off(
-            lambda v: v is None or v == {"type": "text"},
-            "response_format is not supported (only text)",
-            {"type": "text"},
-        ),
-    ] = None
+
+    # tool calling (``tools``)
+    tools: Annotated[tuple[Tool, ...] | None, BeforeValidator(parse_tools), WithJsonSchema(TOOLS_SCHEMA)] = None
+    tool_choice: Annotated[str | None, BeforeValidator(parse_tool_choice), WithJsonSchema(TOOL_CHOICE_SCHEMA)] = None
+    parallel_tool_calls: bool | None = None
+    _tools: ToolSet | None = PrivateAttr(default=None)
+
+    @model_validator(mode="after")
+    def _tool_set(self) -> ChatCompletionRequest:
+        self._tools = ToolSet.of(self.tools, self.tool_choice, self.parallel_tool_calls)
+        if self._tools is not None and self._tools.guided() is not None and super().guided is not None:
+            raise ValueError("tool_choice required or a named function cannot be combined with structured output")
+        return self
+
+    @property
+    def tool_set(self) -> ToolSet | None:
+        """The request's tools and what it may answer with them; None without tools."""
+        return self._tools
+
+    @property
+    def guided(self) -> GuidedDecoding | None:
+        tools = self._tools.guided() if self._tools is not None else None
+        return tools if tools is not None else super().guided
 
     @property
     def requested_max_tokens(self) -> int | None:
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
 
-    def template_messages(self) -> list[dict[str, str]]:
-        """The messages as the chat template wants them: role and string content."""
-        return [{"role": m.template_role, "content": m.content} for m in self.messages]
+    def template_messages(self) -> list[dict[str, Any]]:
+        """The messages as the chat template wants them: role and content (and tool calls)."""
+        return [m.template_message() for m in self.messages]
 
 
 # --------------------------------------------------------------------------- responses
@@ -359,6 +461,13 @@ class _Format(ABC):
         """A one-choice answer."""
         return self.response_choices([(text, finish_reason)], usage)
 
+    def final_chunks(self, finish_reason: str | None, index: int = 0) -> list[dict[str, Any]]:
+        """What ends a streamed choice: its final chunk (and, for tool calls, what was held back)."""
+        return [self.final_chunk(finish_reason, index)]
+
+    @abstractmethod
+    def final_chunk(self, finish_reason: str | None, index: int = 0) -> dict[str, Any]: ...
+
     def usage_chunk(self, usage: Usage) -> dict[str, Any]:
         return {**self._envelope(self.chunk_object, []), "usage": usage.to_dict()}
 
@@ -395,26 +504,98 @@ class ChatFormat(_Format):
 
     id_prefix = "chatcmpl-"
     chunk_object = "chat.completion.chunk"
+    def __init__(self, request_id: str, model: str, *, include_usage: bool = False, created: int | None = None) -> None:
+        super().__init__(request_id, model, include_usage=include_usage, created=created)
+        # A request with tools: its answers are parsed for tool calls (``tools.ToolSet``).
+        self.tools: ToolSet | None = None
+        self._tool_sets: dict[int, ToolSet] = {}  # per choice: its own call ids
+        self._held_text: dict[int, list[str]] = {}  # per choice: the text held back to parse
+        self._sent_chars: dict[int, int] = {}  # per choice, with tool_choice auto: of it, the characters sent as content
 
     def response_choices(
         self, results: list[tuple[str, str | None]], usage: Usage, logprobs: list[dict[str, Any] | None] | None = None
     ) -> dict[str, Any]:
-        choices = [
-            {
-                "index": i,
-                "message": {"role": "assistant", "content": text},
-                "logprobs": logprobs[i] if logprobs else None,
-                "finish_reason": reason,
-            }
-            for i, (text, reason) in enumerate(results)
-        ]
+        choices = []
+        for i, (text, reason) in enumerate(results):
+            message: dict[str, Any] = {"role": "assistant", "content": text}
+            if self._parses_tools:
+                assert self.tools is not None
+                message, reason = self._tool_set(i).message(text, reason)
+            choice_logprobs = logprobs[i] if logprobs else None
+            choices.append({"index": i, "message": message, "logprobs": choice_logprobs, "finish_reason": reason})
         return {**self._envelope("chat.completion", choices), "usage": usage.to_dict()}
+
+    @property
+    def _parses_tools(self) -> bool:
+        return self.tools is not None and self.tools.mode != "none"
+
+    def _tool_set(self, index: int) -> ToolSet:
+        """Each choice's own call ids."""
+        assert self.tools is not None
+        if index not in self._tool_sets:
+            self._tool_sets[index] = dataclasses.replace(self.tools, call_ids=[])
+        return self._tool_sets[index]
+
+    def _held(self, index: int) -> list[str]:
+        return self._held_text.setdefault(index, [])
 
     def opening_chunks(self, num_choices: int = 1) -> list[dict[str, Any]]:
         return [self._delta({"role": "assistant", "content": ""}, None, index) for index in range(num_choices)]
 
-    def content_chunk(self, text: str, index: int = 0, logprobs: dict[str, Any] | None = None) -> dict[str, Any]:
-        return self._delta({"content": text}, None, index, logprobs)
+    def content_chunk(self, text: str, index: int = 0, logprobs: dict[str, Any] | None = None) -> dict[str, Any] | None:
+        """A content delta (with its tokens' ``logprobs``, when asked for); with tool calls, a
+        named function's argument fragment, or None while the answer is held back to be parsed
+        when it ends (``required``; with ``auto``, from where a ``<tool_call>`` may begin); the
+        logprobs then come in a delta of their own."""
+        if not self._parses_tools:
+            return self._delta({"content": text}, None, index, logprobs)
+        chunk = self._tool_content_chunk(text, index) if text else None
+        if logprobs is None:
+            return chunk
+        if chunk is None:
+            return self._delta({}, None, index, logprobs)
+        chunk["choices"][0]["logprobs"] = logprobs
+        return chunk
+
+    def _tool_content_chunk(self, text: str, index: int) -> dict[str, Any] | None:
+        tools = self._tool_set(index)
+        held = self._held(index)
+        held.append(text)
+        if tools.mode == "auto":
+            whole = "".join(held)
+            sent = self._sent_chars.get(index, 0)
+            safe = tools.text_before_calls(whole)
+            if safe <= sent:
+                return None
+            self._sent_chars[index] = safe
+            return self._delta({"content": whole[sent:safe]}, None, index)
+        if not tools.streams_arguments:
+            return None
+        assert tools.named is not None
+        call: dict[str, Any] = {"index": 0, "function": {"arguments": text}}
+        if len(held) == 1:  # the call's first chunk names it
+            call = {"index": 0, "id": tools._call_id(0), "type": "function", "function": {"name": tools.named.name, "arguments": text}}
+        return self._delta({"tool_calls": [call]}, None, index)
+
+    def final_chunks(self, finish_reason: str | None, index: int = 0) -> list[dict[str, Any]]:
+        if not self._parses_tools:
+            return [self.final_chunk(finish_reason, index)]
+        tools = self._tool_set(index)
+        message, reason = tools.message("".join(self._held(index))[self._sent_chars.get(index, 0) :], finish_reason)
+        chunks: list[dict[str, Any]] = []
+        if tools.streams_arguments:
+            if len(self._held(index)) == 0 and message.get("tool_calls"):  # no text at all: still name the call
+                call = message["tool_calls"][0]
+                chunks.append(self._delta({"tool_calls": [{"index": 0, **call}]}, None, index))
+            return [*chunks, self.final_chunk(reason, index)]
+        if message["content"]:
+            chunks.append(self._delta({"content": message["content"]}, None, index))
+        for i, call in enumerate(message.get("tool_calls", [])):
+            function = call["function"]
+            head = {"index": i, "id": call["id"], "type": "function", "function": {"name": function["name"], "arguments": ""}}
+            chunks.append(self._delta({"tool_calls": [head]}, None, index))
+            chunks.append(self._delta({"tool_calls": [{"index": i, "function": {"arguments": function["arguments"]}}]}, None, index))
+        return [*chunks, self.final_chunk(reason, index)]
 
     def final_chunk(self, finish_reason: str | None, index: int = 0) -> dict[str, Any]:
         return self._delta({}, finish_reason, index)

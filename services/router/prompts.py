@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from kvmesh.engine.tokenizer import ChatTemplateError, Tokenizer
 from kvmesh.services.router.openai_api import APIError, ChatCompletionRequest, CompletionRequest
+from kvmesh.services.router.tools import render_messages
 
 __all__ = [
     "PROMPT_CHARS_PER_TOKEN",
@@ -63,9 +64,11 @@ def _prompt_ids(prompt: str | list[int], tokenizer: Tokenizer, max_model_len: in
 
 def chat_prompt_ids(request: ChatCompletionRequest, tokenizer: Tokenizer, max_model_len: int) -> list[int]:
     """The messages rendered by the model's chat template, then encoded without extra specials."""
-    check_prompt_chars(sum(len(m.content) for m in request.messages), max_model_len, param="messages")
+    check_prompt_chars(sum(len(m.content or "") for m in request.messages), max_model_len, param="messages")
+    # tools, and tool calls in the history: the template's own format, or kvmesh's fallback (``tools``)
+    messages, extra = render_messages(request.template_messages(), request.tool_set, tokenizer.chat_template)
     try:
-        text = tokenizer.apply_chat_template(request.template_messages(), add_generation_prompt=True)
+        text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, **extra)
     except ChatTemplateError as exc:
         raise APIError(400, str(exc), param="messages") from exc
     ids = tokenizer.encode(text, add_special_tokens=False)

@@ -144,8 +144,9 @@ class EventStream:
             for chunk in fmt.opening_chunks(len(choices)):
                 yield sse_event(chunk)
             for index, choice in enumerate(choices):
-                if choice.echo is not None:
-                    yield sse_event(fmt.content_chunk(choice.echo.text, index, choice.echo.fragment(choice.logprobs)))
+                echoed = fmt.content_chunk(choice.echo.text, index, choice.echo.fragment(choice.logprobs)) if choice.echo else None
+                if echoed is not None:
+                    yield sse_event(echoed)
             ready = [(index, choice.first) for index, choice in enumerate(choices)]
             while ready:
                 for index, event in ready:
@@ -154,9 +155,12 @@ class EventStream:
                     tracker.on_event(event)
                     logprobs = choice.logprobs.fragment(event.token_ids, event.logprobs) if choice.logprobs and event.token_ids else None
                     if event.text or logprobs is not None:
-                        yield sse_event(fmt.content_chunk(event.text, index, logprobs))
+                        chunk = fmt.content_chunk(event.text, index, logprobs)
+                        if chunk is not None:  # None: held back (a tool call's text, parsed at the end)
+                            yield sse_event(chunk)
                     if event.finished:
-                        yield sse_event(fmt.final_chunk(tracker.finish_reason, index))
+                        for chunk in fmt.final_chunks(tracker.finish_reason, index):
+                            yield sse_event(chunk)
                     else:
                         self._fetch(index)
                 ready = [(index, check_event(event)) for index, event in await self._next_events()]

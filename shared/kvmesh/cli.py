@@ -11,6 +11,7 @@ import uuid
 from pathlib import Path
 from typing import Any
 
+from kvmesh import __version__
 from kvmesh.worker.engines import ENGINES
 
 logger = logging.getLogger("kvmesh")
@@ -21,6 +22,16 @@ class _Parser(argparse.ArgumentParser):
 
     def error(self, message: str) -> None:  # type: ignore[override]
         self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+
+class _Help(argparse.ArgumentDefaultsHelpFormatter):
+    """Each option's default in its help, where it has one the help does not already tell."""
+
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        text = action.help or ""
+        if action.default in (None, False, argparse.SUPPRESS) or "default" in text or not text:
+            return action.help
+        return super()._get_help_string(action)
 
 
 class _NoKeyInArgv(argparse.Action):
@@ -76,8 +87,9 @@ def _positive_float(text: str) -> float:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = _Parser(prog="kvmesh", description="LLM serving with a cluster-wide KV cache")
+    parser = _Parser(prog="kvmesh", description="LLM serving with a cluster-wide KV cache", formatter_class=_Help)
     parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
+    parser.add_argument("--version", action="version", version=f"kvmesh {__version__}")
     commands = parser.add_subparsers(dest="command", required=True)
 
     gen = commands.add_parser("generate", help="generate text in this process (a quick look at the engine)")
@@ -103,15 +115,28 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--device", default="cpu", help="cpu, cuda or npu")
     gen.add_argument("--json", action="store_true", help='print {"token_ids": [...], "text": "..."}')
 
-    up = commands.add_parser("up", help="run the whole mesh on this machine: nats, etcd, router, workers")
+    up = commands.add_parser(
+        "up", help="run the whole mesh on this machine: nats, etcd, router, workers", formatter_class=_Help,
+        description="Run the whole mesh on this machine: nats-server, etcd, kv-metadata, the router and the workers. "
+        "The router's and the workers' options are forwarded to them; one not given is left to the service "
+        "(and to its KVMESH_* environment variable).",
+    )  # fmt: skip
+    up.add_argument("--version", action="version", version=f"kvmesh {__version__}")
     up.add_argument("--prefill", type=_non_negative_int, default=1, help="prefill workers (0: decode workers prefill themselves)")
     up.add_argument("--decode", type=_positive_int, default=1, help="decode workers")
-    up.add_argument("--host", default="127.0.0.1")
+    up.add_argument("--host", default="127.0.0.1", help="the router's address")
     up.add_argument("--port", type=_port, default=8000, help="the router's port (0 picks a free one)")
     up.add_argument("--model", help="model directory or .gguf file (default: SmolLM2-135M-Instruct)")
     up.add_argument("--engine", choices=ENGINES, default="kvmesh", help="what the workers run: kvmesh (its own engine) or vllm (`make vllm`; workers run with .venv-vllm/bin/python)")
-    up.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
+    up.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default="float32", help="the workers' weights and KV cache")
     up.add_argument("--kv-cache-mib", type=_positive_int, default=256, help="KV pool per worker")
+    up.add_argument("--block-size", type=_positive_int, help="tokens per KV block (default: 16; 32 with vllm)")
+    up.add_argument("--num-threads", type=_positive_int, help="threads per worker (default: the cores split between the workers)")
+    up.add_argument("--no-prefix-caching", action="store_true", help="workers do not reuse KV blocks")
+    up.add_argument("--routing-config", help="JSON or YAML file of the router's scoring plugins and weights (default: prefix x2, load x1, session x1)")
+    up.add_argument("--lease-ttl", type=_positive_int, default=5, help="seconds a worker's etcd lease outlives it")
+    up.add_argument("--pin-ttl", type=_positive_int, default=30, help="seconds a prefill worker holds KV blocks for a decode worker at most")
+    up.add_argument("--request-timeout", type=_positive_float, default=30.0, help="seconds for any single network wait of a service")
     up.add_argument("--api-key", nargs="?", action=_NoKeyInArgv, help=argparse.SUPPRESS)
     up.add_argument(
         "--api-key-file",
@@ -123,6 +148,9 @@ def build_parser() -> argparse.ArgumentParser:
         help="NATS and etcd over TLS only, with a fresh CA in <workdir>/tls (default: on; --no-tls: plaintext on loopback)",
     )
     up.add_argument("--workdir", help="logs, server data, the mesh's credentials and its CA (default: a new temporary folder)")
+    from kvmesh.infra.up import add_service_args
+
+    add_service_args(up)
 
     creds = commands.add_parser(
         "credentials", help="make the secrets of a deployment (deploy/compose, deploy/k8s): CA, certificates, users, passwords"

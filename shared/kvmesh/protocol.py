@@ -15,6 +15,7 @@ from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, TypeAdapter,
 
 from kvmesh.errors import ErrorCode, as_error_code
 from kvmesh.engine.request import MAX_LOGPROBS, PENALTY_RANGE, SamplingParams, TokenLogprob
+from kvmesh.engine.structured import GUIDED_KINDS, MAX_GRAMMAR_CHARS
 from kvmesh.transfer.layout import KVMESH_ARRANGEMENT, PoolLayout, block_major
 
 Role = Literal["prefill", "decode", "router", "kv-metadata"]
@@ -186,6 +187,14 @@ class LogprobSpec(Message):
     @classmethod
     def many(cls, values: list[TokenLogprob | None] | None) -> list[LogprobSpec | None] | None:
         return None if values is None else [None if v is None else cls.from_logprob(v) for v in values]
+class GuidedSpec(Message):
+    """``kvmesh.engine.structured.GuidedDecoding`` on the wire: what the output must match."""
+
+    kind: Literal["json_schema", "json_object", "regex", "choice"]
+    value: str = Field(default="", max_length=MAX_GRAMMAR_CHARS)
+
+
+assert set(GUIDED_KINDS) == {"json_schema", "json_object", "regex", "choice"}
 
 
 class SamplingSpec(Message):
@@ -212,6 +221,7 @@ class SamplingSpec(Message):
     prior_output_tokens: int = Field(default=0, ge=0, exclude_if=_is_zero)  # a resumed request's (SamplingParams)
     logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS, exclude_if=_is_none)
     prompt_logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS, exclude_if=_is_none)
+    guided: GuidedSpec | None = Field(default=None, exclude_if=_is_zero)  # structured output
 
     def to_params(self) -> SamplingParams:
         return SamplingParams(**self.model_dump())

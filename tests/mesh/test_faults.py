@@ -50,7 +50,12 @@ async def test_prefill_killed_before_the_pull_is_retried(tmp_path, default_model
         mesh.stop()
 
 
-@pytest.mark.parametrize("options", ["plain", "penalties"])
+# A JSON schema the answer cannot complete within max_tokens (``guided``): the retry's matcher
+# is rebuilt over the tokens already sent and goes on from there.
+LONG_LIST = {"type": "object", "properties": {"items": {"type": "array", "minItems": 50, "items": {"type": "string"}}}, "required": ["items"]}
+
+
+@pytest.mark.parametrize("options", ["plain", "penalties", "guided"])
 async def test_decode_killed_mid_stream_resumes_on_the_survivor(tmp_path, default_model_dir, options):
     """The stream goes on from the tokens already sent, on the other decode worker: the
     client sees one uninterrupted answer, the same as without the fault. With penalties and
@@ -65,9 +70,13 @@ async def test_decode_killed_mid_stream_resumes_on_the_survivor(tmp_path, defaul
             body.update(ignore_eos=False, frequency_penalty=0.8, presence_penalty=0.4, repetition_penalty=1.1)
             body.update(logit_bias={str(eos): 100}, min_tokens=40, logprobs=2)
             finish = "stop"
+        if options == "guided":
+            body.update(ignore_eos=False, guided_json=LONG_LIST)
         answer = (await post(mesh.base_url, "/v1/completions", body)).json()
         want = answer["choices"][0]["text"]
-        assert answer["usage"]["completion_tokens"] == (60 if options == "plain" else 41)
+        assert answer["usage"]["completion_tokens"] == (41 if options == "penalties" else 60)
+        if options == "guided":
+            assert want.startswith('{"items": ["')
         victim = None
 
         async def kill_the_streaming_decode_worker(events: list[dict]) -> None:

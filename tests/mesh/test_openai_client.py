@@ -187,7 +187,7 @@ async def test_async_streamed_chat_with_options(async_client: openai.AsyncOpenAI
     await async_client.close()
 
 
-@pytest.mark.parametrize("field", ["guided_json", "parallel_tool_calls", "reasoning_effort"])
+@pytest.mark.parametrize("field", ["guided_grammar", "reasoning_effort"])
 def test_what_is_not_implemented_is_refused_by_name(client: openai.OpenAI, field: str) -> None:
     with pytest.raises(openai.BadRequestError) as info:
         client.chat.completions.create(
@@ -351,6 +351,56 @@ async def test_async_streamed_chat_logprobs_with_n(async_client: openai.AsyncOpe
     for streamed, answered in zip(got, want):
         assert [t for t, _ in streamed] == [t for t, _ in answered]
         assert [v for _, v in streamed] == pytest.approx([v for _, v in answered], abs=1e-4)
+RESPONSES_QUESTION = "What is the capital of France?"
+
+
+def test_responses_create_and_stream_give_the_chat_endpoints_greedy_text(client: openai.OpenAI) -> None:
+    messages = [{"role": "system", "content": "Answer briefly."}, {"role": "user", "content": RESPONSES_QUESTION}]
+    chat = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=12, temperature=0)
+    want = chat.choices[0].message.content
+    assert want
+    created = client.responses.create(
+        model=MODEL, instructions="Answer briefly.", input=RESPONSES_QUESTION, max_output_tokens=12, temperature=0
+    )
+    assert created.output_text == want
+    assert created.status == ("incomplete" if chat.choices[0].finish_reason == "length" else "completed")
+    assert (created.usage.input_tokens, created.usage.output_tokens) == (chat.usage.prompt_tokens, chat.usage.completion_tokens)
+    assert created.usage.input_tokens_details.cached_tokens > 0  # the same prompt, just served
+    deltas, types = [], []
+    with client.responses.stream(
+        model=MODEL,
+        input=[{"role": "system", "content": "Answer briefly."}, {"role": "user", "content": [{"type": "input_text", "text": RESPONSES_QUESTION}]}],
+        max_output_tokens=12,
+        temperature=0,
+    ) as stream:
+        for event in stream:
+            types.append(event.type)
+            if event.type == "response.output_text.delta":
+                deltas.append(event.delta)
+    assert "".join(deltas) == want
+    assert types[:4] == ["response.created", "response.in_progress", "response.output_item.added", "response.content_part.added"]
+    assert types[-4:] == [
+        "response.output_text.done",
+        "response.content_part.done",
+        "response.output_item.done",
+        f"response.{created.status}",
+    ]
+
+
+async def test_responses_async_stream_final_response(async_client: openai.AsyncOpenAI) -> None:
+    chat = await async_client.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": "Say hi."}], max_tokens=32, temperature=0
+    )
+    assert chat.choices[0].finish_reason == "stop"  # ends by itself, so the stream ends response.completed
+    async with async_client.responses.stream(model=MODEL, input="Say hi.", max_output_tokens=32, temperature=0) as stream:
+        async for _ in stream:
+            pass
+        final = await stream.get_final_response()
+    assert (final.output_text, final.status) == (chat.choices[0].message.content, "completed")
+    with pytest.raises(openai.BadRequestError) as info:
+        await async_client.responses.create(model=MODEL, input="Hi", previous_response_id="resp_1")
+    assert info.value.body["param"] == "previous_response_id"
+    await async_client.close()
 
 
 async def test_pools_back_at_baseline(mesh: LocalMesh) -> None:

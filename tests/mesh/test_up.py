@@ -358,3 +358,53 @@ def test_a_sigkilled_kvmesh_up_takes_its_children_along(tmp_path, default_model_
         assert wait_all_gone(pids, timeout=20) == []
     finally:
         up.cleanup()
+
+
+def test_the_services_options_reach_the_services(tmp_path, default_model_dir):
+    """One ``kvmesh up`` with router and worker options: the served model name is the API's and
+    the workers' (a request naming it is served), CORS is on, and each flag is on the command
+    line of the services it belongs to (the mesh-wide deadline in their environment)."""
+    origin = "http://localhost:3000"
+    up = start_up(
+        tmp_path, default_model_dir, "--prefill", "0", "--decode", "1",
+        "--served-model-name", "foo", "--cors-allow-origins", origin, "--max-num-seqs", "4",
+        "--generation-config", "vllm", "--request-deadline", "600",
+    )  # fmt: skip
+    try:
+        models = httpx.get(f"{up.base_url}/v1/models", timeout=10).json()
+        assert [m["id"] for m in models["data"]] == ["foo"]
+        body = {"model": "foo", "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 4, "temperature": 0}
+        answer = httpx.post(f"{up.base_url}/v1/chat/completions", json=body, headers={"Origin": origin}, timeout=60)
+        assert answer.status_code == 200, answer.text
+        assert answer.headers["access-control-allow-origin"] == origin
+        assert answer.json()["model"] == "foo" and answer.json()["usage"]["completion_tokens"] >= 1
+        wrong = httpx.post(f"{up.base_url}/v1/chat/completions", json={**body, "model": MODEL}, timeout=60)
+        assert wrong.status_code == 404
+        preflight = httpx.options(
+            f"{up.base_url}/v1/responses",
+            headers={"Origin": origin, "Access-Control-Request-Method": "POST"},
+            timeout=10,
+        )
+        assert preflight.status_code == 200 and preflight.headers["access-control-allow-origin"] == origin
+
+        def command_line(name: str) -> list[str]:
+            return Path(f"/proc/{up.pid(name)}/cmdline").read_bytes().decode().split("\0")
+
+        def environment(name: str) -> list[str]:
+            return Path(f"/proc/{up.pid(name)}/environ").read_bytes().decode().split("\0")
+
+        router, worker = command_line("router"), command_line("decode-1")
+        for argv, flag, value in [
+            (router, "--served-model-name", "foo"),
+            (router, "--cors-allow-origins", origin),
+            (router, "--generation-config", "vllm"),
+            (worker, "--served-model-name", "foo"),
+            (worker, "--max-num-seqs", "4"),
+        ]:
+            assert argv[argv.index(flag) + 1] == value, (flag, argv)
+        assert "--max-num-seqs" not in router and "--cors-allow-origins" not in worker
+        assert "KVMESH_REQUEST_DEADLINE=600.0" in environment("router")
+        assert "KVMESH_REQUEST_DEADLINE=600.0" in environment("decode-1")
+        assert up.stop() == (0, pytest.approx(0, abs=10))
+    finally:
+        up.cleanup()

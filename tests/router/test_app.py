@@ -168,7 +168,7 @@ async def post_error(client: httpx.AsyncClient, path: str, payload: object, stat
         ({"logit_bias": {"1": "5"}}, "logit_bias: logit_bias['1'] must be a finite number, got '5'", "logit_bias"),
         ({"logit_bias": {"512": 5}}, "logit_bias token id 512 is out of range for a vocabulary of 512", "logit_bias"),
         ({"store": True}, "store: store is not supported (completions are not stored)", "store"),
-        ({"guided_json": {"type": "object"}}, "unsupported parameter: guided_json", "guided_json"),
+        ({"guided_json": {"type": "strin"}}, "guided_json: guided_json is not a JSON schema kvmesh can enforce: Invalid type: strin", "guided_json"),
         ({"stream_options": {"include_usage": True}}, "stream_options: stream_options is only allowed when stream is true", "stream_options"),
         ({"temperature": 2.5}, "temperature: Input should be less than or equal to 2", "temperature"),
         ({"top_p": 0}, "top_p: Input should be greater than 0", "top_p"),
@@ -220,8 +220,8 @@ async def test_chat_prompt_filling_the_context_is_400(client: httpx.AsyncClient,
     [
         ({"messages": []}, "messages: List should have at least 1 item after validation, not 0", "messages"),
         (
-            {"messages": [{"role": "tool", "content": "x"}]},
-            "messages.0.role: Input should be 'system', 'developer', 'user' or 'assistant'",
+            {"messages": [{"role": "function", "content": "x"}]},
+            "messages.0.role: Input should be 'system', 'developer', 'user', 'assistant' or 'tool'",
             "messages.0.role",
         ),
         (
@@ -308,8 +308,8 @@ async def test_wrong_model_is_404(client: httpx.AsyncClient, fake: FakeBackend) 
 async def test_unknown_route_has_an_openai_error_body(client: httpx.AsyncClient) -> None:
     resp = await client.get("/v1/nothing")
     assert (resp.status_code, resp.json()) == (404, error("Invalid URL (GET /v1/nothing)", code="not_found"))
-    resp = await client.post("/v1/responses", json={})
-    assert (resp.status_code, resp.json()) == (404, error("Invalid URL (POST /v1/responses)", code="not_found"))
+    resp = await client.post("/v1/embeddings", json={})
+    assert (resp.status_code, resp.json()) == (404, error("Invalid URL (POST /v1/embeddings)", code="not_found"))
     resp = await client.get("/v1/completions")
     assert (resp.status_code, resp.json()) == (
         405,

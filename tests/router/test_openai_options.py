@@ -198,11 +198,7 @@ async def test_developer_role_and_text_parts(client: httpx.AsyncClient, fake: Fa
 @pytest.mark.parametrize(
     "field",
     [
-        "guided_json",
-        "guided_regex",
-        "guided_choice",
         "guided_grammar",
-        "parallel_tool_calls",
         "reasoning_effort",
         "functions",
         "function_call",
@@ -236,7 +232,10 @@ async def test_nested_unknown_fields_are_named(client: httpx.AsyncClient) -> Non
     resp = await client.post(
         CHAT, json={"model": MODEL, "messages": [{"role": "assistant", "content": "Hi", "tool_calls": [{"id": "1"}]}]}
     )
-    assert resp.json() == error("messages.0.tool_calls: tool_calls in messages are not supported", param="messages.0.tool_calls")
+    assert resp.json() == error(
+        'messages.0.tool_calls: tool_calls[0] must be {"id", "type": "function", "function": {"name", "arguments"}} with string values',
+        param="messages.0.tool_calls",
+    )
 
 
 # --------------------------------------------------------------------------- n, logprobs, echo

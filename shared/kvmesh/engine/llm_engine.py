@@ -26,6 +26,7 @@ from kvmesh.engine.model_runner import ModelRunner
 from kvmesh.engine.outputs import KVExport, RequestOutput
 from kvmesh.engine.request import FinishReason, Request, SamplingParams
 from kvmesh.engine.scheduler import Scheduler, SchedulerConfig, max_model_len
+from kvmesh.engine.structured import GrammarCompiler, GrammarError
 from kvmesh.engine.tokenizer import Tokenizer
 from kvmesh.errors import ErrorCode
 from kvmesh.hashing import hash_token_blocks
@@ -94,6 +95,7 @@ class LLMEngine:
         )
         self.runner = ModelRunner(self.model, self.kv_pool, self.kv_manager)
         self._texts: dict[str, OutputText] = {}
+        self._grammars: GrammarCompiler | None = None  # built for the first guided request
         self._failed_steps = 0  # steps in a row whose batch raised
         self.last_step_tokens = 0  # tokens the last step scheduled; 0: no room for anything
         logger.info(
@@ -117,7 +119,12 @@ class LLMEngine:
             raise ValueError(f"prompt token ids must lie in [0, {vocab})")
         if any(not 0 <= t < vocab for t in params.logit_bias):
             raise ValueError(f"logit_bias token ids must lie in [0, {vocab})")
-        return Request(request_id, list(prompt_token_ids), params, self.eos_token_ids, export_kv=export_kv)
+        req = Request(request_id, list(prompt_token_ids), params, self.eos_token_ids, export_kv=export_kv)
+        if params.guided is not None:  # structured output: the request's grammar matcher
+            if self._grammars is None:
+                self._grammars = GrammarCompiler(self.tokenizer, self.model_config.vocab_size, self.eos_token_ids)
+            req.grammar = self._grammars.state(params.guided)
+        return req
 
     def add_request(
         self,
@@ -225,6 +232,8 @@ class LLMEngine:
         self, req: Request, exc: Exception, stage: str, *, kv_written: bool = True, code: ErrorCode = ErrorCode.REQUEST_FAILED
     ) -> RequestOutput:
         """End ``req`` with ``FinishReason.ERROR``; its blocks go back (see ``Scheduler.fail``)."""
+        if isinstance(exc, GrammarError):  # the request's grammar (too complex, or tokens it refuses): its own fault
+            code = ErrorCode.BAD_REQUEST
         self.scheduler.fail(req, kv_written=kv_written)
         self._texts.pop(req.request_id, None)
         return RequestOutput(

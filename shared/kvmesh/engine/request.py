@@ -6,8 +6,9 @@ import enum
 import time
 from dataclasses import dataclass, field
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
+from kvmesh.engine.structured import GuidedDecoding
 from kvmesh.hashing import BlockHash
 
 if TYPE_CHECKING:
@@ -67,8 +68,12 @@ class SamplingParams:
     # Logprobs (``kvmesh.engine.logprobs``): None, none; k, each sampled token's and its top k.
     logprobs: int | None = None
     prompt_logprobs: int | None = None  # the same for every prompt token after the first
+    # Structured output: the grammar the output must match (``kvmesh.engine.structured``).
+    guided: GuidedDecoding | None = None
 
     def __post_init__(self) -> None:
+        if isinstance(self.guided, dict):  # from the wire (``SamplingSpec.to_params``)
+            self.guided = GuidedDecoding(**self.guided)
         self.stop = tuple(self.stop)
         self.stop_token_ids = tuple(self.stop_token_ids)
         low, high = LOGIT_BIAS_RANGE
@@ -144,6 +149,8 @@ class Request:
     logprobs: list[TokenLogprob | None] = field(default_factory=list)
     prompt_logprobs: list[TokenLogprob | None] = field(default_factory=list)
     prompt_logprobs_sent: bool = False
+    # A guided request's ``kvmesh.engine.structured.GrammarState`` (set by the engine).
+    grammar: Any = None
 
     def __post_init__(self) -> None:
         if not self.prompt_token_ids:

@@ -22,6 +22,7 @@ import torch
 
 from kvmesh.engine.logits_processors import process_logits
 from kvmesh.engine.request import Request
+from kvmesh.engine.structured import apply_grammar_masks
 
 logger = logging.getLogger(__name__)
 
@@ -77,6 +78,8 @@ def sample_rows(logits: torch.Tensor, requests: Sequence[Request]) -> list[int |
     """One token per row of ``logits`` (N, vocab), float32, for the matching request; a row
     whose sampling raised gives that exception instead, and the other rows are unaffected."""
     logits, failed = _processed(logits, requests)
+    logits, grammar_failed = apply_grammar_masks(logits, requests)  # structured output
+    failed.update(grammar_failed)
     chosen: list[int | Exception] = list(torch.argmax(logits, dim=-1).tolist())
     for row, req in enumerate(requests):
         if row in failed:

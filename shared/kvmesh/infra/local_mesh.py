@@ -63,6 +63,8 @@ class MeshOptions:
     api_key: str | None = None  # written to a 0600 file in the workdir; the router gets its path, never the key
     api_key_file: str | None = None  # the router's --api-key-file (KVMESH_API_KEY passes through the environment)
     env: dict[str, str] = field(default_factory=dict)  # extra environment for every service
+    router_args: list[str] = field(default_factory=list)  # more flags for the router (``kvmesh up`` forwards its own)
+    worker_args: list[str] = field(default_factory=list)  # more flags for every worker
     ready_timeout: float = 300.0
     supervise: bool = False  # restart children that die (kvmesh up); off: a killed child stays dead
     restart: RestartPolicy = field(default_factory=RestartPolicy)
@@ -297,7 +299,7 @@ class LocalMesh:
             argv += ["--api-key-file", self._api_key_file()]
         if opts.routing_config:
             argv += ["--routing-config", opts.routing_config]
-        return argv
+        return argv + opts.router_args
 
     def _api_key_file(self) -> str:
         if self.options.api_key_file:
@@ -336,7 +338,7 @@ class LocalMesh:
             argv.append("--no-prefix-caching")
         if opts.engine == "vllm":  # each worker's OpenMP threads on cores of their own, round robin
             argv += ["--cpu-bind", cpu_bind(self._count - 1, threads)]
-        argv += extra_args
+        argv += [*opts.worker_args, *extra_args]
         self.workers[worker_id] = self._spawn(worker_id, argv, self._worker_env())
         self._write_pids()
         return worker_id

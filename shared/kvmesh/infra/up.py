@@ -2,7 +2,8 @@
 signal.
 
 Bad arguments (a busy port, a missing model path, ...) are found before anything starts and
-reported on one line with exit code 2. SIGINT, SIGTERM and SIGHUP stop the whole mesh (exit
+reported on one line with exit code 2. The router's and the workers' own options are taken too
+(``SERVICE_OPTIONS``) and forwarded to the services it starts, or set in their environment. SIGINT, SIGTERM and SIGHUP stop the whole mesh (exit
 0); a second one during the stop SIGKILLs what is left. While serving, a child that dies is
 restarted (``supervisor``); the mesh stops only on the user's signal.
 """
@@ -11,11 +12,15 @@ from __future__ import annotations
 
 import argparse
 import errno
+import json
+import os
 import signal
 import socket
 import sys
 import tempfile
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any, Literal
 
 from kvmesh.errors import KvmeshError
 
@@ -34,6 +39,93 @@ class _Stopped(BaseException):
 def progress(message: str) -> None:
     sys.stderr.write(f"kvmesh up: {message}\n")
     sys.stderr.flush()
+
+
+# -- the services' own options -----------------------------------------------------------
+@dataclass(frozen=True)
+class ServiceOption:
+    """A router or worker flag ``kvmesh up`` takes and hands on: to the router, to every worker,
+    to both, or (``env``) to every service as the environment variable it reads."""
+
+    flag: str
+    to: Literal["router", "workers", "both", "env"]
+    help: str
+    kwargs: dict[str, Any] = field(default_factory=dict)
+    env: str = ""
+    path: bool = False  # a file or directory: made absolute, since the services run elsewhere
+
+    @property
+    def dest(self) -> str:
+        return self.flag.removeprefix("--").replace("-", "_")
+
+
+def _file_or_setting(*settings: str) -> Any:
+    return lambda value: value if value in settings else str(Path(value).expanduser().resolve())
+
+
+SERVICE_OPTIONS = (
+    ServiceOption("--served-model-name", "both", "the model's name in the API and in the KV block hashes (default: the model's)"),
+    ServiceOption("--rate-limits", "router", 'JSON or YAML file of per-key limits: {"keys": {name: {...}}, "default": {...}}', path=True),
+    ServiceOption("--rate-limit-store", "router", "where token budgets are counted (default: local)", {"choices": ["local", "nats"]}),
+    ServiceOption("--auth-metrics", "router", "/metrics needs an API key too", {"action": "store_true"}),
+    ServiceOption("--auth-docs", "router", "/docs and /openapi.json need an API key too", {"action": "store_true"}),
+    ServiceOption("--cors-allow-origins", "router", "comma-separated origins (or *) whose pages may call the API (default: none, CORS off)"),
+    ServiceOption(
+        "--generation-config", "router",
+        "sampling defaults: auto (the model's generation_config.json), vllm (none) or a directory (default: auto)",
+        {"type": _file_or_setting("auto", "vllm")},
+    ),  # fmt: skip
+    ServiceOption("--max-attempts", "router", "tries per request (default: 3)", {"type": int}),
+    ServiceOption("--max-body-bytes", "router", "larger request bodies get a 413 (default: 4 MiB)", {"type": int}),
+    ServiceOption("--body-timeout", "router", "seconds a request body may take (default: 10)", {"type": float}),
+    ServiceOption("--max-header-bytes", "router", "a larger request head gets a 431 (default: 32 KiB)", {"type": int}),
+    ServiceOption("--header-timeout", "router", "seconds a request head may take (default: 10)", {"type": float}),
+    ServiceOption("--device", "workers", "cpu, cuda or npu (default: cpu)"),
+    ServiceOption("--max-model-len", "workers", "vllm: the longest sequence, prompt and output (default: the model's)", {"type": int}),
+    ServiceOption("--max-num-seqs", "workers", "requests a worker batches at most (default: 64)", {"type": int}),
+    ServiceOption("--max-num-batched-tokens", "workers", "tokens in one engine step at most (default: 1024)", {"type": int}),
+    ServiceOption("--engine-args", "workers", 'vllm: more EngineArgs as a JSON object, e.g. \'{"enforce_eager": false}\'', {"metavar": "JSON"}),
+    ServiceOption("--drain-timeout", "workers", "seconds a stopping worker finishes its work in (default: 60)", {"type": float}),
+    ServiceOption("--load-interval", "workers", "seconds between a worker's load reports (default: 0.5)", {"type": float}),
+    ServiceOption("--request-deadline", "env", "seconds a whole request may take, retries included (default: 1800)", {"type": float}, env="KVMESH_REQUEST_DEADLINE"),
+    ServiceOption("--silence-timeout", "env", "a worker silent this long about a request is given up on (default: 5)", {"type": float}, env="KVMESH_SILENCE_TIMEOUT"),
+    ServiceOption("--heartbeat-interval", "env", "seconds between a worker's progress messages (default: 0.5)", {"type": float}, env="KVMESH_HEARTBEAT_INTERVAL"),
+)
+
+
+def add_service_args(parser: argparse.ArgumentParser) -> None:
+    """The router's and the workers' options, each left to the service when not given."""
+    groups = {
+        "router": parser.add_argument_group("the router's options (forwarded to it)"),
+        "workers": parser.add_argument_group("the workers' options (forwarded to every worker)"),
+    }
+    groups["both"] = groups["router"]
+    groups["env"] = parser.add_argument_group("every service's options")
+    for option in SERVICE_OPTIONS:
+        kwargs = dict(option.kwargs)
+        if option.path:
+            kwargs["type"] = _file_or_setting()
+        groups[option.to].add_argument(option.flag, help=option.help, **kwargs)
+
+
+def service_args(args: argparse.Namespace) -> tuple[list[str], list[str], dict[str, str]]:
+    """The router's flags, every worker's and the services' environment, for what was given."""
+    router: list[str] = []
+    workers: list[str] = []
+    env: dict[str, str] = {}
+    for option in SERVICE_OPTIONS:
+        value = getattr(args, option.dest)
+        if value is None or value is False:
+            continue
+        if option.to == "env":
+            env[option.env] = str(value)
+            continue
+        argv = [option.flag] if value is True else [option.flag, str(value)]
+        if option.to in ("router", "both"):
+            router += argv
+        if option.to in ("workers", "both"):
+            workers += argv
+    return router, workers, env
 
 
 # -- checks, all before anything starts ---------------------------------------------------
@@ -89,6 +181,35 @@ def check_api_key_file(path: str | None) -> None:
         raise UpUsageError(f"--api-key-file: {exc}") from None
 
 
+def check_service_args(args: argparse.Namespace) -> None:
+    """What the services would refuse at start, refused now."""
+    if args.rate_limits is not None:
+        from kvmesh.services.router.rate_limits import RateLimitConfigError, load_rate_limits
+
+        try:
+            load_rate_limits(args.rate_limits)
+        except RateLimitConfigError as exc:
+            raise UpUsageError(f"--rate-limits: {exc}") from None
+    if args.routing_config is not None:
+        from kvmesh.routing.scorer import load_scorer_config
+
+        try:
+            load_scorer_config(args.routing_config)
+        except (OSError, ValueError) as exc:
+            raise UpUsageError(f"--routing-config: {exc}") from None
+    if (args.auth_metrics or args.auth_docs) and not (args.api_key_file or os.environ.get("KVMESH_API_KEY")):
+        raise UpUsageError("--auth-metrics / --auth-docs need API keys: give --api-key-file or KVMESH_API_KEY")
+    if args.generation_config not in (None, "auto", "vllm") and not Path(args.generation_config).is_dir():
+        raise UpUsageError(f"--generation-config {args.generation_config}: not auto, vllm or a directory")
+    if args.engine_args is not None:
+        try:
+            engine_args = json.loads(args.engine_args)
+        except ValueError as exc:
+            raise UpUsageError(f"--engine-args: not JSON ({exc})") from None
+        if not isinstance(engine_args, dict):
+            raise UpUsageError("--engine-args: must be a JSON object of EngineArgs fields")
+
+
 def check_engine(engine: str) -> None:
     """The workers can host ``engine``: here, or (vLLM) with the Python of .venv-vllm."""
     from kvmesh.worker.engines import worker_python
@@ -106,6 +227,7 @@ def check_args(args: argparse.Namespace) -> Path:
     check_port(args.host, args.port)
     workdir = check_workdir(args.workdir)
     check_api_key_file(args.api_key_file)
+    check_service_args(args)
     from kvmesh.infra.servers import find_binary, find_etcd
 
     find_binary("nats-server")  # missing binaries fail now, not after the model loaded
@@ -118,6 +240,8 @@ def run_up(args: argparse.Namespace) -> int:
     workdir = check_args(args)
     from kvmesh.infra.local_mesh import LocalMesh, MeshOptions
 
+    router_args, worker_args, env = service_args(args)
+
     mesh = LocalMesh(
         MeshOptions(
             prefill=args.prefill,
@@ -128,6 +252,16 @@ def run_up(args: argparse.Namespace) -> int:
             engine=args.engine,
             dtype=args.dtype,
             kv_cache_mib=args.kv_cache_mib,
+            block_size=args.block_size,
+            num_threads=args.num_threads,
+            prefix_caching=not args.no_prefix_caching,
+            routing_config=str(Path(args.routing_config).expanduser().resolve()) if args.routing_config else None,
+            lease_ttl=args.lease_ttl,
+            pin_ttl=args.pin_ttl,
+            request_timeout=args.request_timeout,
+            router_args=router_args,
+            worker_args=worker_args,
+            env=env,
             api_key_file=str(Path(args.api_key_file).expanduser().resolve()) if args.api_key_file else None,
             tls=args.tls,
             supervise=True,

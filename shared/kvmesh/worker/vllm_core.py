@@ -194,15 +194,18 @@ class VllmCore:
         them. vLLM's presence and frequency penalties see only the tokens it generates."""
         if p.logprobs is not None or p.prompt_logprobs is not None:  # never silently dropped
             raise UnsupportedByVllm("logprobs (and echo with logprobs) are not supported by vLLM workers yet")
+        if p.guided is not None:  # never dropped: the client asked for output that matches it
+            raise ValueError("structured output (response_format, guided_*, tool_choice required or a named function) is not supported on --engine vllm workers yet")
         from vllm import SamplingParams as VllmSamplingParams  # type: ignore[import-not-found]
 
         generated += p.prior_output_tokens
+        limit = max_tokens or p.max_tokens
         return VllmSamplingParams(
             temperature=p.temperature, top_p=p.top_p, top_k=p.top_k if p.top_k > 0 else 0, seed=p.seed,
-            max_tokens=max_tokens or p.max_tokens, stop=list(p.stop), stop_token_ids=list(p.stop_token_ids),
+            max_tokens=limit, stop=list(p.stop), stop_token_ids=list(p.stop_token_ids),
             ignore_eos=p.ignore_eos, presence_penalty=p.presence_penalty, frequency_penalty=p.frequency_penalty,
             repetition_penalty=p.repetition_penalty, logit_bias=dict(p.logit_bias) or None, min_p=p.min_p,
-            min_tokens=max(0, p.min_tokens - generated), output_kind=self._delta,
+            min_tokens=min(limit, max(0, p.min_tokens - generated)), output_kind=self._delta,  # vLLM refuses min > max
             extra_args={"kv_transfer_params": transfer} if transfer else None,
         )  # fmt: skip
 
