@@ -466,3 +466,19 @@ async def test_n_times_prompts_is_bounded(lp_client: httpx.AsyncClient, lp_fake:
     assert lp_fake.calls == []
     assert (await lp_client.post(COMPLETIONS, json={**payload, "n": 42})).status_code == 200
     assert len(lp_fake.calls) == 126
+
+
+async def test_logprobs_with_tools_streamed_and_not(lp_client: httpx.AsyncClient, lp_fake: LogprobBackend) -> None:
+    """With tools the text may be held back to be parsed; its tokens' logprobs still come, once each."""
+    tool = {"type": "function", "function": {"name": "f", "parameters": {"type": "object", "properties": {}}}}
+    lp_fake.max_model_len = 4096  # the tools' system prompt
+    for tool_choice in ("auto", "none"):
+        payload = {"model": MODEL, "messages": [{"role": "user", "content": "Hi"}], "logprobs": True, "top_logprobs": 1,
+                   "tools": [tool], "tool_choice": tool_choice, "max_tokens": 2}  # fmt: skip
+        body = (await lp_client.post(CHAT, json=payload)).json()
+        assert "choices" in body, body
+        tokens = [e["token"] for e in body["choices"][0]["logprobs"]["content"]]
+        assert tokens == [_text(lp_fake.tokenizer, 7), _text(lp_fake.tokenizer, 8)]
+        _, events = await sse(lp_client, CHAT, {**payload, "stream": True})
+        streamed = [e["token"] for c in events[:-1] if (lp := c["choices"][0]["logprobs"]) for e in lp["content"]]
+        assert streamed == tokens
