@@ -15,7 +15,7 @@ from nats.aio.msg import Msg
 from pydantic import ValidationError
 
 from kvmesh.errors import ErrorCode, MeshError
-from kvmesh.protocol import QUEUE_GROUP, DecodeAck, DecodeRequest, ErrorInfo, ReleaseReply, ReleaseRequest, Stage, TokenEvent
+from kvmesh.protocol import QUEUE_GROUP, DecodeAck, DecodeRequest, ErrorInfo, LogprobSpec, ReleaseReply, ReleaseRequest, Stage, TokenEvent
 from kvmesh.services.decode_worker.handle_check import check_handle, producer_layout
 from kvmesh.telemetry import extract_context, inject_headers, record_queue_wait, setup_logging
 from kvmesh.transfer.mooncake_agent import TransferError
@@ -118,6 +118,8 @@ class DecodeWorker:
                                 finish_reason=out.finish_reason.value if out.finish_reason else None,
                                 num_prompt_tokens=out.num_prompt_tokens,
                                 num_cached_tokens=cached if cached is not None else out.num_cached_tokens,
+                                logprobs=LogprobSpec.many(out.logprobs),
+                                prompt_logprobs=LogprobSpec.many(out.prompt_logprobs),
                             )
                         )
                         seq += 1

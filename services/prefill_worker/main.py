@@ -29,7 +29,7 @@ from kvmesh.protocol import (
     Subjects,
 )
 from kvmesh.hashing import hash_from_hex
-from kvmesh.protocol import KVLendReply, KVLendRequest
+from kvmesh.protocol import KVLendReply, KVLendRequest, LogprobSpec
 from kvmesh.services.prefill_worker.peer_prefix import CostModel, borrow_handle, borrow_prefix
 from kvmesh.services.prefill_worker.pins import PinTable
 from kvmesh.telemetry import extract_context, record_queue_wait, setup_logging
@@ -160,6 +160,8 @@ class PrefillWorker:
                 first_token_id=out.new_token_ids[0],
                 num_cached_tokens=out.num_cached_tokens,
                 kv=handle,
+                first_logprob=(LogprobSpec.many(out.logprobs) or [None])[0],
+                prompt_logprobs=LogprobSpec.many(out.prompt_logprobs),
             )
             try:
                 await msg.respond(response.encode())

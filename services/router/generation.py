@@ -14,14 +14,25 @@ import functools
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import dataclass
-from typing import TypeVar
+from typing import Any, TypeVar
 
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 
-from kvmesh.protocol import TokenEvent
+from kvmesh.protocol import SamplingSpec, TokenEvent
 from kvmesh.services.router.auth import key_name
 from kvmesh.services.router.backend import GenerationBackend
+from kvmesh.services.router.choices import (
+    ChoiceLogprobs,
+    PromptEcho,
+    TokenText,
+    after_leader,
+    check_choices,
+    check_prompt_logprobs,
+    choice_sampling,
+    leading,
+    merge_logprobs,
+)
 from kvmesh.services.router.metrics import RequestTracker, RouterMetrics
 from kvmesh.services.router.openai_api import (
     APIError,
@@ -56,10 +67,17 @@ T = TypeVar("T")
 
 @dataclass(slots=True)
 class _Choice:
-    """One prompt's request in the mesh."""
+    """One choice's request in the mesh."""
 
     events: AsyncIterator[TokenEvent]
     tracker: RequestTracker
+    logprobs: ChoiceLogprobs | None = None
+    echo: PromptEcho | None = None
+    counts_prompt: bool = True  # the first choice of its prompt (``n``: usage counts a prompt once)
+
+    def usage(self) -> Usage:
+        usage = self.tracker.usage()
+        return usage if self.counts_prompt else usage.completion_only()
 
 
 def _failed(tracker: RequestTracker, exc: BaseException) -> APIError | None:
@@ -113,16 +131,36 @@ class Generation:
         ]
         check_min_tokens(body.min_tokens, budgets)
         check_logit_bias(body.logit_bias, self.backend.tokenizer.vocab_size)
+        check_prompt_logprobs(body.num_prompt_logprobs, prompts)
+        check_choices(body.num_choices, len(prompts))
         request_id = uuid.uuid4().hex
         fmt_cls = CompletionFormat if endpoint == COMPLETIONS else ChatFormat
         fmt = fmt_cls(request_id, self.backend.model_name, include_usage=body.include_usage)
         if isinstance(fmt, ChatFormat) and isinstance(body, ChatCompletionRequest):
             fmt.tools = body.tool_set  # answers parsed for tool calls (``tools``)
         choices: list[_Choice] = []
+        n = body.num_choices
+        token_text = TokenText(self.backend.tokenizer) if body.num_logprobs is not None else None
         try:
             for i, (ids, max_tokens) in enumerate(zip(prompts, budgets)):
-                choice_id = request_id if len(prompts) == 1 else f"{request_id}-{i}"
-                choices.append(await self._start(request, endpoint, body, choice_id, ids, max_tokens))
+                spec = body.sampling_spec(max_tokens)
+                echo = self._echo(body, i, ids)
+                session = request.headers.get(SESSION_HEADER) or (f"n-{request_id}-{i}" if n > 1 else None)
+                started = asyncio.Event()  # the prompt's first choice has its first token: its prompt is cached
+                for j in range(n):
+                    k = i * n + j
+                    choice_id = request_id if len(prompts) * n == 1 else f"{request_id}-{k}"
+                    sampling = choice_sampling(spec, j)
+                    if j:
+                        sampling = sampling.model_copy(update={"prompt_logprobs": None})  # the first's serve them all
+                    choice = await self._start(request, endpoint, choice_id, ids, sampling, session, body, charge_prompt=j == 0)
+                    if n > 1:
+                        choice.events = leading(choice.events, started) if j == 0 else after_leader(choice.events, started)
+                    choice.counts_prompt = j == 0
+                    choice.echo = echo
+                    if token_text is not None:
+                        choice.logprobs = ChoiceLogprobs(token_text, chat=endpoint == CHAT_COMPLETIONS, top=body.num_logprobs or 0)
+                    choices.append(choice)
         except BaseException as exc:
             await self._abandon(choices, exc)
             if not isinstance(exc, Exception):
@@ -132,30 +170,39 @@ class Generation:
             return await self._stream(request, choices, fmt)
         return await self._complete(request, choices, fmt)
 
+    def _echo(self, body: CompletionRequest | ChatCompletionRequest, index: int, ids: list[int]) -> PromptEcho | None:
+        """Completions' ``echo``: prompt ``index``'s text, and whether its logprobs are wanted."""
+        if not isinstance(body, CompletionRequest) or not body.echo:
+            return None
+        prompt = body.prompts[index]
+        text = prompt if isinstance(prompt, str) else self.backend.tokenizer.decode(ids, skip_special_tokens=False)
+        return PromptEcho(text, list(ids), wants_logprobs=body.num_prompt_logprobs is not None)
+
     async def _start(
         self,
         request: Request,
         endpoint: str,
-        body: CompletionRequest | ChatCompletionRequest,
         request_id: str,
         prompt_ids: list[int],
-        max_tokens: int,
+        sampling: SamplingSpec,
+        session_id: str | None,
+        body: CompletionRequest | ChatCompletionRequest,
+        *,
+        charge_prompt: bool = True,
     ) -> _Choice:
+        """``charge_prompt``: False for a prompt's choices after its first (``n``), whose
+        prompt is charged to the key's input tokens once, as usage counts it."""
         key = key_name(request.scope)
-        admission = await self.limiter.admit(key, len(prompt_ids)) if self.limiter is not None else None
+        prompt_tokens = len(prompt_ids) if charge_prompt else 0
+        admission = await self.limiter.admit(key, prompt_tokens) if self.limiter is not None else None
         try:
-            events = self.backend.generate(
-                request_id,
-                prompt_ids,
-                body.sampling_spec(max_tokens),
-                session_id=request.headers.get(SESSION_HEADER),
-            )
+            events = self.backend.generate(request_id, prompt_ids, sampling, session_id=session_id)
         except BaseException:
             if admission is not None:
                 admission.release()
             raise
         tracker = RequestTracker(
-            self.metrics, endpoint, request_id, len(prompt_ids), key=key, admission=admission, request=body, max_tokens=max_tokens
+            self.metrics, endpoint, request_id, len(prompt_ids), key=key, admission=admission, request=body, max_tokens=sampling.max_tokens
         )
         return _Choice(events, tracker)
 
@@ -167,7 +214,7 @@ class Generation:
             _failed(choice.tracker, exc)
 
     async def _complete(self, request: Request, choices: list[_Choice], fmt: CompletionFormat | ChatFormat) -> Response:
-        collect = [functools.partial(self._collect, c.events, c.tracker) for c in choices]
+        collect = [functools.partial(self._collect, c) for c in choices]
         try:
             texts = await unless_disconnected(request, _all_or_none(collect), self.shutdown)
         except BaseException as exc:
@@ -180,20 +227,36 @@ class Generation:
         for choice in choices:
             choice.tracker.finish(200)
         self.metrics.count(choices[0].tracker.endpoint, 200)
-        usage = Usage.total([choice.tracker.usage() for choice in choices])
-        results = [(text, choice.tracker.finish_reason) for text, choice in zip(texts, choices)]
-        return JSONResponse(fmt.response_choices(results, usage))
+        usage = Usage.total([choice.usage() for choice in choices])
+        results = []
+        logprobs: list[dict[str, Any] | None] = []
+        for (text, fragments), choice in zip(texts, choices):
+            echo = choice.echo
+            results.append(((echo.text if echo else "") + text, choice.tracker.finish_reason))
+            if choice.logprobs is not None:
+                prompt_part = echo.fragment(_fresh(choice.logprobs)) if echo else None
+                if prompt_part is not None:  # offsets from the start of the prompt's text
+                    fragments = _reoffset(prompt_part, fragments)
+                logprobs.append(merge_logprobs(fragments) or choice.logprobs.fragment([], []))
+        return JSONResponse(fmt.response_choices(results, usage, logprobs or None))
 
     @staticmethod
-    async def _collect(events: AsyncIterator[TokenEvent], tracker: RequestTracker) -> str:
+    async def _collect(choice: _Choice) -> tuple[str, list[dict[str, Any]]]:
+        """A choice's text and its logprobs' fragments, event by event."""
+        events, tracker = choice.events, choice.tracker
         texts: list[str] = []
+        fragments: list[dict[str, Any]] = []
         try:
             while True:
                 event = check_event(await anext(events, None))
                 tracker.on_event(event)
+                if choice.echo is not None:
+                    choice.echo.take(event)
                 texts.append(event.text)
+                if choice.logprobs is not None and event.token_ids:
+                    fragments.append(choice.logprobs.fragment(event.token_ids, event.logprobs))
                 if event.finished:
-                    return "".join(texts)
+                    return "".join(texts), fragments
         finally:
             await aclose(events)
 
@@ -213,5 +276,22 @@ class Generation:
             if error is None:
                 raise
             raise error from exc
-        streamed = [StreamedChoice(c.events, event, c.tracker) for c, event in zip(choices, firsts)]
+        for choice, event in zip(choices, firsts):
+            if choice.echo is not None:
+                choice.echo.take(event)
+        streamed = [
+            StreamedChoice(c.events, event, c.tracker, c.logprobs, c.echo, c.counts_prompt) for c, event in zip(choices, firsts)
+        ]
         return EventStreamResponse(EventStream(streamed, fmt, self.shutdown))
+
+
+def _fresh(logprobs: ChoiceLogprobs) -> ChoiceLogprobs:
+    """A formatter like ``logprobs`` whose offsets start at the text's beginning."""
+    return ChoiceLogprobs(logprobs.text, chat=logprobs.chat, top=logprobs.top)
+
+
+def _reoffset(prompt_part: dict[str, Any], fragments: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The prompt's fragment, then the completion's with their text offsets moved past it."""
+    shift = sum(len(token) for token in prompt_part.get("tokens", []))
+    moved = [{**f, "text_offset": [o + shift for o in f["text_offset"]]} if "text_offset" in f else f for f in fragments]
+    return [prompt_part, *moved]

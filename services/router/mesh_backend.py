@@ -221,7 +221,11 @@ class MeshBackend:
                         async for tokens in events:
                             if attempt_number == 0 and tokens.num_cached_tokens:
                                 progress.num_cached_tokens = tokens.num_cached_tokens
-                            event = progress.add(tokens.token_ids, tokens.finish_reason if tokens.finished else None)
+                            if tokens.prompt_logprobs is not None and progress.prompt_logprobs is None:
+                                progress.prompt_logprobs = tokens.prompt_logprobs
+                            event = progress.add(
+                                tokens.token_ids, tokens.finish_reason if tokens.finished else None, tokens.logprobs
+                            )
                             if event is not None:
                                 yield event
                             if progress.finished:
@@ -269,6 +273,8 @@ class MeshBackend:
         decode = await self._decode_worker(excluded, deadline)
         routed = await self._choose_prefill(attempt_id, prompt, excluded, session_id, span, decode.worker)
         prefill, peer = routed if routed is not None else (None, None)
+        if sampling.prompt_logprobs is not None:
+            peer = None  # it computes every prompt position anyway (``kvmesh.engine.logprobs``)
         self.on_route(route_reason(prefill, peer))
         span.set_attribute("kvmesh.decode_worker", decode.worker.worker_id)
         span.set_attribute("kvmesh.decode_choice", decode.reason)
@@ -306,6 +312,8 @@ class MeshBackend:
                     seq=-1,
                     token_ids=[response.first_token_id],
                     num_cached_tokens=response.num_cached_tokens,
+                    logprobs=[response.first_logprob] if sampling.logprobs is not None else None,
+                    prompt_logprobs=response.prompt_logprobs,
                 )
             attempt.stage = "decode"
             attempt.heard()
@@ -313,7 +321,8 @@ class MeshBackend:
             async for event in events_in_order(attempt, self.mesh):
                 finished = event.finished
                 if first_sent and event.token_ids:  # the decode side starts with the prefill's token
-                    event = event.model_copy(update={"token_ids": event.token_ids[1:]})
+                    logprobs = event.logprobs[1:] if event.logprobs is not None else None
+                    event = event.model_copy(update={"token_ids": event.token_ids[1:], "logprobs": logprobs})
                     first_sent = False
                 yield event
         finally:

@@ -25,7 +25,7 @@ from pydantic import (
     model_validator,
 )
 
-from kvmesh.engine.request import PENALTY_RANGE
+from kvmesh.engine.request import MAX_LOGPROBS, PENALTY_RANGE
 from kvmesh.engine.structured import GuidedDecoding
 from kvmesh.protocol import GuidedSpec, SamplingSpec
 from kvmesh.services.router.openai_fields import (
@@ -37,7 +37,6 @@ from kvmesh.services.router.openai_fields import (
     Text,
     _is_off,
     _is_one,
-    _is_zero,
     _only_off,
     _parse_content,
     _parse_logit_bias,
@@ -88,6 +87,7 @@ __all__ = [
 ]
 
 MAX_STOP_TOKEN_IDS = 64
+MAX_N = 128  # OpenAI's limit on choices per prompt
 MAX_MESSAGES = 2048  # OpenAI's limit
 MAX_TOKEN_ID = 2**31 - 1
 SEED_RANGE = (-(2**63), 2**64 - 1)  # what torch.Generator.manual_seed takes
@@ -178,8 +178,7 @@ class _GenerationRequest(BaseModel):
     ] = None
     # accepted only at their "off" values
     store: Annotated[Any, _only_off(_is_off, "store is not supported (completions are not stored)", False)] = None
-    n: Annotated[Any, _only_off(_is_one, "only n=1 is supported (one choice per request)", 1)] = 1
-    logprobs: Annotated[Any, _only_off(_is_off, "logprobs are not supported", False)] = None
+    n: int | None = Field(default=None, ge=1, le=MAX_N)  # choices per prompt (``choices``)
 
     max_tokens: int | None = Field(default=None, ge=1)
     # structured output (``structured_fields``): OpenAI's, and vLLM's spellings; at most one
@@ -244,8 +243,24 @@ class _GenerationRequest(BaseModel):
             logit_bias=self.logit_bias or {},
             min_p=self.min_p or 0.0,
             min_tokens=self.min_tokens or 0,
+            logprobs=self.num_logprobs,
+            prompt_logprobs=self.num_prompt_logprobs,
             guided=None if self.guided is None else GuidedSpec(kind=self.guided.kind, value=self.guided.value),
         )
+
+    @property
+    def num_choices(self) -> int:
+        """Choices per prompt."""
+        return self.n or 1
+
+    @property
+    def num_logprobs(self) -> int | None:
+        """Top logprobs per generated token; None: no logprobs (the subclasses say)."""
+        return None
+
+    @property
+    def num_prompt_logprobs(self) -> int | None:
+        return None
 
 
 class CompletionRequest(_GenerationRequest):
@@ -254,7 +269,16 @@ class CompletionRequest(_GenerationRequest):
     ]
     max_tokens: int | None = Field(default=16, ge=1)
     best_of: Annotated[Any, _only_off(_is_one, "best_of > 1 is not supported", 1)] = None
-    echo: Annotated[Any, _only_off(_is_off, "echo is not supported", False)] = None
+    logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)  # the sampled token's and the top k
+    echo: bool | None = False  # the prompt before the completion (with logprobs: the prompt's too)
+
+    @property
+    def num_logprobs(self) -> int | None:
+        return self.logprobs
+
+    @property
+    def num_prompt_logprobs(self) -> int | None:
+        return self.logprobs if self.echo else None
     suffix: Annotated[Any, _only_off(lambda v: v is None or v == "", "suffix is not supported", "")] = None
 
     @property
@@ -320,7 +344,20 @@ class ChatCompletionRequest(_GenerationRequest):
     messages: list[ChatMessage] = Field(min_length=1, max_length=MAX_MESSAGES)
     max_tokens: int | None = Field(default=None, ge=1)
     max_completion_tokens: int | None = Field(default=None, ge=1)
-    top_logprobs: Annotated[Any, _only_off(_is_zero, "top_logprobs are not supported", 0)] = None
+    logprobs: bool | None = False
+    top_logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
+
+    @field_validator("top_logprobs")
+    @classmethod
+    def _needs_logprobs(cls, value: int | None, info: ValidationInfo) -> int | None:
+        if value and not info.data.get("logprobs"):
+            raise ValueError("top_logprobs requires logprobs to be true")
+        return value
+
+    @property
+    def num_logprobs(self) -> int | None:
+        return (self.top_logprobs or 0) if self.logprobs else None
+
     # tool calling (``tools``)
     tools: Annotated[tuple[Tool, ...] | None, BeforeValidator(parse_tools), WithJsonSchema(TOOLS_SCHEMA)] = None
     tool_choice: Annotated[str | None, BeforeValidator(parse_tool_choice), WithJsonSchema(TOOL_CHOICE_SCHEMA)] = None
@@ -369,6 +406,10 @@ class Usage:
             sum(u.cached_tokens for u in usages),
         )
 
+    def completion_only(self) -> Usage:
+        """This choice's share when another choice of its prompt counts the prompt (``n``)."""
+        return Usage(0, self.completion_tokens, 0)
+
     def to_dict(self) -> dict[str, Any]:
         return {
             "prompt_tokens": self.prompt_tokens,
@@ -407,12 +448,14 @@ class _Format(ABC):
             chunk["usage"] = None
         return chunk
 
-    def opening_chunks(self) -> list[dict[str, Any]]:
+    def opening_chunks(self, num_choices: int = 1) -> list[dict[str, Any]]:
         return []
 
     @abstractmethod
-    def response_choices(self, results: list[tuple[str, str | None]], usage: Usage) -> dict[str, Any]:
-        """The whole answer, one choice per (text, finish reason)."""
+    def response_choices(
+        self, results: list[tuple[str, str | None]], usage: Usage, logprobs: list[dict[str, Any] | None] | None = None
+    ) -> dict[str, Any]:
+        """The whole answer, one choice per (text, finish reason), and its logprobs object."""
 
     def response(self, text: str, finish_reason: str | None, usage: Usage) -> dict[str, Any]:
         """A one-choice answer."""
@@ -435,17 +478,19 @@ class CompletionFormat(_Format):
     id_prefix = "cmpl-"
     chunk_object = "text_completion"
 
-    def response_choices(self, results: list[tuple[str, str | None]], usage: Usage) -> dict[str, Any]:
-        """One choice per prompt: (text, finish reason), in prompt order."""
+    def response_choices(
+        self, results: list[tuple[str, str | None]], usage: Usage, logprobs: list[dict[str, Any] | None] | None = None
+    ) -> dict[str, Any]:
+        """One choice per prompt (``n`` each): (text, finish reason), in prompt order."""
         choices = [
-            {"index": i, "text": text, "logprobs": None, "finish_reason": reason}
+            {"index": i, "text": text, "logprobs": logprobs[i] if logprobs else None, "finish_reason": reason}
             for i, (text, reason) in enumerate(results)
         ]
         return {**self._envelope("text_completion", choices), "usage": usage.to_dict()}
 
-    def content_chunk(self, text: str, index: int = 0) -> dict[str, Any]:
+    def content_chunk(self, text: str, index: int = 0, logprobs: dict[str, Any] | None = None) -> dict[str, Any]:
         return self._chunk(
-            self.chunk_object, {"index": index, "text": text, "logprobs": None, "finish_reason": None}
+            self.chunk_object, {"index": index, "text": text, "logprobs": logprobs, "finish_reason": None}
         )
 
     def final_chunk(self, finish_reason: str | None, index: int = 0) -> dict[str, Any]:
@@ -467,14 +512,17 @@ class ChatFormat(_Format):
         self._held_text: dict[int, list[str]] = {}  # per choice: the text held back to parse
         self._sent_chars: dict[int, int] = {}  # per choice, with tool_choice auto: of it, the characters sent as content
 
-    def response_choices(self, results: list[tuple[str, str | None]], usage: Usage) -> dict[str, Any]:
+    def response_choices(
+        self, results: list[tuple[str, str | None]], usage: Usage, logprobs: list[dict[str, Any] | None] | None = None
+    ) -> dict[str, Any]:
         choices = []
         for i, (text, reason) in enumerate(results):
             message: dict[str, Any] = {"role": "assistant", "content": text}
             if self._parses_tools:
                 assert self.tools is not None
                 message, reason = self._tool_set(i).message(text, reason)
-            choices.append({"index": i, "message": message, "logprobs": None, "finish_reason": reason})
+            choice_logprobs = logprobs[i] if logprobs else None
+            choices.append({"index": i, "message": message, "logprobs": choice_logprobs, "finish_reason": reason})
         return {**self._envelope("chat.completion", choices), "usage": usage.to_dict()}
 
     @property
@@ -491,15 +539,25 @@ class ChatFormat(_Format):
     def _held(self, index: int) -> list[str]:
         return self._held_text.setdefault(index, [])
 
-    def opening_chunks(self) -> list[dict[str, Any]]:
-        return [self._delta({"role": "assistant", "content": ""}, None)]
+    def opening_chunks(self, num_choices: int = 1) -> list[dict[str, Any]]:
+        return [self._delta({"role": "assistant", "content": ""}, None, index) for index in range(num_choices)]
 
-    def content_chunk(self, text: str, index: int = 0) -> dict[str, Any] | None:
-        """A content delta; with tool calls, a named function's argument fragment, or None
-        while the answer is held back to be parsed when it ends (``required``; with ``auto``,
-        from where a ``<tool_call>`` may begin)."""
+    def content_chunk(self, text: str, index: int = 0, logprobs: dict[str, Any] | None = None) -> dict[str, Any] | None:
+        """A content delta (with its tokens' ``logprobs``, when asked for); with tool calls, a
+        named function's argument fragment, or None while the answer is held back to be parsed
+        when it ends (``required``; with ``auto``, from where a ``<tool_call>`` may begin); the
+        logprobs then come in a delta of their own."""
         if not self._parses_tools:
-            return self._delta({"content": text}, None, index)
+            return self._delta({"content": text}, None, index, logprobs)
+        chunk = self._tool_content_chunk(text, index) if text else None
+        if logprobs is None:
+            return chunk
+        if chunk is None:
+            return self._delta({}, None, index, logprobs)
+        chunk["choices"][0]["logprobs"] = logprobs
+        return chunk
+
+    def _tool_content_chunk(self, text: str, index: int) -> dict[str, Any] | None:
         tools = self._tool_set(index)
         held = self._held(index)
         held.append(text)
@@ -542,9 +600,11 @@ class ChatFormat(_Format):
     def final_chunk(self, finish_reason: str | None, index: int = 0) -> dict[str, Any]:
         return self._delta({}, finish_reason, index)
 
-    def _delta(self, delta: dict[str, Any], finish_reason: str | None, index: int = 0) -> dict[str, Any]:
+    def _delta(
+        self, delta: dict[str, Any], finish_reason: str | None, index: int = 0, logprobs: dict[str, Any] | None = None
+    ) -> dict[str, Any]:
         return self._chunk(
-            self.chunk_object, {"index": index, "delta": delta, "logprobs": None, "finish_reason": finish_reason}
+            self.chunk_object, {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}
         )
 
 

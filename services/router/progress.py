@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from kvmesh.engine.detokenizer import OutputText
 from kvmesh.engine.tokenizer import Tokenizer
-from kvmesh.protocol import SamplingSpec, TokenEvent
+from kvmesh.protocol import LogprobSpec, SamplingSpec, TokenEvent
 
 
 class RequestProgress:
@@ -30,6 +30,8 @@ class RequestProgress:
         self.finish_reason: str | None = None
         self._text = OutputText(tokenizer, tuple(sampling.stop), sampling.min_tokens)
         self._seq = 0
+        self.prompt_logprobs: list[LogprobSpec | None] | None = None  # until the first event takes them
+        self.prompt_logprobs_sent = False
 
     @property
     def finished(self) -> bool:
@@ -42,12 +44,19 @@ class RequestProgress:
     def attempt_sampling(self) -> SamplingSpec:
         """The sampling of the next attempt, whose prompt ends with the tokens already sent:
         the rest of the budget, and those tokens counted as generated (penalties, min_tokens)."""
-        return self.sampling.model_copy(
-            update={"max_tokens": self.remaining_tokens, "prior_output_tokens": len(self.emitted)}
-        )
+        update: dict = {"max_tokens": self.remaining_tokens, "prior_output_tokens": len(self.emitted)}
+        if self.emitted or self.prompt_logprobs_sent:  # the prompt's logprobs are sent once, with the first event
+            update["prompt_logprobs"] = None
+        return self.sampling.model_copy(update=update)
 
-    def add(self, token_ids: list[int], worker_finish_reason: str | None = None) -> TokenEvent | None:
-        """Take new tokens; returns the event for the client (None if nothing to say)."""
+    def add(
+        self,
+        token_ids: list[int],
+        worker_finish_reason: str | None = None,
+        logprobs: list[LogprobSpec | None] | None = None,
+    ) -> TokenEvent | None:
+        """Take new tokens (and their logprobs, one each, when asked for); returns the event
+        for the client (None if nothing to say)."""
         if self.finished:
             return None
         accepted: list[int] = []
@@ -73,6 +82,15 @@ class RequestProgress:
             finish_reason=self.finish_reason,
             num_prompt_tokens=self.num_prompt_tokens,
             num_cached_tokens=self.num_cached_tokens,
+            logprobs=self._logprobs(accepted, logprobs),
+            prompt_logprobs=None if self.prompt_logprobs_sent else self.prompt_logprobs,
         )
+        self.prompt_logprobs_sent = self.prompt_logprobs_sent or self.prompt_logprobs is not None
         self._seq += 1
         return event
+
+    def _logprobs(self, accepted: list[int], logprobs: list[LogprobSpec | None] | None) -> list[LogprobSpec | None] | None:
+        if self.sampling.logprobs is None:
+            return None
+        given = list(logprobs or [])[: len(accepted)]
+        return given + [None] * (len(accepted) - len(given))  # a worker that sent none (never kvmesh's)

@@ -21,6 +21,7 @@ from starlette.types import Receive, Scope, Send
 
 from kvmesh.errors import ERROR_KINDS, ErrorCode, MeshError
 from kvmesh.protocol import TokenEvent
+from kvmesh.services.router.choices import ChoiceLogprobs, PromptEcho
 from kvmesh.services.router.metrics import RequestTracker
 from kvmesh.services.router.openai_api import SSE_DONE, APIError, ChatFormat, CompletionFormat, Usage, sse_event
 from kvmesh.services.router.shutdown import Shutdown
@@ -111,6 +112,13 @@ class StreamedChoice:
     events: AsyncIterator[TokenEvent]
     first: TokenEvent
     tracker: RequestTracker
+    logprobs: ChoiceLogprobs | None = None  # with logprobs: each chunk's, in the endpoint's shape
+    echo: PromptEcho | None = None  # completions' echo: the prompt's text (and logprobs) first
+    counts_prompt: bool = True  # False for a prompt's choices after its first (``n``): usage counts it once
+
+    def usage(self) -> Usage:
+        usage = self.tracker.usage()
+        return usage if self.counts_prompt else usage.completion_only()
 
 
 class EventStream:
@@ -133,15 +141,21 @@ class EventStream:
     async def chunks(self) -> AsyncGenerator[str, None]:
         fmt, choices = self._fmt, self._choices
         try:
-            for chunk in fmt.opening_chunks():
+            for chunk in fmt.opening_chunks(len(choices)):
                 yield sse_event(chunk)
+            for index, choice in enumerate(choices):
+                echoed = fmt.content_chunk(choice.echo.text, index, choice.echo.fragment(choice.logprobs)) if choice.echo else None
+                if echoed is not None:
+                    yield sse_event(echoed)
             ready = [(index, choice.first) for index, choice in enumerate(choices)]
             while ready:
                 for index, event in ready:
-                    tracker = choices[index].tracker
+                    choice = choices[index]
+                    tracker = choice.tracker
                     tracker.on_event(event)
-                    if event.text:
-                        chunk = fmt.content_chunk(event.text, index)
+                    logprobs = choice.logprobs.fragment(event.token_ids, event.logprobs) if choice.logprobs and event.token_ids else None
+                    if event.text or logprobs is not None:
+                        chunk = fmt.content_chunk(event.text, index, logprobs)
                         if chunk is not None:  # None: held back (a tool call's text, parsed at the end)
                             yield sse_event(chunk)
                     if event.finished:
@@ -151,7 +165,7 @@ class EventStream:
                         self._fetch(index)
                 ready = [(index, check_event(event)) for index, event in await self._next_events()]
             if fmt.include_usage:
-                yield sse_event(fmt.usage_chunk(Usage.total([c.tracker.usage() for c in choices])))
+                yield sse_event(fmt.usage_chunk(Usage.total([c.usage() for c in choices])))
             self.status = 200
             yield SSE_DONE
         except Exception as exc:

@@ -14,7 +14,7 @@ from typing import Annotated, Literal
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, TypeAdapter, model_validator
 
 from kvmesh.errors import ErrorCode, as_error_code
-from kvmesh.engine.request import PENALTY_RANGE, SamplingParams
+from kvmesh.engine.request import MAX_LOGPROBS, PENALTY_RANGE, SamplingParams, TokenLogprob
 from kvmesh.engine.structured import GUIDED_KINDS, MAX_GRAMMAR_CHARS
 from kvmesh.transfer.layout import KVMESH_ARRANGEMENT, PoolLayout, block_major
 
@@ -165,6 +165,28 @@ def _is_zero(value: object) -> bool:
     return not value
 
 
+def _is_none(value: object) -> bool:
+    return value is None
+
+
+class LogprobSpec(Message):
+    """A ``TokenLogprob`` on the wire: ``[token id, logprob, [[id, logprob], ...]]`` is what
+    it costs per token, so it is kept to three short fields."""
+
+    t: int  # the token id
+    lp: float  # its logprob
+    top: list[tuple[int, float]] = Field(default_factory=list, exclude_if=_is_zero)
+
+    def to_logprob(self) -> TokenLogprob:
+        return TokenLogprob(self.t, self.lp, tuple(self.top))
+
+    @classmethod
+    def from_logprob(cls, value: TokenLogprob) -> LogprobSpec:
+        return cls(t=value.token_id, lp=value.logprob, top=list(value.top))
+
+    @classmethod
+    def many(cls, values: list[TokenLogprob | None] | None) -> list[LogprobSpec | None] | None:
+        return None if values is None else [None if v is None else cls.from_logprob(v) for v in values]
 class GuidedSpec(Message):
     """``kvmesh.engine.structured.GuidedDecoding`` on the wire: what the output must match."""
 
@@ -197,6 +219,8 @@ class SamplingSpec(Message):
     min_p: float = Field(default=0.0, ge=0.0, le=1.0, exclude_if=_is_zero)
     min_tokens: int = Field(default=0, ge=0, exclude_if=_is_zero)
     prior_output_tokens: int = Field(default=0, ge=0, exclude_if=_is_zero)  # a resumed request's (SamplingParams)
+    logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS, exclude_if=_is_none)
+    prompt_logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS, exclude_if=_is_none)
     guided: GuidedSpec | None = Field(default=None, exclude_if=_is_zero)  # structured output
 
     def to_params(self) -> SamplingParams:
@@ -330,6 +354,8 @@ class PrefillResponse(Message):
     finished: bool = False  # the first token already ends the request (eos, max_tokens=1)
     finish_reason: str | None = None
     error: ErrorInfo | None = None
+    first_logprob: LogprobSpec | None = Field(default=None, exclude_if=_is_none)  # with sampling.logprobs
+    prompt_logprobs: list[LogprobSpec | None] | None = Field(default=None, exclude_if=_is_none)
 
 
 class DecodeRequest(Message):
@@ -364,6 +390,10 @@ class TokenEvent(Message):
     num_prompt_tokens: int = 0
     num_cached_tokens: int = 0
     error: ErrorInfo | None = None
+    # With sampling.logprobs: one per token of token_ids (None: computed elsewhere, as an
+    # import's first token); with sampling.prompt_logprobs, once: the prompt's (first None).
+    logprobs: list[LogprobSpec | None] | None = Field(default=None, exclude_if=_is_none)
+    prompt_logprobs: list[LogprobSpec | None] | None = Field(default=None, exclude_if=_is_none)
 
 
 class Progress(Message):

@@ -60,7 +60,7 @@ async def test_decode_killed_mid_stream_resumes_on_the_survivor(tmp_path, defaul
     """The stream goes on from the tokens already sent, on the other decode worker: the
     client sees one uninterrupted answer, the same as without the fault. With penalties and
     min_tokens too: the retry counts the tokens sent as generated (an EOS forced by the bias
-    comes right after min_tokens, as without the fault)."""
+    comes right after min_tokens, as without the fault), and the logprobs go on from there."""
     mesh = make_mesh(tmp_path, default_model_dir, prefill=1, decode=2)
     try:
         body = {"model": MODEL, "prompt": "Tell me a long story:", "max_tokens": 60, "temperature": 0, "ignore_eos": True}
@@ -68,7 +68,7 @@ async def test_decode_killed_mid_stream_resumes_on_the_survivor(tmp_path, defaul
         if options == "penalties":
             [eos] = Tokenizer.from_dir(default_model_dir).eos_token_ids[:1]
             body.update(ignore_eos=False, frequency_penalty=0.8, presence_penalty=0.4, repetition_penalty=1.1)
-            body.update(logit_bias={str(eos): 100}, min_tokens=40)
+            body.update(logit_bias={str(eos): 100}, min_tokens=40, logprobs=2)
             finish = "stop"
         if options == "guided":
             body.update(ignore_eos=False, guided_json=LONG_LIST)
@@ -94,6 +94,10 @@ async def test_decode_killed_mid_stream_resumes_on_the_survivor(tmp_path, defaul
         assert "error" not in events[-1], events[-1]
         assert events[-1]["choices"][0]["finish_reason"] == finish
         assert streamed_text(events) == want
+        if options == "penalties":  # a logprob per token, across the retry, as without the fault
+            streamed = [v for e in events for c in e.get("choices", []) if c.get("logprobs") for v in c["logprobs"]["token_logprobs"]]
+            assert streamed == pytest.approx(answer["choices"][0]["logprobs"]["token_logprobs"], abs=2e-3)
+            assert len(streamed) == 41 and None not in streamed
         assert "retrying" in mesh.router.tail(200)
         survivor = "decode-3" if victim == "decode-2" else "decode-2"
         await assert_pools_at_baseline(mesh, ["prefill-1", survivor])

@@ -1,7 +1,9 @@
 """The official ``openai`` client (sync, async, streaming) against a running mesh (a prefill and a
 decode worker on SmolLM2): penalties, logit bias, min_p and min_tokens change the answer exactly
-as they change the in-process engine's, a list of prompts is a choice each, and what kvmesh does
-not implement is refused by name."""
+as they change the in-process engine's, a list of prompts is a choice each, logprobs (chat, and
+completions' with echo) equal transformers' within float tolerance, ``n`` choices are equal when
+greedy and reproducible and distinct when seeded, and what kvmesh does not implement is refused
+by name."""
 
 from __future__ import annotations
 
@@ -215,6 +217,140 @@ def test_models_version_and_unknown_routes(client: openai.OpenAI, mesh: LocalMes
     assert missing.status_code == 404 and missing.json()["error"]["message"] == "Invalid URL (POST /v1/nothing)"
 
 
+# --------------------------------------------------------------------------- n, logprobs, echo
+LOGPROB_ATOL = 2e-3  # float32 on both sides; the mesh's batches and transformers' differ in order
+
+
+@pytest.fixture(scope="module")
+def reference(default_model_dir):
+    from tests.engine.reference import load_reference
+
+    return load_reference(default_model_dir)
+
+
+def ref_logprobs(reference, tokens: list[int]):
+    """Row p: the raw log-probabilities of the token after position p (transformers)."""
+    import torch
+
+    from tests.engine.reference import reference_logits
+
+    return torch.log_softmax(reference_logits(reference, tokens), dim=-1)
+
+
+def test_chat_logprobs_equal_the_reference(client: openai.OpenAI, engine: LLMEngine, reference) -> None:
+    question = "Name three rivers."
+    got = client.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": question}], max_tokens=8, temperature=0,
+        logprobs=True, top_logprobs=3,
+    )  # fmt: skip
+    content = got.choices[0].logprobs.content
+    ids = chat_ids(engine, question)
+    _, want_ids = in_process(engine, ids, max_tokens=8)
+    assert len(content) == len(want_ids) == got.usage.completion_tokens
+    rows = ref_logprobs(reference, ids + want_ids)
+    for i, (entry, token) in enumerate(zip(content, want_ids)):
+        row = rows[len(ids) - 1 + i]
+        text = engine.tokenizer.decode([token], skip_special_tokens=False)
+        assert entry.token == text and bytes(entry.bytes) == text.encode()
+        assert entry.logprob == pytest.approx(float(row[token]), abs=LOGPROB_ATOL)
+        top = row.topk(3)
+        assert [t.logprob for t in entry.top_logprobs] == pytest.approx(top.values.tolist(), abs=LOGPROB_ATOL)
+        assert entry.top_logprobs[0].token == text  # greedy: the sampled token is the most likely
+
+
+def test_completion_echo_with_prompt_logprobs_equals_the_reference(
+    client: openai.OpenAI, engine: LLMEngine, reference
+) -> None:
+    got = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=4, temperature=0, logprobs=2, echo=True)
+    ids = engine.tokenizer.encode(PROMPT)
+    _, want_ids = in_process(engine, ids, max_tokens=4)
+    choice = got.choices[0]
+    assert choice.text == PROMPT + engine.tokenizer.decode(want_ids)
+    lp = choice.logprobs
+    rows = ref_logprobs(reference, ids + want_ids)
+    tokens = ids + want_ids
+    assert len(lp.tokens) == len(tokens) and lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
+    want = [float(rows[i - 1][tokens[i]]) for i in range(1, len(tokens))]
+    assert lp.token_logprobs[1:] == pytest.approx(want, abs=LOGPROB_ATOL)
+    assert all(2 <= len(top) <= 3 for top in lp.top_logprobs[1:])  # the top 2, and the token's own
+    assert lp.text_offset == [sum(len(t) for t in lp.tokens[:i]) for i in range(len(tokens))]
+    assert got.usage.prompt_tokens == len(ids) and got.usage.completion_tokens == 4
+    # streamed: the same numbers
+    streamed: list[float | None] = []
+    with client.completions.create(
+        model=MODEL, prompt=PROMPT, max_tokens=4, temperature=0, logprobs=2, echo=True, stream=True
+    ) as stream:
+        for chunk in stream:
+            if chunk.choices and chunk.choices[0].logprobs:
+                streamed += chunk.choices[0].logprobs.token_logprobs
+    assert streamed[0] is None and streamed[1:] == pytest.approx(lp.token_logprobs[1:], abs=1e-4)
+
+
+def cached_tokens_metric(mesh: LocalMesh) -> float:
+    text = httpx.get(f"{mesh.base_url}/metrics", timeout=10).text
+    return float(next(line.split()[-1] for line in text.splitlines() if line.startswith("kvmesh_router_cached_prompt_tokens_total")))
+
+
+def test_n_greedy_choices_are_equal_and_the_prompt_counts_once(
+    client: openai.OpenAI, engine: LLMEngine, mesh: LocalMesh
+) -> None:
+    prompt = "A fresh prompt, so that only its own first choice can have cached it: " + PROMPT
+    want, _ = in_process(engine, prompt, max_tokens=8, ignore_eos=True)
+    before = cached_tokens_metric(mesh)
+    got = client.completions.create(
+        model=MODEL, prompt=prompt, max_tokens=8, temperature=0, n=4, extra_body={"ignore_eos": True}
+    )
+    # the three later choices reused the first's full prompt blocks from the prefill worker's cache
+    num_prompt = len(engine.tokenizer.encode(prompt))
+    full_blocks = (num_prompt - 1) // 16 * 16
+    assert full_blocks > 0 and cached_tokens_metric(mesh) - before == 3 * full_blocks
+    assert [c.index for c in got.choices] == [0, 1, 2, 3]
+    assert [c.text for c in got.choices] == [want] * 4
+    assert got.usage.prompt_tokens == num_prompt
+    assert got.usage.completion_tokens == 32
+
+
+def test_n_seeded_choices_are_reproducible_and_distinct(client: openai.OpenAI) -> None:
+    def run() -> list[str]:
+        got = client.chat.completions.create(
+            model=MODEL, messages=[{"role": "user", "content": "Write a line about the sea."}], max_tokens=12,
+            temperature=1.0, seed=5, n=4,
+        )  # fmt: skip
+        return [c.message.content or "" for c in got.choices]
+
+    first = run()
+    assert run() == first
+    assert len(set(first)) == 4
+    with client.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": "Write a line about the sea."}], max_tokens=12,
+        temperature=1.0, seed=5, n=4, stream=True,
+    ) as stream:  # fmt: skip
+        texts = ["", "", "", ""]
+        for chunk in stream:
+            for choice in chunk.choices:
+                texts[choice.index] += choice.delta.content or ""
+    assert texts == first
+
+
+async def test_async_streamed_chat_logprobs_with_n(async_client: openai.AsyncOpenAI, client: openai.OpenAI) -> None:
+    params = {"model": MODEL, "messages": [{"role": "user", "content": "Name a fruit."}], "max_tokens": 6,
+              "temperature": 0, "logprobs": True, "top_logprobs": 2, "n": 2}  # fmt: skip
+    whole = client.chat.completions.create(**params)
+    want = [[(e.token, e.logprob) for e in c.logprobs.content] for c in whole.choices]
+    assert len(want[0]) == whole.usage.completion_tokens // 2
+    # greedy: the same tokens; their logprobs to float noise (a sibling prefills from the cached blocks)
+    assert [t for t, _ in want[0]] == [t for t, _ in want[1]]
+    assert [v for _, v in want[0]] == pytest.approx([v for _, v in want[1]], abs=1e-4)
+    got: list[list[tuple[str, float]]] = [[], []]
+    stream = await async_client.chat.completions.create(**params, stream=True)
+    async for chunk in stream:
+        for choice in chunk.choices:
+            if choice.logprobs and choice.logprobs.content:
+                got[choice.index] += [(e.token, e.logprob) for e in choice.logprobs.content]
+    await async_client.close()
+    for streamed, answered in zip(got, want):
+        assert [t for t, _ in streamed] == [t for t, _ in answered]
+        assert [v for _, v in streamed] == pytest.approx([v for _, v in answered], abs=1e-4)
 RESPONSES_QUESTION = "What is the capital of France?"
 
 

@@ -150,9 +150,9 @@ async def post_error(client: httpx.AsyncClient, path: str, payload: object, stat
 @pytest.mark.parametrize(
     ("extra", "message", "param"),
     [
-        ({"n": 2}, "n: only n=1 is supported (one choice per request)", "n"),
-        ({"logprobs": 2}, "logprobs: logprobs are not supported", "logprobs"),
-        ({"echo": True}, "echo: echo is not supported", "echo"),
+        ({"n": 129}, "n: Input should be less than or equal to 128", "n"),
+        ({"logprobs": 21}, "logprobs: Input should be less than or equal to 20", "logprobs"),
+        ({"echo": "yes please"}, "echo: Input should be a valid boolean, unable to interpret input", "echo"),
         ({"best_of": 2}, "best_of: best_of > 1 is not supported", "best_of"),
         ({"presence_penalty": 2.5}, "presence_penalty: Input should be less than or equal to 2", "presence_penalty"),
         ({"frequency_penalty": -3}, "frequency_penalty: Input should be greater than or equal to -2", "frequency_penalty"),
@@ -230,14 +230,19 @@ async def test_chat_prompt_filling_the_context_is_400(client: httpx.AsyncClient,
             "messages.0.content",
         ),
         (
-            {"messages": [{"role": "user", "content": "x"}], "n": 3},
-            "n: only n=1 is supported (one choice per request)",
+            {"messages": [{"role": "user", "content": "x"}], "n": 0},
+            "n: Input should be greater than or equal to 1",
             "n",
         ),
         (
-            {"messages": [{"role": "user", "content": "x"}], "logprobs": True},
-            "logprobs: logprobs are not supported",
-            "logprobs",
+            {"messages": [{"role": "user", "content": "x"}], "logprobs": True, "top_logprobs": 21},
+            "top_logprobs: Input should be less than or equal to 20",
+            "top_logprobs",
+        ),
+        (
+            {"messages": [{"role": "user", "content": "x"}], "top_logprobs": 2},
+            "top_logprobs: top_logprobs requires logprobs to be true",
+            "top_logprobs",
         ),
         ({}, "messages: Field required", "messages"),
     ],
@@ -466,7 +471,7 @@ async def test_metrics_after_requests(client: httpx.AsyncClient, fake: FakeBacke
         await client.post("/v1/completions", json={"model": MODEL, "prompt": "The river"})
     ).status_code == 200
     assert (
-        await client.post("/v1/completions", json={"model": MODEL, "prompt": "x", "n": 2})
+        await client.post("/v1/completions", json={"model": MODEL, "prompt": "x", "n": 0})
     ).status_code == 400
     resp = await client.get("/metrics")
     assert resp.status_code == 200

@@ -138,9 +138,9 @@ def test_prompt_lists() -> None:
 @pytest.mark.parametrize(
     ("field", "value", "message"),
     [
-        ("n", 2, "only n=1 is supported"),
-        ("logprobs", 1, "logprobs are not supported"),
-        ("echo", True, "echo is not supported"),
+        ("n", 129, "less than or equal to 128"),
+        ("logprobs", 21, "less than or equal to 20"),
+        ("logprobs", -1, "greater than or equal to 0"),
         ("best_of", 3, "best_of > 1 is not supported"),
         ("presence_penalty", 2.5, "less than or equal to 2"),
         ("frequency_penalty", -2.5, "greater than or equal to -2"),
@@ -261,8 +261,7 @@ def test_chat_message_validation(messages: list, loc: tuple, message: str) -> No
 @pytest.mark.parametrize(
     ("field", "value", "message"),
     [
-        ("logprobs", True, "logprobs are not supported"),
-        ("top_logprobs", 3, "top_logprobs are not supported"),
+        ("top_logprobs", 3, "top_logprobs requires logprobs to be true"),
         ("tools", [{"type": "function"}], "tools[0].function must be an object with a name"),
     ],
 )

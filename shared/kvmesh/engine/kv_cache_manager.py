@@ -62,8 +62,9 @@ class KVCacheManager:
 
     # -- prefix hits and allocation ------------------------------------------------------
     def get_computed_blocks(self, req: Request) -> list[KVBlock]:
-        """The longest run of leading blocks already cached, leaving one token to compute."""
-        if not self.enable_prefix_caching:
+        """The longest run of leading blocks already cached, leaving one token to compute;
+        none for a request that wants prompt logprobs (it needs every position's logits)."""
+        if not self.enable_prefix_caching or req.sampling.prompt_logprobs is not None:
             return []
         self.update_block_hashes(req)
         max_blocks = (req.num_tokens - 1) // self.block_size

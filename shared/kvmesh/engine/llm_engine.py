@@ -163,6 +163,9 @@ class LLMEngine:
         self.kv_manager.attach_held(handle, req, len(prompt_token_ids))
         req.num_cached_tokens = len(prompt_token_ids)
         req.token_ids.append(first_token_id)
+        if req.sampling.logprobs is not None:
+            req.logprobs.append(None)  # computed where the prompt was
+        req.prompt_logprobs_sent = True  # so were those
         self.scheduler.add_running(req)
         self._texts[request_id] = _output_text(self.tokenizer, req.sampling)
         reason = self.scheduler.token_stop_reason(req, first_token_id)
@@ -273,7 +276,18 @@ class LLMEngine:
             num_cached_tokens=req.num_cached_tokens,
             kv_export=export,
             queue_seconds=self._queue_seconds(req),
+            logprobs=req.logprobs[len(req.logprobs) - len(new_ids) :] if req.sampling.logprobs is not None else None,
+            prompt_logprobs=self._take_prompt_logprobs(req),
         )
+
+    @staticmethod
+    def _take_prompt_logprobs(req: Request) -> list | None:
+        """A request's prompt logprobs, once: on its first output after the prompt."""
+        if req.sampling.prompt_logprobs is None or req.prompt_logprobs_sent or req.num_computed_tokens < req.num_prompt_tokens:
+            return None
+        req.prompt_logprobs_sent = True
+        logprobs, req.prompt_logprobs = req.prompt_logprobs, []
+        return logprobs
 
     def _queue_seconds(self, req: Request) -> float | None:
         if req.first_scheduled_time is None or req.num_output_tokens > 1:
@@ -298,6 +312,10 @@ class LLMEngine:
                 merged.text += out.text
                 merged.finished, merged.finish_reason, merged.error = out.finished, out.finish_reason, out.error
                 merged.num_cached_tokens = out.num_cached_tokens
+                if out.logprobs is not None:
+                    merged.logprobs = (merged.logprobs or []) + out.logprobs
+                if out.prompt_logprobs is not None:
+                    merged.prompt_logprobs = out.prompt_logprobs
         return [results[rid] for rid in ids]
 
     # -- disaggregation ------------------------------------------------------------------

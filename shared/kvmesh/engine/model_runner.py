@@ -6,6 +6,7 @@ import torch
 
 from kvmesh.engine.kv_cache import KVCachePool
 from kvmesh.engine.kv_cache_manager import KVCacheManager, cdiv
+from kvmesh.engine.logprobs import PromptSpan, record_prompt_logprobs, record_sample_logprobs
 from kvmesh.engine.model.attention import AttentionMetadata, DecodeBatch, PrefillSpan
 from kvmesh.engine.model.llama import LlamaModel
 from kvmesh.engine.request import Request
@@ -133,7 +134,26 @@ class ModelRunner:
         exception that sampling that request's row raised. Anything else raises."""
         input_ids, positions, meta, rows, reqs = self.prepare(out)
         hidden = self.model.forward(input_ids, positions, meta, self.kv_pool)
+        spans = _prompt_spans(out)
+        if spans:
+            record_prompt_logprobs(hidden, spans, self.model.logits)
         if not rows:
             return []
         logits = self.model.logits(hidden[self._tensor(rows)])
-        return sample_rows(logits, reqs)
+        chosen = sample_rows(logits, reqs)
+        record_sample_logprobs(logits, reqs, chosen)
+        return chosen
+
+
+def _prompt_spans(out: SchedulerOutput) -> list[PromptSpan]:
+    """The prefill chunks of requests that want prompt logprobs, at their rows of the flat
+    batch (decodes first, one row each, then each prefill's tokens: ``prepare``'s order)."""
+    spans: list[PromptSpan] = []
+    flat = 0
+    for item in out.scheduled:
+        req = item.request
+        if req.sampling.prompt_logprobs is not None and req.num_computed_tokens < req.num_prompt_tokens:
+            if not req.prompt_logprobs_sent:
+                spans.append(PromptSpan(req, flat, req.num_computed_tokens, item.num_new_tokens))
+        flat += item.num_new_tokens
+    return spans

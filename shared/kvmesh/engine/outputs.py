@@ -8,7 +8,7 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from kvmesh.engine.kv_layout import KVLayout
-from kvmesh.engine.request import FinishReason
+from kvmesh.engine.request import FinishReason, TokenLogprob
 from kvmesh.errors import ErrorCode
 
 
@@ -37,6 +37,11 @@ class RequestOutput:
     # failed (it would anywhere); ``internal`` when its whole step did (a co-batched
     # request, the device): another worker may well succeed.
     error_code: ErrorCode | None = None
+    # With ``logprobs``: one per token of ``new_token_ids`` (None: not computed here, as an
+    # import's first token). With ``prompt_logprobs``: every prompt token's (the first None),
+    # on the output that finished the prompt.
+    logprobs: list[TokenLogprob | None] | None = None
+    prompt_logprobs: list[TokenLogprob | None] | None = None
 
 
 class StepObserver(Protocol):

@@ -18,6 +18,7 @@ if TYPE_CHECKING:
 SAMPLING_EPS = 1e-5
 PENALTY_RANGE = (-2.0, 2.0)  # presence and frequency penalties, OpenAI's range
 LOGIT_BIAS_RANGE = (-100.0, 100.0)  # a bias outside is clamped to it, as OpenAI and vLLM do
+MAX_LOGPROBS = 20  # top logprobs per token, OpenAI's limit (vLLM's default max_logprobs)
 
 
 class FinishReason(str, enum.Enum):
@@ -31,6 +32,17 @@ class RequestStatus(enum.Enum):
     WAITING = "waiting"
     RUNNING = "running"
     FINISHED = "finished"
+
+
+@dataclass(slots=True, frozen=True)
+class TokenLogprob:
+    """A token's log-probability under the model's raw next-token distribution (before any
+    logits processing or temperature: vLLM's default ``raw_logprobs``), and the ``top`` most
+    likely tokens' (id, logprob), most likely first."""
+
+    token_id: int
+    logprob: float
+    top: tuple[tuple[int, float], ...] = ()
 
 
 @dataclass(slots=True)
@@ -53,6 +65,9 @@ class SamplingParams:
     # A request resumed on another worker: the prompt's last this-many tokens were generated
     # before, and the penalties and min_tokens count them as generated.
     prior_output_tokens: int = 0
+    # Logprobs (``kvmesh.engine.logprobs``): None, none; k, each sampled token's and its top k.
+    logprobs: int | None = None
+    prompt_logprobs: int | None = None  # the same for every prompt token after the first
     # Structured output: the grammar the output must match (``kvmesh.engine.structured``).
     guided: GuidedDecoding | None = None
 
@@ -75,6 +90,10 @@ class SamplingParams:
             raise ValueError(f"min_p must be in [0, 1], got {self.min_p}")
         if self.prior_output_tokens < 0:
             raise ValueError(f"prior_output_tokens must be >= 0, got {self.prior_output_tokens}")
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(self, name)
+            if value is not None and not 0 <= value <= MAX_LOGPROBS:
+                raise ValueError(f"{name} must be in [0, {MAX_LOGPROBS}], got {value}")
         if not 0 <= self.min_tokens <= self.max_tokens + self.prior_output_tokens:
             raise ValueError(f"min_tokens must be in [0, max_tokens={self.max_tokens}], got {self.min_tokens}")
         if not self.temperature >= 0:  # NaN too
@@ -124,6 +143,12 @@ class Request:
     num_preemptions: int = 0
     # Disaggregation: keep the blocks after the first token instead of decoding on.
     export_kv: bool = False
+    # With ``sampling.logprobs``: one per output token (None where it came from elsewhere, as
+    # an import's first token); with ``sampling.prompt_logprobs``: one per prompt token, the
+    # first None. ``TokenLogprob``s of ``kvmesh.engine.logprobs``.
+    logprobs: list[TokenLogprob | None] = field(default_factory=list)
+    prompt_logprobs: list[TokenLogprob | None] = field(default_factory=list)
+    prompt_logprobs_sent: bool = False
     # A guided request's ``kvmesh.engine.structured.GrammarState`` (set by the engine).
     grammar: Any = None
 

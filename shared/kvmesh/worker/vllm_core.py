@@ -124,6 +124,8 @@ class VllmCore:
         """vLLM's sampling parameters for ``p``; ``generated`` tokens at the prompt's end were
         generated already (a resumed request's, an import's first token): min_tokens counts
         them. vLLM's presence and frequency penalties see only the tokens it generates."""
+        if p.logprobs is not None or p.prompt_logprobs is not None:  # never silently dropped
+            raise UnsupportedByVllm("logprobs (and echo with logprobs) are not supported by vLLM workers yet")
         if p.guided is not None:  # never dropped: the client asked for output that matches it
             raise ValueError("structured output (response_format, guided_*, tool_choice required or a named function) is not supported on --engine vllm workers yet")
         from vllm import SamplingParams as VllmSamplingParams  # type: ignore[import-not-found]
