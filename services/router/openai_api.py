@@ -26,7 +26,7 @@ from pydantic import (
 )
 
 from kvmesh.engine.request import MAX_LOGPROBS, PENALTY_RANGE
-from kvmesh.engine.structured import GuidedDecoding
+from kvmesh.engine.structured import GrammarError, GuidedDecoding, check_guided
 from kvmesh.protocol import GuidedSpec, SamplingSpec
 from kvmesh.services.router.openai_fields import (
     CONTENT_SCHEMA,
@@ -363,12 +363,28 @@ class ChatCompletionRequest(_GenerationRequest):
     tool_choice: Annotated[str | None, BeforeValidator(parse_tool_choice), WithJsonSchema(TOOL_CHOICE_SCHEMA)] = None
     parallel_tool_calls: bool | None = None
     _tools: ToolSet | None = PrivateAttr(default=None)
+    _tools_guided: GuidedDecoding | None = PrivateAttr(default=None)
 
     @model_validator(mode="after")
     def _tool_set(self) -> ChatCompletionRequest:
         self._tools = ToolSet.of(self.tools, self.tool_choice, self.parallel_tool_calls)
-        if self._tools is not None and self._tools.guided() is not None and super().guided is not None:
+        if self._tools is None:
+            return self
+        try:
+            grammar = self._tools.guided()
+            if grammar is not None:
+                check_guided(grammar)  # the combined grammar compiles, as each schema did alone
+        except GrammarError as exc:
+            raise APIError(400, f"tools: the tools' schemas cannot be enforced together: {exc}", param="tools") from exc
+        self._tools_guided = grammar
+        if grammar is None:
+            return self
+        if super().guided is not None:
             raise ValueError("tool_choice required or a named function cannot be combined with structured output")
+        # Arguments cut short by a stop string or stop token would be a call that does not parse.
+        for name in ("stop", "stop_token_ids"):
+            if getattr(self, name):
+                raise APIError(400, f"{name} cannot be combined with tool_choice required or a named function", param=name)
         return self
 
     @property
@@ -378,7 +394,7 @@ class ChatCompletionRequest(_GenerationRequest):
 
     @property
     def guided(self) -> GuidedDecoding | None:
-        tools = self._tools.guided() if self._tools is not None else None
+        tools = self._tools_guided
         return tools if tools is not None else super().guided
 
     @property

@@ -7,6 +7,8 @@ refused before it is tokenized.
 
 from __future__ import annotations
 
+import json
+
 from kvmesh.engine.tokenizer import ChatTemplateError, Tokenizer
 from kvmesh.services.router.openai_api import APIError, ChatCompletionRequest, CompletionRequest
 from kvmesh.services.router.tools import render_messages
@@ -64,7 +66,9 @@ def _prompt_ids(prompt: str | list[int], tokenizer: Tokenizer, max_model_len: in
 
 def chat_prompt_ids(request: ChatCompletionRequest, tokenizer: Tokenizer, max_model_len: int) -> list[int]:
     """The messages rendered by the model's chat template, then encoded without extra specials."""
-    check_prompt_chars(sum(len(m.content or "") for m in request.messages), max_model_len, param="messages")
+    tools = request.tool_set.template_tools() if request.tool_set is not None else []
+    chars = sum(len(m.content or "") for m in request.messages) + sum(len(json.dumps(t)) for t in tools)
+    check_prompt_chars(chars, max_model_len, param="messages")
     # tools, and tool calls in the history: the template's own format, or kvmesh's fallback (``tools``)
     messages, extra = render_messages(request.template_messages(), request.tool_set, tokenizer.chat_template)
     try:

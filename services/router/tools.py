@@ -30,7 +30,7 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from kvmesh.engine.structured import GrammarError, GuidedDecoding, check_guided
+from kvmesh.engine.structured import MAX_GRAMMAR_CHARS, GrammarError, GuidedDecoding, check_guided
 
 __all__ = [
     "MESSAGE_TOOL_CALLS_SCHEMA",
@@ -47,6 +47,10 @@ __all__ = [
 ]
 
 MAX_TOOLS = 128  # OpenAI's limit
+# All of a request's tool schemas together, in characters of compact JSON: each is compiled at the
+# router (on its event loop) and, for ``required``, all of them make one grammar, which may not
+# exceed MAX_GRAMMAR_CHARS either.
+MAX_TOOLS_SCHEMA_CHARS = MAX_GRAMMAR_CHARS
 _NAME = re.compile(r"^[a-zA-Z0-9_-]{1,64}$")
 _OPEN_TAG = "<tool_call>"
 _TOOL_CALL = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.DOTALL)
@@ -98,6 +102,13 @@ def parse_tools(value: Any) -> tuple[Tool, ...] | None:
         raise ValueError("tools must be a list of function tools")
     if len(value) > MAX_TOOLS:
         raise ValueError(f"at most {MAX_TOOLS} tools are allowed, got {len(value)}")
+    # The schemas' total size first: a request with many large schemas is refused before any is compiled.
+    total = 0
+    for item in value:
+        if isinstance(item, dict) and isinstance(item.get("function"), dict):
+            total += len(json.dumps(item["function"].get("parameters"), separators=(",", ":"), default=str))
+        if total > MAX_TOOLS_SCHEMA_CHARS:
+            raise ValueError(f"the tools' parameters schemas may have at most {MAX_TOOLS_SCHEMA_CHARS} characters together")
     tools: list[Tool] = []
     for i, item in enumerate(value):
         if not isinstance(item, dict) or item.get("type") != "function":
@@ -181,20 +192,26 @@ class ToolSet:
             return GuidedDecoding.json_schema(self.named.parameters)
         if self.mode != "required":
             return None
+        # Each tool's schema lives at $defs/tool_<i> (its own $defs hoisted beside it, renamed),
+        # its $refs rewritten to point there: a schema's "#/$defs/X" means its own definitions.
+        defs: dict[str, Any] = {}
+        for i, t in enumerate(self.tools):
+            defs.update(_embedded(t.parameters, f"tool_{i}"))
         call = {
             "anyOf": [
                 {
                     "type": "object",
-                    "properties": {"name": {"const": t.name}, "arguments": t.parameters},
+                    "properties": {"name": {"const": t.name}, "arguments": {"$ref": f"#/$defs/tool_{i}"}},
                     "required": ["name", "arguments"],
                     "additionalProperties": False,
                 }
-                for t in self.tools
+                for i, t in enumerate(self.tools)
             ]
         }
         schema: dict[str, Any] = {"type": "array", "items": call, "minItems": 1}
         if not self.parallel:
             schema["maxItems"] = 1
+        schema["$defs"] = defs
         return GuidedDecoding.json_schema(schema)
 
     # -- the answer --------------------------------------------------------------------
@@ -359,6 +376,37 @@ MESSAGE_TOOL_CALLS_SCHEMA = {
         {"type": "null"},
     ]
 }
+
+
+def _embedded(schema: dict[str, Any], name: str) -> dict[str, Any]:
+    """``schema`` as definitions of a larger schema: itself under ``name`` and its own
+    ``$defs`` (and ``definitions``) under ``<name>__<def>``, each ``$ref`` into it rewritten."""
+    own = {**(schema.get("definitions") or {}), **(schema.get("$defs") or {})}
+    own_keys = {"definitions": {k for k in (schema.get("definitions") or {})}, "$defs": {k for k in (schema.get("$defs") or {})}}
+
+    def ref(target: str) -> str:
+        if not target.startswith("#"):
+            return target  # a remote ref: left for the grammar library to refuse
+        pointer = target[1:]
+        for key in ("$defs", "definitions"):
+            prefix = f"/{key}/"
+            if pointer.startswith(prefix):
+                head, _, rest = pointer[len(prefix) :].partition("/")
+                if head in own_keys[key]:
+                    return f"#/$defs/{name}__{head}" + (f"/{rest}" if rest else "")
+        return f"#/$defs/{name}{pointer}"
+
+    def rewrite(node: Any) -> Any:
+        if isinstance(node, dict):
+            return {k: ref(v) if k == "$ref" and isinstance(v, str) else rewrite(v) for k, v in node.items()}
+        if isinstance(node, list):
+            return [rewrite(v) for v in node]
+        return node
+
+    body = rewrite({k: v for k, v in schema.items() if k not in ("$defs", "definitions")})
+    out = {name: body}
+    out.update({f"{name}__{k}": rewrite(v) for k, v in own.items()})
+    return out
 
 
 def _compact(text: str) -> str:

@@ -7,13 +7,18 @@ from __future__ import annotations
 
 import json
 
+import asyncio
+import time
+
 import httpx
 import pytest
 
+from kvmesh.engine.structured import GrammarError, GuidedDecoding, check_guided
 from kvmesh.engine.tokenizer import Tokenizer
 from kvmesh.protocol import GuidedSpec
 from kvmesh.services.router.openai_api import ChatCompletionRequest
-from kvmesh.services.router.tools import render_messages, template_has_tools
+from kvmesh.services.router.app import create_app
+from kvmesh.services.router.tools import MAX_TOOLS, MAX_TOOLS_SCHEMA_CHARS, render_messages, template_has_tools
 from tests.router.fakes import Emit, FakeBackend, Finish
 from tests.router.test_app import MODEL
 from tests.router.test_streaming import sse
@@ -162,7 +167,8 @@ async def test_required_is_constrained_to_a_list_of_calls(client: httpx.AsyncCli
     schema = json.loads(guided.value)
     assert schema["type"] == "array" and schema["minItems"] == 1 and schema["maxItems"] == 1
     assert [item["properties"]["name"] for item in schema["items"]["anyOf"]] == [{"const": "get_weather"}, {"const": "get_time"}]
-    assert schema["items"]["anyOf"][0]["properties"]["arguments"] == WEATHER["function"]["parameters"]
+    assert schema["items"]["anyOf"][0]["properties"]["arguments"] == {"$ref": "#/$defs/tool_0"}
+    assert schema["$defs"]["tool_0"] == WEATHER["function"]["parameters"]
     choice = resp.json()["choices"][0]
     assert choice["finish_reason"] == "tool_calls"
     assert choice["message"]["tool_calls"][0]["function"] == {"name": "get_weather", "arguments": '{"city": "Rome"}'}
@@ -294,3 +300,96 @@ async def test_streamed_auto_content_comes_as_it_is_generated(client: httpx.Asyn
     contents = [c["delta"]["content"] for c in chunks if c["delta"].get("content")]
     assert contents == ["It is ", "sunny ", "<b>today</b>", " ", "<tool_call>{bad}</tool_call>"]
     assert not any(c["delta"].get("tool_calls") for c in chunks) and chunks[-1]["finish_reason"] == "stop"
+
+
+CITY = {
+    "type": "function",
+    "function": {
+        "name": "find_city",
+        "parameters": {
+            "type": "object",
+            "$defs": {"City": {"type": "object", "properties": {"name": {"type": "string"}}, "required": ["name"]}},
+            "properties": {"city": {"$ref": "#/$defs/City"}, "near": {"$ref": "#/properties/city"}},
+            "required": ["city"],
+        },
+    },
+}
+
+
+@pytest.mark.parametrize("choice", ["required", {"type": "function", "function": {"name": "find_city"}}])
+async def test_tool_schemas_with_refs_make_a_grammar_that_compiles(
+    client: httpx.AsyncClient, fake: FakeBackend, choice: str | dict
+) -> None:
+    """Each tool's ``$defs`` and ``$ref``s survive being combined: the grammar the engine gets compiles."""
+    answer(fake, '[{"name": "find_city", "arguments": {"city": {"name": "Oslo"}}}]' if choice == "required" else '{"city": {"name": "Oslo"}}')
+    resp = await client.post(CHAT, json={"model": MODEL, "messages": USER, "tools": [WEATHER, CITY], "tool_choice": choice})
+    assert resp.status_code == 200, resp.json()
+    guided = fake.calls[0].sampling.guided
+    assert guided is not None
+    check_guided(GuidedDecoding(guided.kind, guided.value))  # raised "Pointer '/$defs/City' does not exist" before
+    if choice == "required":
+        schema = json.loads(guided.value)
+        assert schema["$defs"]["tool_1__City"] == CITY["function"]["parameters"]["$defs"]["City"]
+        assert schema["$defs"]["tool_1"]["properties"] == {"city": {"$ref": "#/$defs/tool_1__City"}, "near": {"$ref": "#/$defs/tool_1/properties/city"}}
+    [call] = resp.json()["choices"][0]["message"]["tool_calls"]
+    assert json.loads(call["function"]["arguments"]) == {"city": {"name": "Oslo"}}
+
+
+def nested_schema(depth: int) -> dict:
+    schema: dict = {"type": "string"}
+    for _ in range(depth):
+        schema = {"type": "object", "properties": {"a": schema, "b": {"anyOf": [schema, {"type": "integer"}]}}, "required": ["a"]}
+    return schema
+
+
+async def test_many_large_tool_schemas_are_refused_without_stalling_the_loop(client: httpx.AsyncClient, fake: FakeBackend) -> None:
+    """128 tools of a 27 kB schema each compiled on the event loop for 7 s; now their total size is capped first."""
+    tools = [{"type": "function", "function": {"name": f"f{i}", "parameters": nested_schema(8)}} for i in range(MAX_TOOLS)]
+    raw = json.dumps({"model": MODEL, "messages": USER, "tools": tools, "tool_choice": "none"}).encode()
+    gaps: list[float] = []
+    done = asyncio.Event()
+
+    async def ticker() -> None:
+        last = time.perf_counter()
+        while not done.is_set():
+            await asyncio.sleep(0.01)
+            now = time.perf_counter()
+            gaps.append(now - last)
+            last = now
+
+    task = asyncio.create_task(ticker())
+    resp = await client.post(CHAT, content=raw, headers={"content-type": "application/json"})
+    done.set()
+    await task
+    assert resp.status_code == 400
+    error = resp.json()["error"]
+    assert error["param"] == "tools" and f"at most {MAX_TOOLS_SCHEMA_CHARS} characters together" in error["message"]
+    assert max(gaps) < 3.0  # the body's JSON parse remains (about 0.5 s on a loaded machine)
+    assert fake.calls == []
+
+
+async def test_the_tools_count_in_the_prompt_size_check(tokenizer) -> None:
+    """A prompt that is small but whose tools' JSON cannot fit the context is refused before templating."""
+    fake = FakeBackend(tokenizer, max_model_len=64)
+    async with httpx.AsyncClient(transport=httpx.ASGITransport(app=create_app(fake)), base_url="http://test") as c:
+        big = {"type": "function", "function": {"name": "f", "description": "x" * 2000}}
+        resp = await c.post(CHAT, json={"model": MODEL, "messages": USER, "tools": [big]})
+    assert resp.status_code == 400 and resp.json()["error"]["code"] == "context_length_exceeded"
+    assert "characters, more than that context can hold" in resp.json()["error"]["message"]
+    assert fake.calls == []
+
+
+def test_a_grammar_is_checked_once(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The check's verdict is cached by (kind, value): the Responses path's second look costs nothing."""
+    import kvmesh.engine.structured as structured
+
+    calls = []
+    real = structured.grammar_of
+    monkeypatch.setattr(structured, "grammar_of", lambda spec: calls.append(spec) or real(spec))
+    spec = GuidedDecoding("regex", "cached-[0-9]{3}")
+    bad = GuidedDecoding("regex", "cached-(")
+    for _ in range(3):
+        check_guided(spec)
+        with pytest.raises(GrammarError):
+            check_guided(bad)
+    assert calls == [spec, bad]

@@ -22,8 +22,11 @@ This module loads neither torch nor llguidance until a grammar is used: the prot
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
+import threading
+from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Literal
@@ -125,13 +128,36 @@ def grammar_of(spec: GuidedDecoding) -> str:
     return "start: " + " | ".join(_lark_string(c) for c in choices)
 
 
+CHECK_CACHE_SIZE = 256
+_checked: OrderedDict[bytes, str | None] = OrderedDict()  # (kind, value) digest -> the error, None: compiles
+_checked_lock = threading.Lock()
+
+
 def check_guided(spec: GuidedDecoding) -> None:
     """Raise ``GrammarError`` with llguidance's reason when ``spec`` cannot be compiled: an
-    invalid schema or regex, or a schema feature it does not support (refused, never dropped)."""
-    grammar = grammar_of(spec)
-    is_error, messages = _llguidance().LLMatcher.validate_grammar_with_warnings(grammar)
-    if is_error:
-        raise GrammarError(_first_line(messages[0] if messages else "the grammar does not compile"))
+    invalid schema or regex, or a schema feature it does not support (refused, never dropped).
+    The verdicts of the last CHECK_CACHE_SIZE specs are kept: a spec is compiled once, however
+    many requests (or paths of one request) send it."""
+    key = hashlib.sha256(f"{spec.kind}\0{spec.value}".encode("utf-8", "surrogatepass")).digest()
+    with _checked_lock:
+        if key in _checked:
+            _checked.move_to_end(key)
+            error = _checked[key]
+            if error is not None:
+                raise GrammarError(error)
+            return
+    try:
+        grammar = grammar_of(spec)
+        is_error, messages = _llguidance().LLMatcher.validate_grammar_with_warnings(grammar)
+        error = _first_line(messages[0] if messages else "the grammar does not compile") if is_error else None
+    except GrammarError as exc:
+        error = str(exc)
+    with _checked_lock:
+        _checked[key] = error
+        while len(_checked) > CHECK_CACHE_SIZE:
+            _checked.popitem(last=False)
+    if error is not None:
+        raise GrammarError(error)
 
 
 def _first_line(message: str) -> str:
