@@ -146,6 +146,13 @@ class StreamOptions(BaseModel):
     include_usage: bool | None = False
 
 
+def _ignore_eos_with_grammar() -> APIError:
+    """A grammar's end is the request's: ignoring EOS past it would generate nothing the grammar allows."""
+    return APIError(
+        400, "ignore_eos cannot be combined with structured output or tool_choice required / a named function", param="ignore_eos"
+    )
+
+
 class _GenerationRequest(BaseModel):
     """Fields shared by /v1/completions and /v1/chat/completions."""
 
@@ -203,6 +210,8 @@ class _GenerationRequest(BaseModel):
         given = [name for name in GUIDED_FIELDS if getattr(self, name) is not None]
         if len(given) > 1:
             raise ValueError(f"only one of {', '.join(GUIDED_FIELDS)} may be given, got {' and '.join(given)}")
+        if given and self.ignore_eos:
+            raise _ignore_eos_with_grammar()
         return self
 
     @property
@@ -381,6 +390,8 @@ class ChatCompletionRequest(_GenerationRequest):
             return self
         if super().guided is not None:
             raise ValueError("tool_choice required or a named function cannot be combined with structured output")
+        if self.ignore_eos:
+            raise _ignore_eos_with_grammar()
         # Arguments cut short by a stop string or stop token would be a call that does not parse.
         for name in ("stop", "stop_token_ids"):
             if getattr(self, name):

@@ -259,3 +259,21 @@ def test_tokens_the_grammar_refuses_fail_the_request_as_its_own_fault(engine: LL
     assert (bad.finish_reason, bad.error_code) == (FinishReason.ERROR, ErrorCode.BAD_REQUEST)
     assert "does not match the grammar" in (bad.error or "")
     assert finals["good"].finish_reason is FinishReason.STOP and isinstance(json.loads(texts["good"]), dict)
+
+
+@pytest.mark.parametrize("extra", [{"min_tokens": 6}, {"min_tokens": 6, "stop_token_ids": (7,)}])
+def test_a_complete_grammar_ends_the_request_before_min_tokens(engine: LLMEngine, extra: dict) -> None:
+    """Once the grammar is complete only EOS is allowed; min_tokens masked it too, so every
+    token was -inf and the request failed (bad_request). The grammar wins: the request ends."""
+    prompt = engine.tokenizer.encode("Answer:")
+    for temperature in (0.0, 1.0):
+        params = SamplingParams(max_tokens=12, temperature=temperature, seed=1, guided=GuidedDecoding.choice(["yes"]), **extra)
+        [out] = run_all(engine, [prompt], [params])
+        assert (out.finish_reason, out.error, out.text) == (FinishReason.STOP, None, "yes")
+
+
+def test_min_tokens_still_holds_while_the_grammar_may_go_on(engine: LLMEngine) -> None:
+    prompt = engine.tokenizer.encode("Answer:")
+    [out] = run_all(engine, [prompt], [SamplingParams(max_tokens=20, min_tokens=5, guided=GuidedDecoding("regex", "[a-z]{1,15}"))])
+    assert out.finish_reason in (FinishReason.STOP, FinishReason.LENGTH) and out.error is None
+    assert len(out.new_token_ids) >= 5 and re.fullmatch("[a-z]{1,15}", out.text)

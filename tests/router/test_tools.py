@@ -393,3 +393,18 @@ def test_a_grammar_is_checked_once(monkeypatch: pytest.MonkeyPatch) -> None:
         with pytest.raises(GrammarError):
             check_guided(bad)
     assert calls == [spec, bad]
+
+
+@pytest.mark.parametrize(
+    "fields",
+    [
+        {"guided_choice": ["yes"]},
+        {"response_format": {"type": "json_object"}},
+        {"tools": [WEATHER], "tool_choice": "required"},
+    ],
+)
+async def test_ignore_eos_with_a_grammar_is_refused_by_name(client: httpx.AsyncClient, fake: FakeBackend, fields: dict) -> None:
+    resp = await client.post(CHAT, json={"model": MODEL, "messages": USER, "ignore_eos": True, **fields})
+    assert resp.status_code == 400
+    assert resp.json()["error"]["param"] == "ignore_eos" and "ignore_eos cannot be combined" in resp.json()["error"]["message"]
+    assert fake.calls == []

@@ -15,7 +15,10 @@ sampled, then its own). So a decode worker that takes over from a prefill worker
 another worker, rebuilds the matcher from the spec and continues where the grammar was.
 
 The mask: a token is allowed when the grammar allows it next; an EOS token only when the
-grammar can end there (and it is the only token allowed once the grammar is complete).
+grammar can end there (and it is the only token allowed once the grammar is complete). The
+grammar wins: ``min_tokens`` masks EOS only while the grammar may go on, so a grammar that can
+only end ends the request short of ``min_tokens``. ``ignore_eos`` with a grammar is refused at
+the router (the grammar's end is the request's).
 
 This module loads neither torch nor llguidance until a grammar is used: the protocol imports it.
 """
@@ -266,5 +269,12 @@ def apply_grammar_masks(logits: torch.Tensor, requests: Sequence[Request]) -> tu
         sub = out.index_select(0, index)
         sub[:, :width] = sub[:, :width].masked_fill(~allowed[:, :width], float("-inf"))
         sub[:, width:] = float("-inf")
+        # The grammar wins over what masked its tokens before it (min_tokens masks EOS and the
+        # stop token ids): a row left with no token at all takes one its grammar allows, so a
+        # grammar that can only end ends the request, even short of min_tokens.
+        dead = ~torch.isfinite(sub).any(dim=1)
+        if bool(dead.any()):
+            fallback = torch.zeros_like(sub[:, :width]).masked_fill(~allowed[:, :width], float("-inf"))
+            sub[dead, :width] = fallback[dead]
         out.index_copy_(0, index, sub)
     return out, failed
