@@ -142,7 +142,11 @@ RESPONSE_ANSWER: dict[str, Any] = {
             "required": ["input_tokens", "input_tokens_details", "output_tokens", "total_tokens"],
             "properties": {
                 "input_tokens": _COUNT,
-                "input_tokens_details": {"type": "object", "required": ["cached_tokens"], "properties": {"cached_tokens": _COUNT}},
+                "input_tokens_details": {
+                    "type": "object",
+                    "required": ["cached_tokens", "cache_write_tokens"],
+                    "properties": {"cached_tokens": _COUNT, "cache_write_tokens": _COUNT},
+                },
                 "output_tokens": _COUNT,
                 "total_tokens": _COUNT,
             },

@@ -94,6 +94,8 @@ class OutputText(BaseModel):
 
 def _parse_parts(value: Any) -> Any:
     if isinstance(value, list):
+        if not value:
+            raise ValueError("content must not be empty")
         for i, part in enumerate(value):
             kind = part.get("type") if isinstance(part, dict) else None
             if isinstance(kind, str) and kind not in _PART_TYPES:
@@ -123,6 +125,8 @@ class InputMessage(BaseModel):
 def _parse_input(value: Any) -> Any:
     """A string is one user message; a list holds message items, each refused by its type otherwise."""
     if isinstance(value, str):
+        if not value:
+            raise ValueError("input must not be empty")
         problem = unicode_problem(value)
         if problem is not None:
             raise ValueError(problem)
@@ -282,7 +286,7 @@ def _usage(chat_usage: dict[str, Any] | None) -> dict[str, Any] | None:
     details = chat_usage.get("prompt_tokens_details") or {}
     return {
         "input_tokens": chat_usage["prompt_tokens"],
-        "input_tokens_details": {"cached_tokens": details.get("cached_tokens", 0)},
+        "input_tokens_details": {"cached_tokens": details.get("cached_tokens", 0), "cache_write_tokens": 0},
         "output_tokens": chat_usage["completion_tokens"],
         "output_tokens_details": {"reasoning_tokens": 0},
         "total_tokens": chat_usage["total_tokens"],
@@ -337,7 +341,7 @@ class _Answer:
             "temperature": 1.0 if self.chat_body.temperature is None else self.chat_body.temperature,
             "top_p": 1.0 if self.chat_body.top_p is None else self.chat_body.top_p,
             "text": {"format": fmt, "verbosity": "medium"},
-            "tool_choice": "none",
+            "tool_choice": "auto" if body.tool_choice is None else body.tool_choice,  # as sent
             "tools": [],
             "top_logprobs": 0,
             "truncation": "disabled",
@@ -345,6 +349,22 @@ class _Answer:
             "user": body.user,
             "metadata": body.metadata or {},
         }
+
+
+# kvmesh's error codes as the Responses API's ``ResponseError.code``, whose values are a fixed set
+_INVALID_PROMPT = {"bad_request", "too_large", "invalid_request_error", "context_length_exceeded"}
+_RATE_LIMITED = {"rate_limit_exceeded"}
+
+
+def _failure_code(code: str | None) -> str:
+    """``response.failed``'s ``error.code``: ``invalid_prompt`` for the request's own fault,
+    ``rate_limit_exceeded`` for a rate limit, ``server_error`` for the rest (the ``error`` event
+    before it carries kvmesh's own code)."""
+    if code in _INVALID_PROMPT:
+        return "invalid_prompt"
+    if code in _RATE_LIMITED:
+        return "rate_limit_exceeded"
+    return "server_error"
 
 
 def _status(finish_reason: str | None) -> str:
@@ -416,7 +436,11 @@ async def _events(chunks: AsyncIterable[Any], body: ResponsesRequest, chat_body:
                 code = error.get("code") or error.get("type")
                 yield event("error", code=code, message=error.get("message"), param=error.get("param"))
                 if out is not None:
-                    failed = out.response("failed", [out.item("incomplete", "".join(texts))], error={"code": code, "message": error.get("message")})
+                    failed = out.response(
+                        "failed",
+                        [out.item("incomplete", "".join(texts))],
+                        error={"code": _failure_code(code), "message": error.get("message")},
+                    )
                     yield event("response.failed", response=failed)
                 return
             if out is None:

@@ -72,13 +72,13 @@ async def test_a_text_input_is_one_user_message(client: httpx.AsyncClient, fake:
         "temperature": 1.0,
         "top_p": 0.9,
         "text": {"format": {"type": "text"}, "verbosity": "medium"},
-        "tool_choice": "none",
+        "tool_choice": "auto",
         "tools": [],
         "top_logprobs": 0,
         "truncation": "disabled",
         "usage": {
             "input_tokens": 15,
-            "input_tokens_details": {"cached_tokens": 8},
+            "input_tokens_details": {"cached_tokens": 8, "cache_write_tokens": 0},
             "output_tokens": 2,
             "output_tokens_details": {"reasoning_tokens": 0},
             "total_tokens": 17,
@@ -176,7 +176,7 @@ async def test_streamed_events_in_order(client: httpx.AsyncClient, fake: FakeBac
     )
     assert final["usage"] == {
         "input_tokens": 15,
-        "input_tokens_details": {"cached_tokens": 3},
+        "input_tokens_details": {"cached_tokens": 3, "cache_write_tokens": 0},
         "output_tokens": 2,
         "output_tokens_details": {"reasoning_tokens": 0},
         "total_tokens": 17,
@@ -196,7 +196,7 @@ async def test_an_error_mid_stream_fails_the_response(client: httpx.AsyncClient,
     assert [e["type"] for e in got][-3:] == ["response.output_text.delta", "error", "response.failed"]
     assert {k: got[-2][k] for k in ("code", "message")} == {"code": "unavailable", "message": "decode worker lost"}
     failed = got[-1]["response"]
-    assert (failed["status"], failed["error"]) == ("failed", {"code": "unavailable", "message": "decode worker lost"})
+    assert (failed["status"], failed["error"]) == ("failed", {"code": "server_error", "message": "decode worker lost"})
 
 
 @pytest.mark.parametrize("stream", [False, True])
@@ -337,4 +337,52 @@ async def test_a_bad_text_format_is_refused_by_name(client: httpx.AsyncClient, f
     resp = await client.post(RESPONSES, json={"model": MODEL, "input": "Hi", "text": {"format": bad}})
     assert resp.status_code == 400
     assert resp.json()["error"]["param"] == "text.format"
+    assert fake.calls == []
+
+
+@pytest.mark.parametrize(
+    ("script", "last"),
+    [
+        ([Emit((10,), "Hel"), Emit((11,), "lo"), Finish("stop")], "response.completed"),
+        ([Emit((10,), "Hel"), Finish("length")], "response.incomplete"),
+        ([Emit((10,), "Hel"), Fail("request_failed", "boom")], "response.failed"),
+        ([Emit((10,), "Hel"), Fail("bad_request", "no")], "response.failed"),
+    ],
+)
+async def test_every_event_has_the_openai_clients_shape(client: httpx.AsyncClient, fake: FakeBackend, script: list, last: str) -> None:
+    """Each streamed event validates as openai's ``ResponseStreamEvent`` (usage's
+    ``cache_write_tokens``; a failure's code from OpenAI's fixed set), the final object as a ``Response``."""
+    from openai.types.responses import Response, ResponseStreamEvent
+    from pydantic import TypeAdapter
+
+    adapter = TypeAdapter(ResponseStreamEvent)
+    fake.script = script
+    got = await events(client, {"model": MODEL, "input": "Hi", "stream": True, "tool_choice": "none"})
+    for event in got:
+        adapter.validate_python(event)
+    assert got[-1]["type"] == last
+    final = Response.model_validate(got[-1]["response"])
+    assert final.tool_choice == "none"  # echoed as sent
+    if last == "response.failed":
+        assert final.error is not None
+        assert final.error.code == ("invalid_prompt" if script[-1].code == "bad_request" else "server_error")
+    else:
+        assert final.usage is not None and final.usage.input_tokens_details.cache_write_tokens == 0
+    fake.script = [Emit((10,), "Hel"), Finish("stop")]
+    resp = await client.post(RESPONSES, json={"model": MODEL, "input": "Hi"})
+    answer = Response.model_validate(resp.json())
+    assert answer.tool_choice == "auto" and answer.output_text == "Hel"
+
+
+@pytest.mark.parametrize(
+    ("input_", "message", "param"),
+    [
+        ("", "input: input must not be empty", "input"),
+        ([{"role": "user", "content": []}], "input.0.content: content must not be empty", "input.0.content"),
+    ],
+)
+async def test_empty_input_is_refused(client: httpx.AsyncClient, fake: FakeBackend, input_: Any, message: str, param: str) -> None:
+    resp = await client.post(RESPONSES, json={"model": MODEL, "input": input_, "instructions": "Be brief."})
+    assert resp.status_code == 400
+    assert resp.json() == error(message, param=param)
     assert fake.calls == []
