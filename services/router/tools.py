@@ -16,6 +16,10 @@ What it may answer, by ``tool_choice``:
   ``parallel_tool_calls: false``), so the calls always parse;
 - a named function: grammar-constrained to that function's arguments (its ``parameters``).
 
+With ``required`` or a named function, ``stop`` and ``stop_token_ids`` are refused (400 naming
+them): they would cut the arguments mid-JSON. An answer cut by ``max_tokens`` whose arguments
+do not parse is content, with ``finish_reason: "length"``, never a tool call.
+
 Streaming: a named function's arguments stream as they come (``delta.tool_calls`` with the
 call's id and name first, then argument fragments, as OpenAI sends them); with ``auto`` the
 content streams up to where a ``<tool_call>`` may begin, and the rest is parsed when the answer
@@ -221,7 +225,12 @@ class ToolSet:
             return text, []
         if self.mode == "named":
             assert self.named is not None
-            return None, [ToolCall(self._call_id(0), self.named.name, _compact(text))]
+            try:
+                json.loads(text)
+            except json.JSONDecodeError:  # cut short (max_tokens): text, not a call that does not parse
+                return text, []
+            # the arguments as generated: the same string a stream sends in fragments
+            return None, [ToolCall(self._call_id(0), self.named.name, text)]
         if self.mode == "required":
             try:
                 calls = json.loads(text)
@@ -407,14 +416,6 @@ def _embedded(schema: dict[str, Any], name: str) -> dict[str, Any]:
     out = {name: body}
     out.update({f"{name}__{k}": rewrite(v) for k, v in own.items()})
     return out
-
-
-def _compact(text: str) -> str:
-    """JSON text as ``json.dumps`` writes it (the grammar's text already is), else as it is."""
-    try:
-        return json.dumps(json.loads(text), ensure_ascii=False)
-    except json.JSONDecodeError:
-        return text
 
 
 def template_has_tools(chat_template: str | None) -> bool:

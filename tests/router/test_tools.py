@@ -408,3 +408,48 @@ async def test_ignore_eos_with_a_grammar_is_refused_by_name(client: httpx.AsyncC
     assert resp.status_code == 400
     assert resp.json()["error"]["param"] == "ignore_eos" and "ignore_eos cannot be combined" in resp.json()["error"]["message"]
     assert fake.calls == []
+
+
+NAMED = {"type": "function", "function": {"name": "get_weather"}}
+
+
+@pytest.mark.parametrize(
+    ("fields", "param"),
+    [
+        ({"tool_choice": NAMED, "stop": ["}"]}, "stop"),
+        ({"tool_choice": "required", "stop": "x"}, "stop"),
+        ({"tool_choice": "required", "stop_token_ids": [5]}, "stop_token_ids"),
+        ({"tool_choice": NAMED, "stop_token_ids": [5]}, "stop_token_ids"),
+    ],
+)
+async def test_stop_with_a_forced_tool_call_is_refused_by_name(client: httpx.AsyncClient, fake: FakeBackend, fields: dict, param: str) -> None:
+    """A stop string or token would cut the arguments mid-JSON, reported as a tool call."""
+    resp = await client.post(CHAT, json={"model": MODEL, "messages": USER, "tools": [WEATHER], **fields})
+    assert resp.status_code == 400
+    assert resp.json()["error"]["param"] == param and "cannot be combined with tool_choice" in resp.json()["error"]["message"]
+    assert fake.calls == []
+
+
+@pytest.mark.parametrize("stream", [False, True])
+async def test_named_arguments_cut_short_are_content_not_a_call(client: httpx.AsyncClient, fake: FakeBackend, stream: bool) -> None:
+    answer(fake, '{"city": ', '"Li', reason="length")
+    body = {"model": MODEL, "messages": USER, "tools": [WEATHER], "tool_choice": NAMED, "stream": stream}
+    if not stream:
+        choice = (await client.post(CHAT, json=body)).json()["choices"][0]
+        assert choice["finish_reason"] == "length"
+        assert choice["message"] == {"role": "assistant", "content": '{"city": "Li'}
+        return
+    _, events = await sse(client, CHAT, body)
+    _, reasons = tool_deltas(events)
+    assert reasons[-1] == "length"
+
+
+async def test_named_arguments_are_the_same_string_streamed_or_not(client: httpx.AsyncClient, fake: FakeBackend) -> None:
+    texts = ('{"city":  ', '"Lima" }')  # whitespace json.dumps would not write
+    answer(fake, *texts)
+    body = {"model": MODEL, "messages": USER, "tools": [WEATHER], "tool_choice": NAMED}
+    [call] = (await client.post(CHAT, json=body)).json()["choices"][0]["message"]["tool_calls"]
+    answer(fake, *texts)
+    _, events = await sse(client, CHAT, {**body, "stream": True})
+    deltas, _ = tool_deltas(events)
+    assert call["function"]["arguments"] == accumulate(deltas)[0]["arguments"] == "".join(texts)
