@@ -10,7 +10,11 @@ and a ``tool`` message as a user turn in ``<tool_response></tool_response>``.
 What it may answer, by ``tool_choice``:
 - ``none``: text, never parsed for calls (the tools are still shown, as OpenAI does);
 - ``auto`` (the default with tools): text, in which ``<tool_call>`` blocks whose JSON names a
-  tool are the answer's tool calls (``finish_reason: "tool_calls"``), the rest its content;
+  tool are the answer's tool calls (``finish_reason: "tool_calls"``), the rest its content
+  (without trailing whitespace, streamed or not). Arguments the model wrote as JSON text are
+  decoded once. A tool with ``strict: true`` is not grammar-enforced in ``auto`` (the model may
+  answer text): a call to it whose arguments do not validate against its ``parameters`` is not
+  a call, its block stays in the content;
 - ``required``: grammar-constrained to a JSON list of ``{"name", "arguments"}`` objects, each
   naming a tool with arguments matching its ``parameters`` (one, with
   ``parallel_tool_calls: false``), so the calls always parse;
@@ -66,6 +70,7 @@ class Tool:
     name: str
     description: str | None
     parameters: dict[str, Any]
+    strict: bool = False  # with tool_choice auto: a call whose arguments do not validate is text
 
     def as_openai(self) -> dict[str, Any]:
         function: dict[str, Any] = {"name": self.name}
@@ -142,7 +147,7 @@ def parse_tools(value: Any) -> tuple[Tool, ...] | None:
         if not isinstance(parameters, dict):
             raise ValueError(f"tools[{i}].function.parameters must be a JSON schema object")
         _parameters_grammar(parameters, f"tools[{i}].function.parameters")
-        tools.append(Tool(name, description, parameters))
+        tools.append(Tool(name, description, parameters, function.get("strict") is True))
     return tuple(tools)
 
 
@@ -240,34 +245,50 @@ class ToolSet:
                 ToolCall(self._call_id(i), c["name"], json.dumps(c["arguments"], ensure_ascii=False))
                 for i, c in enumerate(calls)
             ]
-        names = {t.name for t in self.tools}
+        by_name = {t.name: t for t in self.tools}
         found: list[ToolCall] = []
+        spans: list[tuple[int, int]] = []  # the blocks that are calls (with parallel_tool_calls false, past the first too)
         for match in _TOOL_CALL.finditer(text):
             try:
                 call = json.loads(match.group(1))
             except json.JSONDecodeError:
                 continue
-            if not isinstance(call, dict) or call.get("name") not in names:
+            if not isinstance(call, dict) or call.get("name") not in by_name:
                 continue
             arguments = call.get("arguments", call.get("parameters", {}))
-            found.append(ToolCall(self._call_id(len(found)), call["name"], json.dumps(arguments, ensure_ascii=False)))
-            if not self.parallel:
-                break
+            if isinstance(arguments, str):  # the model wrote them as JSON text: not encoded twice
+                try:
+                    arguments = json.loads(arguments)
+                except json.JSONDecodeError:
+                    pass
+            tool = by_name[call["name"]]
+            if tool.strict and not _validates(arguments, tool.parameters):
+                continue  # strict: arguments that do not match the schema are no call (the text stays content)
+            spans.append(match.span())
+            if self.parallel or not found:
+                found.append(ToolCall(self._call_id(len(found)), call["name"], json.dumps(arguments, ensure_ascii=False)))
         if not found:
             return text, []
-        content = _TOOL_CALL.sub("", text).strip()
+        # the text without its calls, less trailing whitespace: what a stream sends as content
+        kept, at = [], 0
+        for start, end in spans:
+            kept.append(text[at:start])
+            at = end
+        content = ("".join(kept) + text[at:]).rstrip()
         return content or None, found
 
     def text_before_calls(self, text: str) -> int:
         """How much of ``text`` (an answer so far) is content for sure: up to its first
-        ``<tool_call>``, or up to a tail that may yet become one."""
+        ``<tool_call>``, or up to a tail that may yet become one; trailing whitespace waits
+        too (the content of an answer with calls ends without it, streamed or not)."""
         start = text.find(_OPEN_TAG)
-        if start >= 0:
-            return start
-        for keep in range(min(len(_OPEN_TAG) - 1, len(text)), 0, -1):
-            if _OPEN_TAG.startswith(text[-keep:]):
-                return len(text) - keep
-        return len(text)
+        if start < 0:
+            start = len(text)
+            for keep in range(min(len(_OPEN_TAG) - 1, len(text)), 0, -1):
+                if _OPEN_TAG.startswith(text[-keep:]):
+                    start = len(text) - keep
+                    break
+        return len(text[:start].rstrip())
 
     def _call_id(self, i: int) -> str:
         while len(self.call_ids) <= i:
@@ -444,7 +465,7 @@ def render_messages(
     that renders them; else the fallback's system prompt and history."""
     if template_has_tools(chat_template):
         extra = {"tools": tools.template_tools()} if tools is not None else {}
-        return [{**m, "content": m.get("content") or ""} for m in messages], extra
+        return [_template_message(m) for m in messages], extra
     out: list[dict[str, Any]] = []
     for m in messages:
         if m["role"] == "tool":
@@ -468,6 +489,30 @@ def render_messages(
         else:
             out.insert(0, {"role": "system", "content": prompt})
     return out, {}
+
+
+def _template_message(message: dict[str, Any]) -> dict[str, Any]:
+    """A message for a template with its own tool format: its calls' arguments as JSON values,
+    not JSON text (as vLLM's ``chat_utils._postprocess_messages`` gives them: templates write
+    ``arguments | tojson`` or iterate over them)."""
+    out = {**message, "content": message.get("content") or ""}
+    if message.get("tool_calls"):
+        out["tool_calls"] = [
+            {**c, "function": {**c["function"], "arguments": _arguments(c["function"]["arguments"])}} for c in message["tool_calls"]
+        ]
+    return out
+
+
+def _validates(value: Any, schema: dict[str, Any]) -> bool:
+    import jsonschema
+
+    try:
+        jsonschema.validate(value, schema)
+    except jsonschema.ValidationError:
+        return False
+    except jsonschema.SchemaError:
+        return True  # llguidance compiled it: a schema jsonschema reads otherwise is not the model's fault
+    return True
 
 
 def _arguments(arguments: str) -> Any:

@@ -269,7 +269,8 @@ async def test_malformed_tool_messages_are_400(client: httpx.AsyncClient, messag
 TOOL_TEMPLATE = (
     "{% if tools %}<|im_start|>system\nTOOLS:{{ tools | tojson }}<|im_end|>\n{% endif %}"
     "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}"
-    "{% if m.tool_calls %}{% for c in m.tool_calls %}CALL:{{ c['function']['name'] }}{% endfor %}{% endif %}<|im_end|>\n{% endfor %}"
+    "{% if m.tool_calls %}{% for c in m.tool_calls %}CALL:{{ c['function']['name'] }}"
+    "{% for k, v in c['function']['arguments'].items() %} {{ k }}={{ v }}{% endfor %}{% endfor %}{% endif %}<|im_end|>\n{% endfor %}"
     "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
 )
 
@@ -278,18 +279,20 @@ def test_a_template_with_a_tool_format_gets_the_tools_itself(tokenizer) -> None:
     assert template_has_tools(TOOL_TEMPLATE) and not template_has_tools(tokenizer.chat_template)
     history = [
         *USER,
-        {"role": "assistant", "content": None, "tool_calls": [{"id": "c1", "type": "function", "function": {"name": "get_weather", "arguments": "{}"}}]},
+        {"role": "assistant", "content": None, "tool_calls": [{"id": "c1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Oslo"}'}}]},
         {"role": "tool", "tool_call_id": "c1", "content": "sunny"},
     ]
     request = ChatCompletionRequest.model_validate({"model": MODEL, "messages": history, "tools": [WEATHER]})
     messages, extra = render_messages(request.template_messages(), request.tool_set, TOOL_TEMPLATE)
     assert extra == {"tools": [WEATHER]}
-    assert messages[1] == {"role": "assistant", "content": "", "tool_calls": history[1]["tool_calls"]}
+    # the arguments as a JSON value, as vLLM gives them to a template (it iterates over them here)
+    call = {"id": "c1", "type": "function", "function": {"name": "get_weather", "arguments": {"city": "Oslo"}}}
+    assert messages[1] == {"role": "assistant", "content": "", "tool_calls": [call]}
     assert messages[2] == {"role": "tool", "content": "sunny", "tool_call_id": "c1"}
     templated = Tokenizer(tokenizer.backend, chat_template=TOOL_TEMPLATE)
     text = templated.apply_chat_template(messages, add_generation_prompt=True, **extra)
     assert text.startswith("<|im_start|>system\nTOOLS:" + json.dumps([WEATHER]))
-    assert "CALL:get_weather" in text and "<|im_start|>tool\nsunny" in text
+    assert "CALL:get_weather city=Oslo" in text and "<|im_start|>tool\nsunny" in text
 
 
 async def test_streamed_auto_content_comes_as_it_is_generated(client: httpx.AsyncClient, fake: FakeBackend) -> None:
@@ -298,7 +301,7 @@ async def test_streamed_auto_content_comes_as_it_is_generated(client: httpx.Asyn
     _, events = await sse(client, CHAT, {"model": MODEL, "messages": USER, "tools": [WEATHER], "stream": True})
     chunks = [e["choices"][0] for e in events if isinstance(e, dict) and e.get("choices")]
     contents = [c["delta"]["content"] for c in chunks if c["delta"].get("content")]
-    assert contents == ["It is ", "sunny ", "<b>today</b>", " ", "<tool_call>{bad}</tool_call>"]
+    assert contents == ["It is", " sunny", " <b>today</b>", " <tool_call>{bad}</tool_call>"]  # trailing whitespace waits
     assert not any(c["delta"].get("tool_calls") for c in chunks) and chunks[-1]["finish_reason"] == "stop"
 
 
@@ -453,3 +456,42 @@ async def test_named_arguments_are_the_same_string_streamed_or_not(client: httpx
     _, events = await sse(client, CHAT, {**body, "stream": True})
     deltas, _ = tool_deltas(events)
     assert call["function"]["arguments"] == accumulate(deltas)[0]["arguments"] == "".join(texts)
+
+
+async def test_auto_arguments_written_as_json_text_are_decoded_once(client: httpx.AsyncClient, fake: FakeBackend) -> None:
+    answer(fake, '<tool_call>{"name": "get_weather", "arguments": "{\\"city\\": \\"Oslo\\"}"}</tool_call>')
+    resp = await client.post(CHAT, json={"model": MODEL, "messages": USER, "tools": [WEATHER]})
+    [call] = resp.json()["choices"][0]["message"]["tool_calls"]
+    assert call["function"]["arguments"] == '{"city": "Oslo"}'
+
+
+async def test_a_strict_tools_arguments_must_validate_in_auto(client: httpx.AsyncClient, fake: FakeBackend) -> None:
+    """strict is not grammar-enforced with auto: a call whose arguments break the schema is text."""
+    strict = {"type": "function", "function": {**WEATHER["function"], "strict": True}}
+    bad = '<tool_call>{"name": "get_weather", "arguments": {"town": "Oslo"}}</tool_call>'
+    good = '<tool_call>{"name": "get_weather", "arguments": {"city": "Oslo"}}</tool_call>'
+    answer(fake, "Checking. " + bad + good)
+    choice = (await client.post(CHAT, json={"model": MODEL, "messages": USER, "tools": [strict]})).json()["choices"][0]
+    assert [json.loads(c["function"]["arguments"]) for c in choice["message"]["tool_calls"]] == [{"city": "Oslo"}]
+    assert choice["message"]["content"] == "Checking. " + bad and choice["finish_reason"] == "tool_calls"
+    answer(fake, bad)  # not strict: the call as the model wrote it
+    choice = (await client.post(CHAT, json={"model": MODEL, "messages": USER, "tools": [WEATHER]})).json()["choices"][0]
+    assert choice["message"]["tool_calls"][0]["function"]["arguments"] == '{"town": "Oslo"}'
+
+
+@pytest.mark.parametrize(
+    "texts",
+    [
+        ("Let me check.\n", '<tool_call>{"name": "get_time", "arguments": {}}</tool_call>'),
+        ("Two:  \n", '<tool_call>{"name": "get_time", "arguments": {}}</tool_call>\n', " done. "),
+        ("Hi ", "there  ", "\n"),
+    ],
+)
+async def test_auto_content_is_the_same_streamed_or_not(client: httpx.AsyncClient, fake: FakeBackend, texts: tuple) -> None:
+    body = {"model": MODEL, "messages": USER, "tools": [WEATHER, TIME]}
+    answer(fake, *texts)
+    message = (await client.post(CHAT, json=body)).json()["choices"][0]["message"]
+    answer(fake, *texts)
+    _, events = await sse(client, CHAT, {**body, "stream": True})
+    streamed = "".join(e["choices"][0]["delta"].get("content") or "" for e in events if isinstance(e, dict) and e.get("choices"))
+    assert streamed == (message["content"] or "")
