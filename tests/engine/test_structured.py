@@ -277,3 +277,32 @@ def test_min_tokens_still_holds_while_the_grammar_may_go_on(engine: LLMEngine) -
     [out] = run_all(engine, [prompt], [SamplingParams(max_tokens=20, min_tokens=5, guided=GuidedDecoding("regex", "[a-z]{1,15}"))])
     assert out.finish_reason in (FinishReason.STOP, FinishReason.LENGTH) and out.error is None
     assert len(out.new_token_ids) >= 5 and re.fullmatch("[a-z]{1,15}", out.text)
+
+
+def test_the_grammar_tokenizer_is_warmed_off_the_engine_thread(tiny_model_dir) -> None:
+    """llguidance's tokenizer and a first mask cost ~1 s on a real vocabulary: built in the
+    background at engine start, not on the first guided request's step."""
+    import threading
+    import time
+
+    fresh = LLMEngine(EngineConfig(model=str(tiny_model_dir), block_size=4, num_blocks=64, max_num_seqs=4))
+    assert any(t.name == "grammar-warm" for t in threading.enumerate()) or fresh._grammars._lltok is not None
+    deadline = time.monotonic() + 30
+    while fresh._grammars._lltok is None and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert fresh._grammars._lltok is not None
+
+
+def test_a_compiled_grammar_is_reused_by_copy(compiler: GrammarCompiler, monkeypatch: pytest.MonkeyPatch) -> None:
+    import kvmesh.engine.structured as structured
+
+    compiled = []
+    real = structured.grammar_of
+    monkeypatch.setattr(structured, "grammar_of", lambda spec: compiled.append(spec) or real(spec))
+    spec = GuidedDecoding.choice(["alpha", "beta"])
+    first, second = compiler.state(spec), compiler.state(spec)
+    assert compiled == [spec] and first.matcher is not second.matcher
+    before = first.allowed()
+    [token] = [t for t in range(compiler.vocab_size) if before[t] and t not in compiler.eos_token_ids][:1]
+    first.advance([token])
+    assert torch.equal(second.allowed(), before)  # the copy's state is its own

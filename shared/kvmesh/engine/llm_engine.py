@@ -95,7 +95,9 @@ class LLMEngine:
         )
         self.runner = ModelRunner(self.model, self.kv_pool, self.kv_manager)
         self._texts: dict[str, OutputText] = {}
-        self._grammars: GrammarCompiler | None = None  # built for the first guided request
+        # structured output: llguidance's tokenizer is built off this thread now, not on the first guided request's step
+        self._grammars = GrammarCompiler(self.tokenizer, self.model_config.vocab_size, self.eos_token_ids)
+        self._grammars.warm()
         self._failed_steps = 0  # steps in a row whose batch raised
         self.last_step_tokens = 0  # tokens the last step scheduled; 0: no room for anything
         self.num_preemptions = 0  # requests preempted (recomputed later) since the start
@@ -122,8 +124,6 @@ class LLMEngine:
             raise ValueError(f"logit_bias token ids must lie in [0, {vocab})")
         req = Request(request_id, list(prompt_token_ids), params, self.eos_token_ids, export_kv=export_kv)
         if params.guided is not None:  # structured output: the request's grammar matcher
-            if self._grammars is None:
-                self._grammars = GrammarCompiler(self.tokenizer, self.model_config.vocab_size, self.eos_token_ids)
             req.grammar = self._grammars.state(params.guided)
         return req
 

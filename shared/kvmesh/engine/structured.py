@@ -173,28 +173,57 @@ class GrammarCompiler:
     """One engine's grammar maker: llguidance's view of the tokenizer (built on first use,
     about 0.3 s for a 49k vocabulary) and the model's vocabulary width and EOS tokens."""
 
+    CACHE_SIZE = 64  # compiled grammars kept: a spec sent again is copied, not compiled
+
     def __init__(self, tokenizer: Tokenizer, vocab_size: int, eos_token_ids: Sequence[int]) -> None:
         self._tokenizer = tokenizer
         self.vocab_size = vocab_size
         self.eos_token_ids = tuple(eos_token_ids)
         self._lltok: Any = None
+        self._lock = threading.Lock()
+        self._compiled: OrderedDict[GuidedDecoding, Any] = OrderedDict()  # spec -> a matcher that consumed nothing
 
     @property
     def lltokenizer(self) -> Any:
-        if self._lltok is None:
-            llg = _llguidance()
-            eos = self.eos_token_ids[0] if self.eos_token_ids else None
-            # The tokenizer's own tokenizer.json: the same byte-level vocabulary, merges and special tokens.
-            self._lltok = llg.LLTokenizer(self._tokenizer.backend.to_str(), n_vocab=self.vocab_size, eos_token=eos)
-        return self._lltok
+        with self._lock:
+            if self._lltok is None:
+                llg = _llguidance()
+                eos = self.eos_token_ids[0] if self.eos_token_ids else None
+                # The tokenizer's own tokenizer.json: the same byte-level vocabulary, merges and special tokens.
+                self._lltok = llg.LLTokenizer(self._tokenizer.backend.to_str(), n_vocab=self.vocab_size, eos_token=eos)
+            return self._lltok
+
+    def warm(self) -> threading.Thread:
+        """Build llguidance's tokenizer and compute one mask in a background thread (about 1 s
+        on a 49k vocabulary, which the first guided request would otherwise spend on the
+        engine's thread); a request that comes first waits for the tokenizer only."""
+
+        def work() -> None:
+            try:
+                self.state(GuidedDecoding("json_object")).allowed()
+            except Exception:  # noqa: BLE001 - the first guided request reports it
+                logger.warning("warming the grammar compiler failed", exc_info=True)
+
+        thread = threading.Thread(target=work, name="grammar-warm", daemon=True)
+        thread.start()
+        return thread
 
     def state(self, spec: GuidedDecoding) -> GrammarState:
         """A fresh matcher for ``spec``; raises ``GrammarError`` when it does not compile."""
-        grammar = grammar_of(spec)
-        matcher = _llguidance().LLMatcher(self.lltokenizer, grammar, log_level=0)
-        if matcher.is_error():
-            raise GrammarError(_first_line(matcher.get_error()))
-        return GrammarState(matcher, self)
+        with self._lock:
+            pristine = self._compiled.get(spec)
+            if pristine is not None:
+                self._compiled.move_to_end(spec)
+        if pristine is None:
+            grammar = grammar_of(spec)
+            pristine = _llguidance().LLMatcher(self.lltokenizer, grammar, log_level=0)
+            if pristine.is_error():
+                raise GrammarError(_first_line(pristine.get_error()))
+            with self._lock:
+                self._compiled[spec] = pristine
+                while len(self._compiled) > self.CACHE_SIZE:
+                    self._compiled.popitem(last=False)
+        return GrammarState(pristine.deep_copy(), self)
 
 
 class GrammarState:
