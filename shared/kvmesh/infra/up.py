@@ -59,6 +59,29 @@ class ServiceOption:
         return self.flag.removeprefix("--").replace("-", "_")
 
 
+def _positive(kind: type, *, zero: bool = False) -> Any:
+    """An argparse type: a number above 0 (``zero``: or 0), refused on the command line otherwise."""
+    words = {int: "integer", float: "number"}[kind]
+
+    def parse(text: str) -> Any:
+        try:
+            value = kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"invalid {kind.__name__} value: {text!r}") from None
+        if value != value or value in (float("inf"), float("-inf")) or value < 0 or (value == 0 and not zero):
+            raise argparse.ArgumentTypeError(f"must be a {'non-negative' if zero else 'positive'} {words}, got {text!r}")
+        return value
+
+    parse.__name__ = kind.__name__
+    return parse
+
+
+POSITIVE_INT = {"type": _positive(int)}
+POSITIVE_FLOAT = {"type": _positive(float)}
+# what only vLLM's workers read (``kvmesh.worker.vllm_engine``): kvmesh's engine would ignore it
+VLLM_ONLY = ("--max-model-len", "--engine-args")
+
+
 def _file_or_setting(*settings: str) -> Any:
     return lambda value: value if value in settings else str(Path(value).expanduser().resolve())
 
@@ -75,21 +98,21 @@ SERVICE_OPTIONS = (
         "sampling defaults: auto (the model's generation_config.json), vllm (none) or a directory (default: auto)",
         {"type": _file_or_setting("auto", "vllm")},
     ),  # fmt: skip
-    ServiceOption("--max-attempts", "router", "tries per request (default: 3)", {"type": int}),
-    ServiceOption("--max-body-bytes", "router", "larger request bodies get a 413 (default: 4 MiB)", {"type": int}),
-    ServiceOption("--body-timeout", "router", "seconds a request body may take (default: 10)", {"type": float}),
-    ServiceOption("--max-header-bytes", "router", "a larger request head gets a 431 (default: 32 KiB)", {"type": int}),
-    ServiceOption("--header-timeout", "router", "seconds a request head may take (default: 10)", {"type": float}),
+    ServiceOption("--max-attempts", "router", "tries per request (default: 3)", POSITIVE_INT),
+    ServiceOption("--max-body-bytes", "router", "larger request bodies get a 413 (default: 4 MiB)", POSITIVE_INT),
+    ServiceOption("--body-timeout", "router", "seconds a request body may take (default: 10)", POSITIVE_FLOAT),
+    ServiceOption("--max-header-bytes", "router", "a larger request head gets a 431 (default: 32 KiB)", POSITIVE_INT),
+    ServiceOption("--header-timeout", "router", "seconds a request head may take (default: 10)", POSITIVE_FLOAT),
     ServiceOption("--device", "workers", "cpu, cuda or npu (default: cpu)"),
-    ServiceOption("--max-model-len", "workers", "vllm: the longest sequence, prompt and output (default: the model's)", {"type": int}),
-    ServiceOption("--max-num-seqs", "workers", "requests a worker batches at most (default: 64)", {"type": int}),
-    ServiceOption("--max-num-batched-tokens", "workers", "tokens in one engine step at most (default: 1024)", {"type": int}),
+    ServiceOption("--max-model-len", "workers", "vllm: the longest sequence, prompt and output (default: the model's)", POSITIVE_INT),
+    ServiceOption("--max-num-seqs", "workers", "requests a worker batches at most (default: 64)", POSITIVE_INT),
+    ServiceOption("--max-num-batched-tokens", "workers", "tokens in one engine step at most (default: 1024)", POSITIVE_INT),
     ServiceOption("--engine-args", "workers", 'vllm: more EngineArgs as a JSON object, e.g. \'{"enforce_eager": false}\'', {"metavar": "JSON"}),
-    ServiceOption("--drain-timeout", "workers", "seconds a stopping worker finishes its work in (default: 60)", {"type": float}),
-    ServiceOption("--load-interval", "workers", "seconds between a worker's load reports (default: 0.5)", {"type": float}),
-    ServiceOption("--request-deadline", "env", "seconds a whole request may take, retries included (default: 1800)", {"type": float}, env="KVMESH_REQUEST_DEADLINE"),
-    ServiceOption("--silence-timeout", "env", "a worker silent this long about a request is given up on (default: 5)", {"type": float}, env="KVMESH_SILENCE_TIMEOUT"),
-    ServiceOption("--heartbeat-interval", "env", "seconds between a worker's progress messages (default: 0.5)", {"type": float}, env="KVMESH_HEARTBEAT_INTERVAL"),
+    ServiceOption("--drain-timeout", "workers", "seconds a stopping worker finishes its work in (default: 60)", {"type": _positive(float, zero=True)}),
+    ServiceOption("--load-interval", "workers", "seconds between a worker's load reports (default: 0.5)", POSITIVE_FLOAT),
+    ServiceOption("--request-deadline", "env", "seconds a whole request may take, retries included (default: 1800)", POSITIVE_FLOAT, env="KVMESH_REQUEST_DEADLINE"),
+    ServiceOption("--silence-timeout", "env", "a worker silent this long about a request is given up on (default: 5)", POSITIVE_FLOAT, env="KVMESH_SILENCE_TIMEOUT"),
+    ServiceOption("--heartbeat-interval", "env", "seconds between a worker's progress messages (default: 0.5)", POSITIVE_FLOAT, env="KVMESH_HEARTBEAT_INTERVAL"),
 )
 
 
@@ -208,6 +231,10 @@ def check_service_args(args: argparse.Namespace) -> None:
             raise UpUsageError(f"--engine-args: not JSON ({exc})") from None
         if not isinstance(engine_args, dict):
             raise UpUsageError("--engine-args: must be a JSON object of EngineArgs fields")
+    if args.engine != "vllm":
+        for flag in VLLM_ONLY:
+            if getattr(args, flag.removeprefix("--").replace("-", "_")) is not None:
+                raise UpUsageError(f"{flag} is only for vLLM's workers: give --engine vllm, or leave it out")
 
 
 def check_engine(engine: str) -> None:
