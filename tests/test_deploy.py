@@ -375,7 +375,16 @@ def test_network_policies_let_only_the_router_be_reached_from_outside():
     policies = {name: d["spec"] for (k, name), d in docs.items() if k == "NetworkPolicy"}
     assert policies["default-deny-ingress"] == {"podSelector": {}, "policyTypes": ["Ingress"]}
     open_rules = {name: rule for name, spec in policies.items() for rule in spec.get("ingress", []) if not rule.get("from")}
-    assert set(open_rules) == {"router"} and open_rules["router"]["ports"] == [{"protocol": "TCP", "port": 8000}]
+    assert open_rules == {}  # nothing from everywhere: the router from the ingress controller and Prometheus only
+    assert policies["router"]["ingress"] == [
+        {
+            "from": [
+                {"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "ingress-nginx"}}},
+                {"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "monitoring"}}},
+            ],
+            "ports": [{"protocol": "TCP", "port": 8000}],
+        }
+    ]
     mesh = policies["mesh-servers"]
     assert set(mesh["podSelector"]["matchExpressions"][0]["values"]) == {"nats", "etcd"}
     assert mesh["ingress"] == [{"from": [{"podSelector": {"matchLabels": {"app.kubernetes.io/part-of": "kvmesh"}}}]}]
@@ -441,6 +450,7 @@ def secret_values(directory: Path) -> list[str]:
             values += [section["password"] for section in body.values()]
     for path in directory.glob("*.key"):
         values += [line for line in path.read_text().splitlines() if line and not line.startswith("-----")]
+    values += [line.split(":", 1)[1] for line in (directory / "api-keys").read_text().splitlines() if line and not line.startswith("#")]
     assert len(values) > 8
     return values
 
@@ -949,3 +959,19 @@ def test_every_port_in_compose_and_kubernetes_is_one_the_services_listen_on():
             pods = [pod for (k, n), pod in pod_templates(docs).items() if n == name]
             named = {p["name"] for pod in pods for c in pod["containers"] for p in c.get("ports", [])}
             assert {p["targetPort"] for p in service["spec"]["ports"]} <= named, (overlay, name)
+
+
+def test_the_kubernetes_router_needs_an_api_key(secrets_dir):
+    """The router was deployed with no API key: now it reads the key file of its own Secret."""
+    from kvmesh.services.router.api_keys import load_api_keys
+
+    keys = load_api_keys(str(secrets_dir / "api-keys"), env={})
+    assert keys is not None
+    generated = {d["metadata"]["name"]: d for d in yaml.safe_load_all((secrets_dir / "secrets.yaml").read_text()) if d["kind"] == "Secret"}
+    assert "api-keys" in generated["kvmesh-router"]["data"]
+    assert not any("api-keys" in d["data"] for name, d in generated.items() if name != "kvmesh-router")
+    command = workload(by_kind_and_name(), "router")["spec"]["template"]["spec"]["containers"][0]["command"]
+    flag = command.index("--api-key-file")
+    assert command[flag + 1] == f"{MOUNT}/api-keys"
+    readme = (secrets_dir / "README").read_text()
+    assert "kubectl apply -k deploy/k8s/overlays/cpu" in readme and "kubectl apply -k deploy/k8s\n" not in readme

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import base64
 import json
+import secrets as random_secrets
 from pathlib import Path
 
 import yaml
@@ -30,6 +31,7 @@ KV_METADATA_ID = "kv-metadata"
 CA = "ca.crt"
 NATS_SERVER_CONF, NATS_USERS_CONF = "nats-server.conf", "nats-users.conf"
 ETCD_USERS = "etcd-users.json"
+API_KEYS = "api-keys"  # the router's API key file (``--api-key-file``): one key, named default
 
 
 def service_hosts(service: str, namespace: str) -> list[str]:
@@ -72,6 +74,11 @@ def generate(
     ])  # fmt: skip
     write_private(out / NATS_SERVER_CONF, nats_conf + "\n")
     write_users(out / ETCD_USERS, credentials.etcd_root_password, credentials.etcd_users)
+    write_private(
+        out / API_KEYS,
+        "# the router's API keys, one name:key a line (services/router/api_keys.py); clients send the key as a Bearer token\n"
+        f"default:sk-kvmesh-{random_secrets.token_urlsafe(32)}\n",
+    )
     (out / CA).chmod(0o600)
     for name in ("nats.crt", "etcd.crt"):
         (out / name).chmod(0o600)
@@ -79,7 +86,7 @@ def generate(
         "kvmesh-nats-server": [NATS_SERVER_CONF, NATS_USERS_CONF, "nats.crt", "nats.key"],
         "kvmesh-etcd-server": ["etcd.crt", "etcd.key"],
         "kvmesh-etcd-auth": [ETCD_USERS, CA],
-        "kvmesh-router": ["router.json", CA],
+        "kvmesh-router": ["router.json", API_KEYS, CA],
         "kvmesh-kv-metadata": [f"{KV_METADATA_ID}.json", CA],
         "kvmesh-prefill-worker": [*(f"{w}.json" for w, role in workers.items() if role == "prefill"), CA],
         "kvmesh-decode-worker": [*(f"{w}.json" for w, role in workers.items() if role == "decode"), CA],
@@ -105,6 +112,7 @@ def _readme(out: Path, workers: dict[str, str]) -> str:
         f"Secrets of one kvmesh deployment, made by `kvmesh credentials --out {out}`.",
         "Compose: docker compose -f deploy/compose/compose.yaml up (KVMESH_SECRETS=<this folder> if not deploy/compose/secrets);",
         "  the kvmesh containers run as uid 1000: chown 1000 *.json ca.crt first.",
-        "Kubernetes: kubectl apply -f secrets.yaml && kubectl apply -k deploy/k8s",
+        "Kubernetes: kubectl apply -f secrets.yaml && kubectl apply -k deploy/k8s/overlays/cpu (or cuda, ascend);",
+        f"  the router asks for the API key in {API_KEYS} (the part after 'default:') as a Bearer token.",
         f"Workers: {json.dumps(workers)}",
     ])  # fmt: skip
