@@ -307,8 +307,36 @@ def _parse_optional_content(value: Any) -> str | None:
     return None if value is None else _parse_content(value)
 
 
+def _message_variants(schema: dict[str, Any]) -> None:
+    """A message's schema, one variant per role, with what ``_content_or_tool_calls`` checks:
+    content null only in an assistant message with tool calls, tool calls only in assistant
+    messages, ``tool_call_id`` exactly in tool messages (so a client, or a fuzzer, that keeps
+    to the schema sends what is accepted)."""
+    props = schema["properties"]
+    text = props["content"]["anyOf"][0]
+    tool_calls = {**props["tool_calls"]["anyOf"][0], "minItems": 1}
+
+    def variant(roles: list[str], required: list[str], **own: Any) -> dict[str, Any]:
+        return {
+            "type": "object",
+            "properties": {"role": {"enum": roles}, "name": props["name"], "refusal": props["refusal"], **own},
+            "required": ["role", *required],
+            "additionalProperties": False,
+        }
+
+    variants = [
+        variant(["system", "developer", "user"], ["content"], content=text),
+        variant(["assistant"], ["content"], content=text, tool_calls=props["tool_calls"]),
+        variant(["assistant"], ["tool_calls"], content={"type": "null"}, tool_calls=tool_calls),
+        variant(["tool"], ["content", "tool_call_id"], content=text, tool_call_id={"type": "string"}),
+    ]
+    title = schema.get("title", "ChatMessage")
+    schema.clear()
+    schema.update({"title": title, "anyOf": variants})
+
+
 class ChatMessage(BaseModel):
-    model_config = _STRICT
+    model_config = ConfigDict(**_STRICT, json_schema_extra=_message_variants)
 
     role: Literal["system", "developer", "user", "assistant", "tool"]
     # null only in an assistant message with tool calls
