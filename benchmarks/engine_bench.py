@@ -59,7 +59,7 @@ import torch.nn.functional as F
 
 from kvmesh.engine.llm_engine import EngineConfig, LLMEngine
 from kvmesh.engine.request import SamplingParams
-from kvmesh.machine import cpu_model
+from kvmesh.machine import cpu_flags, cpu_model
 
 log = logging.getLogger("engine_bench")
 
@@ -801,6 +801,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--out", type=Path, help="write raw numbers and metadata as JSON")
     p.add_argument("--markdown", type=Path, help="append the tables and metadata to this markdown file")
     p.add_argument("-v", "--verbose", action="store_true")
+    p.add_argument("--ablation", action="store_true",
+                   help="only the ablation: each optimization off and on in one run; --out gains an 'ablation' key")
     args = p.parse_args(argv)
     args.dtypes = [d.strip() for d in args.dtypes.split(",") if d.strip()]
     for d in args.dtypes:
@@ -820,6 +822,93 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     return args
 
 
+# ----------------------------------------------------------------------------- ablation
+
+ABLATION_FLAGS = ("avx512f", "avx512_bf16", "amx_bf16", "amx_tile", "avx2", "fma")
+
+
+def _decode_tokens_per_s(engine: LLMEngine, prompt: list[int], new_tokens: int) -> float:
+    """Batch-1 decode rate, from the first generated token to the last (prefill excluded)."""
+    engine.add_request(f"abl-{time.monotonic_ns()}", prompt, SamplingParams(max_tokens=new_tokens + 1, ignore_eos=True))
+    engine.step()  # prefill and the first token
+    started = time.perf_counter()
+    while engine.has_unfinished():
+        engine.step()
+    return new_tokens / (time.perf_counter() - started)
+
+
+def _decode_step_ms(engine: LLMEngine, prompts: list[list[int]], steps: int) -> float:
+    """Median wall time of one decode step of ``len(prompts)`` sequences (all prefilled first)."""
+    for i, prompt in enumerate(prompts):
+        engine.add_request(f"abl-{time.monotonic_ns()}-{i}", prompt, SamplingParams(max_tokens=steps + 2, ignore_eos=True))
+    sched = engine.scheduler
+    while sched.waiting or any(r.num_computed_tokens < r.num_prompt_tokens for r in sched.requests.values()):
+        engine.step()
+    times = []
+    for _ in range(steps):
+        started = time.perf_counter()
+        engine.step()
+        times.append(time.perf_counter() - started)
+    while engine.has_unfinished():
+        engine.step()
+    return statistics.median(times) * 1e3
+
+
+def run_ablation(args: argparse.Namespace) -> tuple[list[dict[str, Any]], str]:
+    """Each kept optimization off and on in the same engine, rounds interleaved (off, on, off,
+    on...), median reported: batch-1 decode tokens/s and the 32-sequence decode step."""
+    quick = args.quick
+    new_tokens, steps, batch, prompt_len = (16, 4, 8, 64) if quick else (64, 12, 32, 128)
+    results: list[dict[str, Any]] = []
+    lines = [
+        "| optimization | dtype | workload | off | on | on / off |",
+        "|---|---|---|---:|---:|---:|",
+    ]
+    for dtype in args.dtypes:
+        engine = load_kvmesh(dtype, args)
+        prompts = PromptMaker(engine.tokenizer)
+        if not engine.model.paged_kernel:
+            log.warning("ablation: the paged kernel is not available here; skipping %s", dtype)
+            continue
+        rates: dict[bool, list[float]] = {False: [], True: []}
+        step_ms: dict[bool, list[float]] = {False: [], True: []}
+        _decode_tokens_per_s(engine, prompts.make(32), 4)  # warm-up
+        for _ in range(args.rounds):
+            for flag in (False, True):
+                engine.model.paged_kernel = flag
+                rates[flag].append(_decode_tokens_per_s(engine, prompts.make(32), new_tokens))
+            for flag in (False, True):
+                engine.model.paged_kernel = flag
+                group = [prompts.make(prompt_len) for _ in range(batch)]
+                step_ms[flag].append(_decode_step_ms(engine, group, steps))
+        engine.model.paged_kernel = True
+        for workload, unit, samples, higher in (
+            (f"batch-1 decode (32-token prompt, {new_tokens} new)", "tokens/s", rates, True),
+            (f"decode step, {batch} sequences of ~{prompt_len}+ tokens", "ms", step_ms, False),
+        ):
+            off, on = statistics.median(samples[False]), statistics.median(samples[True])
+            gain = on / off if higher else off / on
+            results.append({"optimization": "paged decode kernel (K/V read in place)", "dtype": dtype,
+                            "workload": workload, "unit": unit, "off": samples[False], "on": samples[True],
+                            "off_median": off, "on_median": on, "speedup": gain})  # fmt: skip
+            lines.append(f"| paged decode kernel (K/V read in place) | {dtype} | {workload} ({unit}) "
+                         f"| {off:.1f} | {on:.1f} | {gain:.2f}x faster |")  # fmt: skip
+        del engine
+        gc.collect()
+    flags = set(cpu_flags().split())
+    load = os.getloadavg() if hasattr(os, "getloadavg") else None
+    header = [
+        f"### Engine ablation ({dt.datetime.now(dt.UTC):%Y-%m-%d %H:%M} UTC)",
+        "",
+        f"- command: `{shlex.join([sys.executable, *sys.argv])}`",
+        f"- CPU: {cpu_model()}, {os.cpu_count()} cores, torch threads {torch.get_num_threads()}, "
+        f"flags: {', '.join(f for f in ABLATION_FLAGS if f in flags) or 'none of ' + ', '.join(ABLATION_FLAGS)}",
+        f"- load average at the end: {load}; median of {args.rounds} interleaved rounds (off, on, off, on...)",
+        "",
+    ]
+    return results, "\n".join(header + lines) + "\n"
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     args = parse_args(argv)
@@ -829,6 +918,17 @@ def main(argv: list[str] | None = None) -> int:
     sizes = QUICK if args.quick else Sizes()
     meta = metadata(args, [sys.argv[0], *argv])
     log.info("sizes: %s", sizes)
+    if args.ablation:
+        rows, text = run_ablation(args)
+        print(text)
+        if args.out:
+            payload = json.loads(args.out.read_text()) if args.out.exists() else {}
+            payload["ablation"] = {"metadata": meta, "cpu_flags": cpu_flags(), "rows": rows}
+            args.out.write_text(json.dumps(payload, indent=2, default=str) + "\n")
+        if args.markdown:
+            with args.markdown.open("a", encoding="utf-8") as fh:
+                fh.write("\n" + text)
+        return 0
 
     machine = None
     if not args.skip_machine:

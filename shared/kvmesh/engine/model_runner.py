@@ -121,12 +121,13 @@ class ModelRunner:
         width = max(len(t) for t in tables)
         block_tables = self._tensor([t + [0] * (width - len(t)) for t in tables]).view(len(tables), width)
         bias = None
-        if min(context_lens) < width * bs:
+        lens = self._tensor(context_lens) if prefix is None and self.model.paged_kernel else None
+        if lens is None and min(context_lens) < width * bs:
             keys = torch.arange(width * bs, device=self.device)
             visible = keys.unsqueeze(0) < self._tensor(context_lens).unsqueeze(1)
             bias = torch.zeros(visible.shape, dtype=torch.float32, device=self.device)
             bias = bias.masked_fill_(~visible, float("-inf")).view(len(tables), 1, 1, -1)
-        return DecodeBatch(block_tables, bias, prefix)
+        return DecodeBatch(block_tables, bias, prefix, lens)
 
     def execute(self, out: SchedulerOutput) -> list[int | Exception]:
         """Run one step; returns one sampled token per request that reached its last token,

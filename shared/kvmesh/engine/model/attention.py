@@ -35,8 +35,9 @@ class DecodeBatch:
     """
 
     block_tables: torch.Tensor  # (B, n) block ids after the shared prefix, padded
-    bias: torch.Tensor | None  # (B, 1, 1, n * block_size) float32, 0 or -inf; None: nothing masked
+    bias: torch.Tensor | None  # (B, 1, 1, n * block_size) float32, 0 or -inf; None: masked by context_lens if set, else nothing
     shared_prefix: torch.Tensor | None = None  # (P,) block ids every sequence begins with
+    context_lens: torch.Tensor | None = None  # (B,) int64 tokens each attends to; set: the kernel may run
 
 
 @dataclass(slots=True)
@@ -69,13 +70,23 @@ def _gather(cache: torch.Tensor, block_table: torch.Tensor) -> torch.Tensor:
 
 
 def _decode_attention(
-    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, batch: DecodeBatch, scale: float
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    batch: DecodeBatch,
+    scale: float,
+    kernel: bool = False,
 ) -> torch.Tensor:
     """One query per sequence: q (B, heads, dim) -> (B, heads, dim).
 
-    The query heads that share a KV head are stacked as rows of one small matmul, so K and
-    V are never repeated. Softmax runs in float32, as Hugging Face's eager attention does.
+    ``kernel``: the compiled kernel (paged_kernel.py) reads K/V in place, scores and sums in
+    float32 (no cascade: a shared prefix takes the PyTorch path). Otherwise the blocks are
+    gathered and the query heads that share a KV head are stacked as rows of one small
+    matmul, so K and V are never repeated; softmax runs in float32, as Hugging Face's eager
+    attention does.
     """
+    if kernel and batch.shared_prefix is None and batch.context_lens is not None:
+        return torch.ops.kvmesh.paged_decode(q, k_cache, v_cache, batch.block_tables, batch.context_lens, scale)
     num_seqs, heads, dim = q.shape
     kv_heads = k_cache.shape[2]
     group = heads // kv_heads
@@ -85,6 +96,9 @@ def _decode_attention(
     scores = torch.matmul(grouped, keys.transpose(-1, -2)).float() * scale  # (B, kv_heads, group, S)
     if batch.bias is not None:
         scores = scores + batch.bias
+    elif batch.context_lens is not None:  # built for the kernel, which did not run: mask from the lengths
+        visible = torch.arange(keys.shape[-2], device=q.device) < batch.context_lens.unsqueeze(1)
+        scores = scores.masked_fill(~visible.view(num_seqs, 1, 1, -1), float("-inf"))
     if batch.shared_prefix is None:
         probs = torch.softmax(scores, dim=-1).to(values.dtype)
         return torch.matmul(probs, values).view(num_seqs, heads, dim)
@@ -116,16 +130,18 @@ def paged_attention(
     v_cache: torch.Tensor,
     meta: AttentionMetadata,
     scale: float,
+    kernel: bool = False,
 ) -> torch.Tensor:
-    """Attention of the flat batch; q (T, heads, dim), k/v (T, kv_heads, dim) -> (T, heads, dim)."""
+    """Attention of the flat batch; q (T, heads, dim), k/v (T, kv_heads, dim) -> (T, heads, dim).
+    ``kernel``: decode attention through the compiled kernel (see ``_decode_attention``)."""
     num_decode = meta.num_decode
     if not meta.prefills:
         assert meta.decode is not None
-        return _decode_attention(q, k_cache, v_cache, meta.decode, scale)
+        return _decode_attention(q, k_cache, v_cache, meta.decode, scale, kernel)
     out = torch.empty_like(q)
     if num_decode:
         assert meta.decode is not None
-        out[:num_decode] = _decode_attention(q[:num_decode], k_cache, v_cache, meta.decode, scale)
+        out[:num_decode] = _decode_attention(q[:num_decode], k_cache, v_cache, meta.decode, scale, kernel)
     for span in meta.prefills:
         end = span.start + span.length
         queries = q[span.start : end].transpose(0, 1).unsqueeze(0)  # (1, heads, L, dim)

@@ -8,6 +8,7 @@ import torch
 import torch.nn.functional as F
 
 from kvmesh.engine.kv_cache import KVCachePool
+from kvmesh.engine.model import paged_kernel
 from kvmesh.engine.model.attention import AttentionMetadata, paged_attention, write_kv
 from kvmesh.engine.model.config import ModelConfig
 from kvmesh.engine.model.linear import Linear
@@ -85,6 +86,8 @@ class LlamaModel:
         self.q_size = config.num_heads * config.head_dim
         self.kv_size = config.num_kv_heads * config.head_dim
         self.scale = config.head_dim**-0.5
+        # Decode attention through the compiled kernel, K/V read in place (model/paged_kernel.py).
+        self.paged_kernel = device.type == "cpu" and paged_kernel.available()
 
     @torch.inference_mode()
     def forward(
@@ -109,7 +112,7 @@ class LlamaModel:
             v = qkv[:, self.q_size + self.kv_size :].view(num_tokens, kv_heads, head_dim)
             k_cache, v_cache = kv.layer_views(index)
             write_kv(k_cache, v_cache, k, v, meta)
-            attn = paged_attention(q, k, v, k_cache, v_cache, meta, self.scale)
+            attn = paged_attention(q, k, v, k_cache, v_cache, meta, self.scale, self.paged_kernel)
             residual = residual + layer.o_proj(attn.view(num_tokens, self.q_size))
             h = F.rms_norm(residual, hidden_shape, layer.post_norm, eps)
             gate_up = layer.gate_up(h)

@@ -1,0 +1,139 @@
+// Decode attention that reads K/V where they lie in the paged pool (no gather).
+//
+// q (B, heads, dim); k_cache, v_cache: one layer's strided views (num_blocks, block_size,
+// kv_heads, dim), the last dimension contiguous; block_tables (B, n) int64; context_lens
+// (B,) int64. One task per (sequence, kv head): the query heads sharing that KV head are
+// scored together, so each K/V row is read once. Scores, softmax and the weighted sum of V
+// are accumulated in float32; the output is rounded to q's dtype once.
+#include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty_like.h>
+#include <c10/util/BFloat16.h>
+#include <c10/util/Half.h>
+#include <torch/library.h>
+
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+#include <vector>
+
+namespace {
+
+inline float to_float(float x) { return x; }
+inline float to_float(c10::Half x) { return static_cast<float>(x); }
+inline float to_float(c10::BFloat16 x) {  // the bits shift, which vectorizes (the c10 conversion does not)
+  uint32_t bits = static_cast<uint32_t>(x.x) << 16;
+  float out;
+  std::memcpy(&out, &bits, sizeof(out));
+  return out;
+}
+
+constexpr int64_t kMaxDim = 256;
+
+// D > 0: the head dim known at compile time (loops unrolled, accumulators in registers).
+template <typename T, int64_t D>
+void run(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache, const at::Tensor& tables,
+         const at::Tensor& lens, double scale, at::Tensor& out) {
+  const int64_t num_seqs = q.size(0), heads = q.size(1), dim = D > 0 ? D : q.size(2);
+  const int64_t block_size = k_cache.size(1), kv_heads = k_cache.size(2);
+  const int64_t group = heads / kv_heads, width = tables.size(1);
+  const int64_t kb = k_cache.stride(0), kt = k_cache.stride(1), kh = k_cache.stride(2);
+  const int64_t vb = v_cache.stride(0), vt = v_cache.stride(1), vh = v_cache.stride(2);
+  const int64_t qs = q.stride(0), qh = q.stride(1);
+  const T* qp = q.const_data_ptr<T>();
+  const T* kp = k_cache.const_data_ptr<T>();
+  const T* vp = v_cache.const_data_ptr<T>();
+  const int64_t* tp = tables.const_data_ptr<int64_t>();
+  const int64_t* lp = lens.const_data_ptr<int64_t>();
+  T* op = out.data_ptr<T>();
+  const float fscale = static_cast<float>(scale);
+
+  at::parallel_for(0, num_seqs * kv_heads, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> scores;
+    std::vector<const T*> krows, vrows;
+    alignas(64) float qf[kMaxDim];
+    alignas(64) float acc[kMaxDim];
+    for (int64_t task = begin; task < end; ++task) {
+      const int64_t s = task / kv_heads, h = task % kv_heads;
+      const int64_t len = lp[s];
+      const int64_t* table = tp + s * width;
+      scores.resize(len);
+      krows.resize(len);
+      vrows.resize(len);
+      for (int64_t pos = 0; pos < len; ++pos) {
+        const int64_t block = table[pos / block_size], off = pos % block_size;
+        krows[pos] = kp + block * kb + off * kt + h * kh;
+        vrows[pos] = vp + block * vb + off * vt + h * vh;
+      }
+      for (int64_t g = 0; g < group; ++g) {
+        const int64_t head = h * group + g;
+        const T* src = qp + s * qs + head * qh;
+        for (int64_t d = 0; d < dim; ++d) qf[d] = to_float(src[d]) * fscale;
+        float peak = -std::numeric_limits<float>::infinity();
+        for (int64_t pos = 0; pos < len; ++pos) {
+          const T* krow = krows[pos];
+          float dotp = 0.f;
+#pragma omp simd reduction(+ : dotp)
+          for (int64_t d = 0; d < dim; ++d) dotp += qf[d] * to_float(krow[d]);
+          scores[pos] = dotp;
+          peak = dotp > peak ? dotp : peak;
+        }
+        float total = 0.f;
+        float* sc = scores.data();
+#pragma omp simd reduction(+ : total)
+        for (int64_t pos = 0; pos < len; ++pos) {
+          sc[pos] = std::exp(sc[pos] - peak);  // vectorized (libmvec) with -fno-math-errno
+          total += sc[pos];
+        }
+        for (int64_t d = 0; d < dim; ++d) acc[d] = 0.f;
+        for (int64_t pos = 0; pos < len; ++pos) {
+          const T* vrow = vrows[pos];
+          const float w = scores[pos];
+#pragma omp simd
+          for (int64_t d = 0; d < dim; ++d) acc[d] += w * to_float(vrow[d]);
+        }
+        const float inv = 1.f / total;
+        T* dst = op + (s * heads + head) * dim;
+        for (int64_t d = 0; d < dim; ++d) dst[d] = static_cast<T>(acc[d] * inv);
+      }
+    }
+  });
+}
+
+template <typename T>
+void dispatch_dim(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache, const at::Tensor& tables,
+                  const at::Tensor& lens, double scale, at::Tensor& out) {
+  switch (q.size(2)) {
+    case 64: run<T, 64>(q, k_cache, v_cache, tables, lens, scale, out); break;
+    case 128: run<T, 128>(q, k_cache, v_cache, tables, lens, scale, out); break;
+    default: run<T, 0>(q, k_cache, v_cache, tables, lens, scale, out);
+  }
+}
+
+at::Tensor paged_decode(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                        const at::Tensor& tables, const at::Tensor& lens, double scale) {
+  TORCH_CHECK(q.dim() == 3 && k_cache.dim() == 4 && v_cache.dim() == 4, "paged_decode: bad ranks");
+  TORCH_CHECK(q.stride(2) == 1 && k_cache.stride(3) == 1 && v_cache.stride(3) == 1, "paged_decode: dim not contiguous");
+  TORCH_CHECK(q.scalar_type() == k_cache.scalar_type() && q.scalar_type() == v_cache.scalar_type(), "paged_decode: dtypes");
+  TORCH_CHECK(q.size(1) % k_cache.size(2) == 0 && q.size(2) == k_cache.size(3) && q.size(2) <= kMaxDim,
+              "paged_decode: shapes");
+  TORCH_CHECK(tables.scalar_type() == at::kLong && lens.scalar_type() == at::kLong, "paged_decode: int64 tables");
+  TORCH_CHECK(tables.is_contiguous() && lens.is_contiguous() && tables.size(0) == q.size(0), "paged_decode: tables");
+  at::Tensor out = at::empty_like(q, at::MemoryFormat::Contiguous);
+  switch (q.scalar_type()) {
+    case at::kFloat: dispatch_dim<float>(q, k_cache, v_cache, tables, lens, scale, out); break;
+    case at::kBFloat16: dispatch_dim<c10::BFloat16>(q, k_cache, v_cache, tables, lens, scale, out); break;
+    case at::kHalf: dispatch_dim<c10::Half>(q, k_cache, v_cache, tables, lens, scale, out); break;
+    default: TORCH_CHECK(false, "paged_decode: unsupported dtype");
+  }
+  return out;
+}
+
+}  // namespace
+
+TORCH_LIBRARY(kvmesh, m) {
+  m.def("paged_decode(Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_tables, Tensor context_lens, float scale) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(kvmesh, CPU, m) { m.impl("paged_decode", &paged_decode); }

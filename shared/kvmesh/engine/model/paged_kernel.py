@@ -1,0 +1,120 @@
+"""The compiled decode-attention kernel (csrc/paged_decode.cpp): K/V read in place.
+
+It is built with the system C++ compiler against the installed torch into the kvmesh
+cache, keyed on the source, the torch version and the CPU's flags (it is compiled with
+``-march=native``), at ``make install`` (``python -m kvmesh.engine.model.paged_kernel``)
+or else at first use, and loaded as ``torch.ops.kvmesh.paged_decode``. Without a
+compiler, or when it fails to build or load, ``available()`` is False with the reason in
+one warning line, and attention gathers the blocks in PyTorch as before.
+``KVMESH_PAGED_KERNEL=0`` turns it off.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+SOURCE = Path(__file__).with_name("csrc") / "paged_decode.cpp"
+DISABLE_ENV = "KVMESH_PAGED_KERNEL"
+FLAGS = ["-O3", "-march=native", "-fno-math-errno", "-fopenmp", "-shared", "-fPIC", "-std=c++17"]
+
+_state: bool | None = None  # None: not tried yet
+last_failure = ""
+
+
+def _cpu_flags() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("flags"):
+                return line
+    except OSError:
+        pass
+    return ""
+
+
+def compiler() -> str | None:
+    return os.environ.get("CXX") or shutil.which("c++") or shutil.which("g++") or shutil.which("clang++")
+
+
+def library_path(cache: Path | None = None) -> Path:
+    from kvmesh.engine.loader.default_model import cache_dir
+
+    key = hashlib.sha256(
+        SOURCE.read_bytes() + torch.__version__.encode() + " ".join(FLAGS).encode() + _cpu_flags().encode()
+    ).hexdigest()[:16]
+    return (cache or cache_dir()) / f"paged_decode-{key}.so"
+
+
+def build(cache: Path | None = None) -> Path | None:
+    """The compiled kernel, built now if needed (atomically); None when it cannot be."""
+    global last_failure
+    path = library_path(cache)
+    if path.exists():
+        return path
+    cxx = compiler()
+    if cxx is None:
+        last_failure = "no C++ compiler"
+        return None
+    from torch.utils import cpp_extension
+
+    includes = [f"-I{p}" for p in cpp_extension.include_paths()]
+    libdirs = cpp_extension.library_paths()
+    abi = int(torch._C._GLIBCXX_USE_CXX11_ABI)
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd, temporary = tempfile.mkstemp(prefix=".paged_decode-", suffix=".so", dir=path.parent)
+        os.close(fd)
+        try:
+            command = [
+                cxx, *FLAGS, f"-D_GLIBCXX_USE_CXX11_ABI={abi}", *includes, str(SOURCE), "-o", temporary,
+                *[f"-L{d}" for d in libdirs], *[f"-Wl,-rpath,{d}" for d in libdirs], "-lc10", "-ltorch_cpu",
+            ]  # fmt: skip
+            result = subprocess.run(command, capture_output=True, text=True, timeout=600)
+            if result.returncode != 0:
+                last_failure = f"{cxx} failed: {' '.join(result.stderr.split())[:300]}"
+                return None
+            os.replace(temporary, path)
+        finally:
+            if os.path.exists(temporary):
+                os.unlink(temporary)
+    except (OSError, subprocess.SubprocessError) as exc:
+        last_failure = f"building {path} failed: {exc}"
+        return None
+    return path
+
+
+def available() -> bool:
+    """Is ``torch.ops.kvmesh.paged_decode`` loaded (building and loading it on first call)?"""
+    global _state, last_failure
+    if _state is not None:
+        return _state
+    _state = False
+    if os.environ.get(DISABLE_ENV, "1") == "0":
+        last_failure = f"{DISABLE_ENV}=0"
+        return False
+    path = build()
+    if path is not None:
+        try:
+            torch.ops.load_library(str(path))
+            _state = True
+        except (OSError, RuntimeError) as exc:
+            last_failure = f"loading {path} failed: {exc}"
+    if not _state:
+        logger.warning("compiled decode attention unavailable (%s); gathering K/V blocks in PyTorch", last_failure)
+    return _state
+
+
+if __name__ == "__main__":
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    built = build()
+    print(built if built else f"paged_decode kernel not built: {last_failure}", file=sys.stderr)

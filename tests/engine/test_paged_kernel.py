@@ -1,0 +1,60 @@
+"""The compiled decode-attention kernel against the PyTorch gather path and float64."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kvmesh.engine.model import paged_kernel
+from kvmesh.engine.model.attention import DecodeBatch, _decode_attention
+
+pytestmark = pytest.mark.skipif(not paged_kernel.available(), reason=f"kernel not built: {paged_kernel.last_failure}")
+
+LAYERS, KV_HEADS, DIM, HEADS, BLOCK = 3, 2, 64, 6, 4
+
+
+def _case(dtype: torch.dtype, lens: list[int]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, DecodeBatch, DecodeBatch]:
+    gen = torch.Generator().manual_seed(len(lens))
+    width = max(-(-n // BLOCK) for n in lens)
+    num_blocks = len(lens) * width + 3
+    pool = torch.randn(num_blocks, LAYERS, 2, BLOCK, KV_HEADS, DIM, generator=gen).to(dtype)
+    k_cache, v_cache = pool[:, 1, 0], pool[:, 1, 1]  # strided like KVCachePool.layer_views
+    tables = torch.randperm(num_blocks, generator=gen)[: len(lens) * width].view(len(lens), width).contiguous()
+    qkv = torch.randn(len(lens), HEADS + 2 * KV_HEADS, DIM, generator=gen).to(dtype)
+    q = qkv[:, :HEADS]  # a strided slice, as in the model
+    keys = torch.arange(width * BLOCK)
+    bias = torch.zeros(len(lens), width * BLOCK).masked_fill_(keys[None] >= torch.tensor(lens)[:, None], float("-inf"))
+    gathered = DecodeBatch(tables, bias.view(len(lens), 1, 1, -1))
+    kernel = DecodeBatch(tables, None, None, torch.tensor(lens))
+    return q, k_cache, v_cache, gathered, kernel
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("lens", [[1], [7], [1, 4, 5, 13, 16]])
+def test_kernel_matches_gather_and_float64(dtype: torch.dtype, lens: list[int]) -> None:
+    q, k_cache, v_cache, gathered, kernel = _case(dtype, lens)
+    scale = DIM**-0.5
+    got = _decode_attention(q, k_cache, v_cache, kernel, scale, kernel=True)
+    plain = _decode_attention(q, k_cache, v_cache, gathered, scale)
+    exact_batch = DecodeBatch(gathered.block_tables, gathered.bias.double() if gathered.bias is not None else None)
+    exact = _decode_attention(q.double(), k_cache.double(), v_cache.double(), exact_batch, scale)
+    # the PyTorch path given the kernel's batch (lengths, no bias) masks the same way
+    torch.testing.assert_close(_decode_attention(q, k_cache, v_cache, kernel, scale), plain, atol=0, rtol=0)
+    assert got.dtype == dtype and got.shape == (len(lens), HEADS, DIM)
+    tolerance = 1e-6 if dtype == torch.float32 else 8e-3  # bf16: one rounding of the output
+    assert (got.double() - exact).abs().max().item() < tolerance
+    # never worse than the gather path (which rounds scores and probabilities to dtype)
+    assert (got.double() - exact).abs().max() <= (plain.double() - exact).abs().max() * 1.01 + 1e-7
+
+
+def test_kernel_refuses_a_bad_shape() -> None:
+    q, k_cache, v_cache, _, kernel = _case(torch.float32, [5])
+    with pytest.raises(RuntimeError, match="paged_decode"):
+        torch.ops.kvmesh.paged_decode(q.float(), k_cache, v_cache, kernel.block_tables.int(), kernel.context_lens, 1.0)
+
+
+def test_kernel_can_be_turned_off(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(paged_kernel, "_state", None)
+    monkeypatch.setenv(paged_kernel.DISABLE_ENV, "0")
+    assert not paged_kernel.available()
+    assert paged_kernel.last_failure == f"{paged_kernel.DISABLE_ENV}=0"
