@@ -26,3 +26,15 @@ def cpu_flags() -> str:
         if line.startswith("flags"):
             return " ".join(sorted(f for f in line.split(":", 1)[1].split() if f.startswith(("avx", "amx"))))
     return ""
+
+
+def default_dtype(device_type: str = "cpu") -> tuple[str, str]:
+    """The dtype ``--dtype auto`` picks here, and why: bfloat16 only where the CPU computes it
+    natively (AMX-BF16 or AVX512-BF16), float32 elsewhere (emulated bf16 is many times slower)."""
+    if device_type != "cpu":
+        return "float32", f"device {device_type}: float32 unless --dtype says otherwise"
+    flags = set(cpu_flags().split())
+    for flag, name in (("amx_bf16", "AMX-BF16"), ("avx512_bf16", "AVX512-BF16")):
+        if flag in flags:
+            return "bfloat16", f"the CPU has {name} (native bf16)"
+    return "float32", "the CPU has no native bf16 (no AVX512-BF16 or AMX-BF16)"

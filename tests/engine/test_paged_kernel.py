@@ -13,14 +13,14 @@ pytestmark = pytest.mark.skipif(not paged_kernel.available(), reason=f"kernel no
 LAYERS, KV_HEADS, DIM, HEADS, BLOCK = 3, 2, 64, 6, 4
 
 
-def _case(dtype: torch.dtype, lens: list[int]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, DecodeBatch, DecodeBatch]:
+def _case(dtype: torch.dtype, lens: list[int], dim: int = DIM) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, DecodeBatch, DecodeBatch]:
     gen = torch.Generator().manual_seed(len(lens))
     width = max(-(-n // BLOCK) for n in lens)
     num_blocks = len(lens) * width + 3
-    pool = torch.randn(num_blocks, LAYERS, 2, BLOCK, KV_HEADS, DIM, generator=gen).to(dtype)
+    pool = torch.randn(num_blocks, LAYERS, 2, BLOCK, KV_HEADS, dim, generator=gen).to(dtype)
     k_cache, v_cache = pool[:, 1, 0], pool[:, 1, 1]  # strided like KVCachePool.layer_views
     tables = torch.randperm(num_blocks, generator=gen)[: len(lens) * width].view(len(lens), width).contiguous()
-    qkv = torch.randn(len(lens), HEADS + 2 * KV_HEADS, DIM, generator=gen).to(dtype)
+    qkv = torch.randn(len(lens), HEADS + 2 * KV_HEADS, dim, generator=gen).to(dtype)
     q = qkv[:, :HEADS]  # a strided slice, as in the model
     keys = torch.arange(width * BLOCK)
     bias = torch.zeros(len(lens), width * BLOCK).masked_fill_(keys[None] >= torch.tensor(lens)[:, None], float("-inf"))
@@ -30,21 +30,22 @@ def _case(dtype: torch.dtype, lens: list[int]) -> tuple[torch.Tensor, torch.Tens
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("lens", [[1], [7], [1, 4, 5, 13, 16]])
-def test_kernel_matches_gather_and_float64(dtype: torch.dtype, lens: list[int]) -> None:
-    q, k_cache, v_cache, gathered, kernel = _case(dtype, lens)
-    scale = DIM**-0.5
+@pytest.mark.parametrize(("lens", "dim"), [([1], 64), ([7], 64), ([1, 4, 5, 13, 16], 64), ([3, 9], 128), ([3, 9], 40)])
+def test_kernel_matches_gather_and_float64(dtype: torch.dtype, lens: list[int], dim: int) -> None:
+    """64 and 128: the unrolled paths (AVX512-BF16 for bfloat16 where the CPU has it); 40: generic."""
+    q, k_cache, v_cache, gathered, kernel = _case(dtype, lens, dim)
+    scale = dim**-0.5
     got = _decode_attention(q, k_cache, v_cache, kernel, scale, kernel=True)
     plain = _decode_attention(q, k_cache, v_cache, gathered, scale)
     exact_batch = DecodeBatch(gathered.block_tables, gathered.bias.double() if gathered.bias is not None else None)
     exact = _decode_attention(q.double(), k_cache.double(), v_cache.double(), exact_batch, scale)
     # the PyTorch path given the kernel's batch (lengths, no bias) masks the same way
     torch.testing.assert_close(_decode_attention(q, k_cache, v_cache, kernel, scale), plain, atol=0, rtol=0)
-    assert got.dtype == dtype and got.shape == (len(lens), HEADS, DIM)
+    assert got.dtype == dtype and got.shape == (len(lens), HEADS, dim)
     tolerance = 1e-6 if dtype == torch.float32 else 8e-3  # bf16: one rounding of the output
     assert (got.double() - exact).abs().max().item() < tolerance
-    # never worse than the gather path (which rounds scores and probabilities to dtype)
-    assert (got.double() - exact).abs().max() <= (plain.double() - exact).abs().max() * 1.01 + 1e-7
+    if dtype == torch.bfloat16:  # never worse than the gather path, which rounds scores and probabilities to bf16
+        assert (got.double() - exact).abs().max() <= (plain.double() - exact).abs().max()
 
 
 def test_kernel_refuses_a_bad_shape() -> None:

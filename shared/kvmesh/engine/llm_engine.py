@@ -29,6 +29,7 @@ from kvmesh.engine.scheduler import Scheduler, SchedulerConfig, max_model_len
 from kvmesh.engine.structured import GrammarCompiler, GrammarError
 from kvmesh.engine.tokenizer import Tokenizer
 from kvmesh.errors import ErrorCode
+from kvmesh.machine import default_dtype
 from kvmesh.hashing import hash_token_blocks
 
 logger = logging.getLogger(__name__)
@@ -51,8 +52,8 @@ class EngineConfig:
     max_failed_steps: int = 3  # this many failed steps in a row and the engine gives up
 
     def __post_init__(self) -> None:
-        if self.dtype not in DTYPES:
-            raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {self.dtype!r}")
+        if self.dtype not in DTYPES and self.dtype != "auto":
+            raise ValueError(f"dtype must be one of {sorted(DTYPES)} or auto, got {self.dtype!r}")
         if min(self.block_size, self.max_num_seqs, self.max_num_batched_tokens, self.max_failed_steps) < 1:
             raise ValueError("block_size, max_num_seqs, max_num_batched_tokens and max_failed_steps must be positive")
 
@@ -67,6 +68,11 @@ class LLMEngine:
         self.config = config = config or EngineConfig()
         if config.num_threads:
             torch.set_num_threads(config.num_threads)
+        logger.info(
+            "torch threads: %d (%s)",
+            torch.get_num_threads(),
+            "--num-threads" if config.num_threads else "torch's default: the physical cores this process may use",
+        )
         started = time.monotonic()
         self.model_dir: Path = resolve_model(config.model)
         self.model_name = config.served_model_name or served_model_name(config.model, self.model_dir)
@@ -74,6 +80,9 @@ class LLMEngine:
         self.tokenizer = Tokenizer.from_dir(self.model_dir)
         self.eos_token_ids = tuple(dict.fromkeys((*self.tokenizer.eos_token_ids, *self.model_config.eos_token_ids)))
         self.device = resolve_device(config.device)
+        if config.dtype == "auto":
+            config.dtype, why = default_dtype(self.device.type)
+            logger.info("dtype auto: %s, since %s", config.dtype, why)
         dtype = DTYPES[config.dtype]
         weights = load_weights(self.model_dir, self.model_config, dtype, self.device)
         self.model = LlamaModel(self.model_config, weights, dtype, self.device, prepack=config.prepack_weights)

@@ -10,6 +10,7 @@ import uuid
 from dataclasses import asdict, dataclass, field
 from typing import overload
 
+from kvmesh.machine import default_dtype
 from kvmesh.protocol import Role
 from kvmesh.transfer.mooncake_agent import parse_port_range
 from kvmesh.worker.engines import DEFAULT_BLOCK_SIZE, ENGINES, unavailable
@@ -205,7 +206,10 @@ def worker_parser(role: Role) -> argparse.ArgumentParser:
     parser.add_argument("--model", default=_env("MODEL"), help="model dir or .gguf (default: SmolLM2-135M-Instruct)")
     parser.add_argument("--served-model-name", default=_env("SERVED_MODEL_NAME"))
     parser.add_argument("--device", default=_env("DEVICE", "cpu"))
-    parser.add_argument("--dtype", default=_env("DTYPE", "float32"), choices=["float32", "bfloat16", "float16"])
+    parser.add_argument(
+        "--dtype", default=_env("DTYPE", "float32"), choices=["float32", "bfloat16", "float16", "auto"],
+        help="auto: bfloat16 where the CPU has native bf16 (AVX512-BF16 / AMX), else float32 (KVMESH_DTYPE)",
+    )
     parser.add_argument("--kv-cache-mib", type=int, default=int(_env("KV_CACHE_MIB", "512")))
     parser.add_argument(
         "--block-size", type=int, default=int(_env("BLOCK_SIZE", "0")) or None,
@@ -277,6 +281,9 @@ def worker_settings(role: Role, argv: list[str] | None = None) -> WorkerSettings
         parser.error(reason)
     if args.engine_args is not None:
         _check_engine_args(args.engine_args, parser)
+    if args.dtype == "auto":
+        args.dtype, why = default_dtype(args.device.split(":")[0])
+        logger.info("dtype auto: %s, since %s", args.dtype, why)
     extra = {"worker_id": args.worker_id} if args.worker_id else {}
     return WorkerSettings(
         role=role,

@@ -12,7 +12,10 @@
 #include <c10/util/Half.h>
 #include <torch/library.h>
 
+#include <immintrin.h>
+
 #include <cmath>
+#include <type_traits>
 #include <cstdint>
 #include <cstring>
 #include <limits>
@@ -101,9 +104,101 @@ void run(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cac
   });
 }
 
+#if defined(__AVX512F__) && defined(__AVX512BF16__)
+// bfloat16 with AVX512-BF16: q.k by vdpbf16ps (bf16 products are exact in float32, summed in
+// float32), V widened to float32 in registers; the group's query heads share each K/V load.
+template <int64_t D>
+void run_bf16(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache, const at::Tensor& tables,
+              const at::Tensor& lens, double scale, at::Tensor& out) {
+  static_assert(D % 32 == 0, "D: a multiple of 32");
+  constexpr int64_t kMaxGroup = 8, kVecs = D / 16;
+  const int64_t num_seqs = q.size(0), heads = q.size(1);
+  const int64_t block_size = k_cache.size(1), kv_heads = k_cache.size(2);
+  const int64_t group = heads / kv_heads, width = tables.size(1);
+  const int64_t kb = k_cache.stride(0), kt = k_cache.stride(1), kh = k_cache.stride(2);
+  const int64_t vb = v_cache.stride(0), vt = v_cache.stride(1), vh = v_cache.stride(2);
+  const int64_t qs = q.stride(0), qh = q.stride(1);
+  const auto* qp = reinterpret_cast<const uint16_t*>(q.const_data_ptr<c10::BFloat16>());
+  const auto* kp = reinterpret_cast<const uint16_t*>(k_cache.const_data_ptr<c10::BFloat16>());
+  const auto* vp = reinterpret_cast<const uint16_t*>(v_cache.const_data_ptr<c10::BFloat16>());
+  const int64_t* tp = tables.const_data_ptr<int64_t>();
+  const int64_t* lp = lens.const_data_ptr<int64_t>();
+  c10::BFloat16* op = out.data_ptr<c10::BFloat16>();
+  const float fscale = static_cast<float>(scale);
+
+  at::parallel_for(0, num_seqs * kv_heads, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> scores;
+    for (int64_t task = begin; task < end; ++task) {
+      const int64_t s = task / kv_heads, h = task % kv_heads;
+      const int64_t len = lp[s];
+      const int64_t* table = tp + s * width;
+      scores.resize(group * len);
+      __m512i qv[kMaxGroup][D / 32];
+      for (int64_t g = 0; g < group; ++g)
+        for (int64_t c = 0; c < D / 32; ++c)
+          qv[g][c] = _mm512_loadu_si512(qp + s * qs + (h * group + g) * qh + c * 32);
+      for (int64_t pos = 0; pos < len; ++pos) {
+        const uint16_t* krow = kp + table[pos / block_size] * kb + (pos % block_size) * kt + h * kh;
+        __m512i kv[D / 32];
+        for (int64_t c = 0; c < D / 32; ++c) kv[c] = _mm512_loadu_si512(krow + c * 32);
+        for (int64_t g = 0; g < group; ++g) {
+          __m512 acc = _mm512_setzero_ps();
+          for (int64_t c = 0; c < D / 32; ++c) acc = _mm512_dpbf16_ps(acc, (__m512bh)qv[g][c], (__m512bh)kv[c]);
+          scores[g * len + pos] = _mm512_reduce_add_ps(acc) * fscale;
+        }
+      }
+      float inv[kMaxGroup];
+      for (int64_t g = 0; g < group; ++g) {
+        float* row = scores.data() + g * len;
+        float peak = -std::numeric_limits<float>::infinity();
+        for (int64_t i = 0; i < len; ++i) peak = row[i] > peak ? row[i] : peak;
+        float total = 0.f;
+#pragma omp simd reduction(+ : total)
+        for (int64_t i = 0; i < len; ++i) {
+          row[i] = std::exp(row[i] - peak);
+          total += row[i];
+        }
+        inv[g] = 1.f / total;
+      }
+      __m512 acc[kMaxGroup][kVecs];
+      for (int64_t g = 0; g < group; ++g)
+        for (int64_t c = 0; c < kVecs; ++c) acc[g][c] = _mm512_setzero_ps();
+      for (int64_t pos = 0; pos < len; ++pos) {
+        const uint16_t* vrow = vp + table[pos / block_size] * vb + (pos % block_size) * vt + h * vh;
+        __m512 vv[kVecs];
+        for (int64_t c = 0; c < kVecs; ++c) {
+          __m512i wide = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(vrow + c * 16)));
+          vv[c] = _mm512_castsi512_ps(_mm512_slli_epi32(wide, 16));
+        }
+        for (int64_t g = 0; g < group; ++g) {
+          const __m512 w = _mm512_set1_ps(scores[g * len + pos]);
+          for (int64_t c = 0; c < kVecs; ++c) acc[g][c] = _mm512_fmadd_ps(w, vv[c], acc[g][c]);
+        }
+      }
+      for (int64_t g = 0; g < group; ++g) {
+        alignas(64) float tmp[D];
+        const __m512 scale_out = _mm512_set1_ps(inv[g]);
+        for (int64_t c = 0; c < kVecs; ++c) _mm512_store_ps(tmp + c * 16, _mm512_mul_ps(acc[g][c], scale_out));
+        c10::BFloat16* dst = op + (s * heads + h * group + g) * D;
+        for (int64_t d = 0; d < D; ++d) dst[d] = static_cast<c10::BFloat16>(tmp[d]);
+      }
+    }
+  });
+}
+#define KVMESH_BF16_KERNEL 1
+#endif
+
 template <typename T>
 void dispatch_dim(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache, const at::Tensor& tables,
                   const at::Tensor& lens, double scale, at::Tensor& out) {
+#ifdef KVMESH_BF16_KERNEL
+  if constexpr (std::is_same_v<T, c10::BFloat16>) {
+    if (q.size(1) / k_cache.size(2) <= 8) {
+      if (q.size(2) == 64) return run_bf16<64>(q, k_cache, v_cache, tables, lens, scale, out);
+      if (q.size(2) == 128) return run_bf16<128>(q, k_cache, v_cache, tables, lens, scale, out);
+    }
+  }
+#endif
   switch (q.size(2)) {
     case 64: run<T, 64>(q, k_cache, v_cache, tables, lens, scale, out); break;
     case 128: run<T, 128>(q, k_cache, v_cache, tables, lens, scale, out); break;
