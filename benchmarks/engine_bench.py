@@ -854,46 +854,54 @@ def _decode_step_ms(engine: LLMEngine, prompts: list[list[int]], steps: int) -> 
     return statistics.median(times) * 1e3
 
 
+ABLATIONS = (  # (name, the LlamaModel attribute that turns it on)
+    ("paged decode kernel (K/V read in place)", "paged_kernel"),
+    ("fused rotary + K/V store", "fused_rope"),
+)
+
+
 def run_ablation(args: argparse.Namespace) -> tuple[list[dict[str, Any]], str]:
-    """Each kept optimization off and on in the same engine, rounds interleaved (off, on, off,
-    on...), median reported: batch-1 decode tokens/s and the 32-sequence decode step."""
+    """Each kept optimization off (the others on) and on, in the same engine, rounds
+    interleaved (off, on, off, on...), median reported: batch-1 decode tokens/s and the
+    32-sequence decode step."""
     quick = args.quick
     new_tokens, steps, batch, prompt_len = (16, 4, 8, 64) if quick else (64, 12, 32, 128)
     results: list[dict[str, Any]] = []
     lines = [
-        "| optimization | dtype | workload | off | on | on / off |",
+        "| optimization (off: the others still on) | dtype | workload | off | on | on / off |",
         "|---|---|---|---:|---:|---:|",
     ]
     for dtype in args.dtypes:
         engine = load_kvmesh(dtype, args)
+        model = engine.model
         prompts = PromptMaker(engine.tokenizer)
-        if not engine.model.paged_kernel:
-            log.warning("ablation: the paged kernel is not available here; skipping %s", dtype)
+        if not model.paged_kernel:
+            log.warning("ablation: the compiled kernels are not available here; skipping %s", dtype)
             continue
-        rates: dict[bool, list[float]] = {False: [], True: []}
-        step_ms: dict[bool, list[float]] = {False: [], True: []}
         _decode_tokens_per_s(engine, prompts.make(32), 4)  # warm-up
-        for _ in range(args.rounds):
-            for flag in (False, True):
-                engine.model.paged_kernel = flag
-                rates[flag].append(_decode_tokens_per_s(engine, prompts.make(32), new_tokens))
-            for flag in (False, True):
-                engine.model.paged_kernel = flag
-                group = [prompts.make(prompt_len) for _ in range(batch)]
-                step_ms[flag].append(_decode_step_ms(engine, group, steps))
-        engine.model.paged_kernel = True
-        for workload, unit, samples, higher in (
-            (f"batch-1 decode (32-token prompt, {new_tokens} new)", "tokens/s", rates, True),
-            (f"decode step, {batch} sequences of ~{prompt_len}+ tokens", "ms", step_ms, False),
-        ):
-            off, on = statistics.median(samples[False]), statistics.median(samples[True])
-            gain = on / off if higher else off / on
-            results.append({"optimization": "paged decode kernel (K/V read in place)", "dtype": dtype,
-                            "workload": workload, "unit": unit, "off": samples[False], "on": samples[True],
-                            "off_median": off, "on_median": on, "speedup": gain})  # fmt: skip
-            lines.append(f"| paged decode kernel (K/V read in place) | {dtype} | {workload} ({unit}) "
-                         f"| {off:.1f} | {on:.1f} | {gain:.2f}x faster |")  # fmt: skip
-        del engine
+        for name, attr in ABLATIONS:
+            rates: dict[bool, list[float]] = {False: [], True: []}
+            step_ms: dict[bool, list[float]] = {False: [], True: []}
+            for _ in range(args.rounds):
+                for flag in (False, True):
+                    setattr(model, attr, flag)
+                    rates[flag].append(_decode_tokens_per_s(engine, prompts.make(32), new_tokens))
+                for flag in (False, True):
+                    setattr(model, attr, flag)
+                    group = [prompts.make(prompt_len) for _ in range(batch)]
+                    step_ms[flag].append(_decode_step_ms(engine, group, steps))
+            setattr(model, attr, True)
+            for workload, unit, samples, higher in (
+                (f"batch-1 decode (32-token prompt, {new_tokens} new)", "tokens/s", rates, True),
+                (f"decode step, {batch} sequences of ~{prompt_len}+ tokens", "ms", step_ms, False),
+            ):
+                off, on = statistics.median(samples[False]), statistics.median(samples[True])
+                gain = on / off if higher else off / on
+                results.append({"optimization": name, "dtype": dtype, "workload": workload, "unit": unit,
+                                "off": samples[False], "on": samples[True], "off_median": off, "on_median": on,
+                                "speedup": gain})  # fmt: skip
+                lines.append(f"| {name} | {dtype} | {workload} ({unit}) | {off:.1f} | {on:.1f} | {gain:.2f}x faster |")
+        del engine, model
         gc.collect()
     flags = set(cpu_flags().split())
     load = os.getloadavg() if hasattr(os, "getloadavg") else None

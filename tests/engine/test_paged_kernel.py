@@ -59,3 +59,33 @@ def test_kernel_can_be_turned_off(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv(paged_kernel.DISABLE_ENV, "0")
     assert not paged_kernel.available()
     assert paged_kernel.last_failure == f"{paged_kernel.DISABLE_ENV}=0"
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rope_store_is_bit_identical_to_the_pytorch_path(dtype: torch.dtype) -> None:
+    from kvmesh.engine.model.attention import AttentionMetadata, write_kv
+    from kvmesh.engine.model.llama import RotaryEmbedding
+
+    gen = torch.Generator().manual_seed(3)
+    tokens, num_blocks = 5, 6
+    rotary = RotaryEmbedding(DIM, 64, 10000.0, dtype, torch.device("cpu"))
+    cos, sin = rotary.tables(torch.tensor([0, 3, 17, 40, 63]))
+    qkv = torch.randn(tokens, (HEADS + 2 * KV_HEADS) * DIM, generator=gen).to(dtype)
+    slots = torch.tensor([0, 5, 2, 2, 4]), torch.tensor([0, 3, 1, 2, 0])
+    meta = AttentionMetadata(slots[0], slots[1], 0, None, [])
+    results = []
+    for fused in (False, True):
+        pool = torch.zeros(num_blocks, LAYERS, 2, BLOCK, KV_HEADS, DIM, dtype=dtype)
+        k_cache, v_cache = pool[:, 2, 0], pool[:, 2, 1]
+        flat = qkv.clone()
+        qk = flat[:, : (HEADS + KV_HEADS) * DIM].view(tokens, HEADS + KV_HEADS, DIM)
+        v = flat[:, (HEADS + KV_HEADS) * DIM :].view(tokens, KV_HEADS, DIM)
+        if fused:
+            torch.ops.kvmesh.rope_store(qk, v, cos, sin, k_cache, v_cache, slots[0], slots[1], HEADS)
+        else:
+            qk = rotary.apply(qk, cos, sin)
+            write_kv(k_cache, v_cache, qk[:, HEADS:], v, meta)
+        results.append((qk.clone(), pool))
+    torch.testing.assert_close(results[1][0], results[0][0], atol=0, rtol=0)
+    torch.testing.assert_close(results[1][1], results[0][1], atol=0, rtol=0)
+    assert results[1][1].abs().sum() > 0

@@ -88,6 +88,8 @@ class LlamaModel:
         self.scale = config.head_dim**-0.5
         # Decode attention through the compiled kernel, K/V read in place (model/paged_kernel.py).
         self.paged_kernel = device.type == "cpu" and paged_kernel.available()
+        # Rotary and the K/V store fused into one compiled op (same kernel library), bit-identical.
+        self.fused_rope = self.paged_kernel
 
     @torch.inference_mode()
     def forward(
@@ -107,11 +109,14 @@ class LlamaModel:
             h = F.rms_norm(x if index == 0 else residual, hidden_shape, layer.input_norm, eps)
             qkv = layer.qkv(h)
             qk = qkv[:, : self.q_size + self.kv_size].view(num_tokens, heads + kv_heads, head_dim)
-            qk = self.rotary.apply(qk, cos, sin)
-            q, k = qk[:, :heads], qk[:, heads:]
             v = qkv[:, self.q_size + self.kv_size :].view(num_tokens, kv_heads, head_dim)
             k_cache, v_cache = kv.layer_views(index)
-            write_kv(k_cache, v_cache, k, v, meta)
+            if self.fused_rope:  # one op: rotary in place on q and k, then K/V into their slots
+                torch.ops.kvmesh.rope_store(qk, v, cos, sin, k_cache, v_cache, meta.slot_blocks, meta.slot_offsets, heads)
+            else:
+                qk = self.rotary.apply(qk, cos, sin)
+                write_kv(k_cache, v_cache, qk[:, heads:], v, meta)
+            q, k = qk[:, :heads], qk[:, heads:]
             attn = paged_attention(q, k, v, k_cache, v_cache, meta, self.scale, self.paged_kernel)
             residual = residual + layer.o_proj(attn.view(num_tokens, self.q_size))
             h = F.rms_norm(residual, hidden_shape, layer.post_norm, eps)

@@ -225,10 +225,93 @@ at::Tensor paged_decode(const at::Tensor& q, const at::Tensor& k_cache, const at
   return out;
 }
 
+// Rotary embedding in place on the flat batch's q and k heads, and the new K/V stored at their
+// slots of one layer's cache views. Rounds after each operation exactly as the PyTorch path
+// (x * cos + roll(x, dim / 2) * signed_sin, each in the tensor's dtype), so results are
+// bit-identical to it.
+#pragma GCC push_options
+#pragma GCC optimize("fp-contract=off")  // x * cos + y * sin as two roundings, as PyTorch does
+template <typename T>
+void rope_store_impl(at::Tensor& qk, const at::Tensor& v, const at::Tensor& cos, const at::Tensor& sin, at::Tensor& k_cache,
+                     at::Tensor& v_cache, const at::Tensor& slot_blocks, const at::Tensor& slot_offsets, int64_t heads) {
+  const int64_t tokens = qk.size(0), rows = qk.size(1), dim = qk.size(2), half = dim / 2;
+  const int64_t kv_heads = rows - heads;
+  T* qkp = qk.data_ptr<T>();
+  const T* vp = v.const_data_ptr<T>();
+  const T* cp = cos.const_data_ptr<T>();
+  const T* sp = sin.const_data_ptr<T>();
+  T* kc = k_cache.data_ptr<T>();
+  T* vc = v_cache.data_ptr<T>();
+  const int64_t* bp = slot_blocks.const_data_ptr<int64_t>();
+  const int64_t* fp = slot_offsets.const_data_ptr<int64_t>();
+  const int64_t qs = qk.stride(0), qh = qk.stride(1), vs = v.stride(0), vh = v.stride(1);
+  const int64_t cs = cos.stride(0), ss = sin.stride(0);
+  const int64_t kb = k_cache.stride(0), kt = k_cache.stride(1), kh = k_cache.stride(2);
+  const int64_t wb = v_cache.stride(0), wt = v_cache.stride(1), wh = v_cache.stride(2);
+  at::parallel_for(0, tokens, 16, [&](int64_t begin, int64_t end) {
+    std::vector<T> row(dim);
+    for (int64_t t = begin; t < end; ++t) {
+      const T* c = cp + t * cs;
+      const T* sn = sp + t * ss;
+      for (int64_t r = 0; r < rows; ++r) {
+        T* x = qkp + t * qs + r * qh;
+        std::copy(x, x + dim, row.begin());
+        for (int64_t d = 0; d < dim; ++d) {
+          const T a = static_cast<T>(row[d] * c[d]);
+          const T b = static_cast<T>(row[(d + half) % dim] * sn[d]);
+          x[d] = static_cast<T>(a + b);
+        }
+      }
+      T* kdst = kc + bp[t] * kb + fp[t] * kt;
+      T* vdst = vc + bp[t] * wb + fp[t] * wt;
+      for (int64_t h = 0; h < kv_heads; ++h) {
+        const T* ksrc = qkp + t * qs + (heads + h) * qh;
+        const T* vsrc = vp + t * vs + h * vh;
+        std::copy(ksrc, ksrc + dim, kdst + h * kh);
+        std::copy(vsrc, vsrc + dim, vdst + h * wh);
+      }
+    }
+  });
+}
+#pragma GCC pop_options
+
+void rope_store(at::Tensor qk, const at::Tensor& v, const at::Tensor& cos, const at::Tensor& sin, at::Tensor k_cache,
+                at::Tensor v_cache, const at::Tensor& slot_blocks, const at::Tensor& slot_offsets, int64_t heads) {
+  TORCH_CHECK(qk.dim() == 3 && v.dim() == 3 && k_cache.dim() == 4 && v_cache.dim() == 4, "rope_store: bad ranks");
+  TORCH_CHECK(qk.stride(2) == 1 && v.stride(2) == 1 && k_cache.stride(3) == 1 && v_cache.stride(3) == 1 &&
+                  cos.stride(-1) == 1 && sin.stride(-1) == 1,
+              "rope_store: dim not contiguous");
+  const auto dtype = qk.scalar_type();
+  TORCH_CHECK(v.scalar_type() == dtype && cos.scalar_type() == dtype && sin.scalar_type() == dtype &&
+                  k_cache.scalar_type() == dtype && v_cache.scalar_type() == dtype,
+              "rope_store: dtypes");
+  TORCH_CHECK(qk.size(2) % 2 == 0 && qk.size(1) - heads == v.size(1) && v.size(1) == k_cache.size(2) &&
+                  qk.size(2) == k_cache.size(3) && cos.size(0) == qk.size(0) && sin.size(0) == qk.size(0) &&
+                  cos.size(-1) == qk.size(2) && v.size(0) == qk.size(0),
+              "rope_store: shapes");
+  TORCH_CHECK(slot_blocks.scalar_type() == at::kLong && slot_offsets.scalar_type() == at::kLong &&
+                  slot_blocks.is_contiguous() && slot_offsets.is_contiguous() && slot_blocks.numel() == qk.size(0) &&
+                  slot_offsets.numel() == qk.size(0),
+              "rope_store: slots");
+  switch (dtype) {
+    case at::kFloat: rope_store_impl<float>(qk, v, cos, sin, k_cache, v_cache, slot_blocks, slot_offsets, heads); break;
+    case at::kBFloat16:
+      rope_store_impl<c10::BFloat16>(qk, v, cos, sin, k_cache, v_cache, slot_blocks, slot_offsets, heads);
+      break;
+    case at::kHalf: rope_store_impl<c10::Half>(qk, v, cos, sin, k_cache, v_cache, slot_blocks, slot_offsets, heads); break;
+    default: TORCH_CHECK(false, "rope_store: unsupported dtype");
+  }
+}
+
 }  // namespace
 
 TORCH_LIBRARY(kvmesh, m) {
+  m.def("rope_store(Tensor(a!) qk, Tensor v, Tensor cos, Tensor sin, Tensor(b!) k_cache, Tensor(c!) v_cache, "
+        "Tensor slot_blocks, Tensor slot_offsets, int heads) -> ()");
   m.def("paged_decode(Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_tables, Tensor context_lens, float scale) -> Tensor");
 }
 
-TORCH_LIBRARY_IMPL(kvmesh, CPU, m) { m.impl("paged_decode", &paged_decode); }
+TORCH_LIBRARY_IMPL(kvmesh, CPU, m) {
+  m.impl("paged_decode", &paged_decode);
+  m.impl("rope_store", &rope_store);
+}
