@@ -34,6 +34,13 @@ inline float to_float(c10::BFloat16 x) {  // the bits shift, which vectorizes (t
 
 constexpr int64_t kMaxDim = 256;
 
+// Tasks per thread: enough work (~200k multiply-adds) that waking the pool pays off, so a
+// short batch-1 step runs on the calling thread.
+inline int64_t grain(int64_t tokens, int64_t group, int64_t dim) {
+  const int64_t per_task = tokens * group * dim * 2;
+  return per_task >= 200000 ? 1 : 200000 / (per_task > 0 ? per_task : 1);
+}
+
 // D > 0: the head dim known at compile time (loops unrolled, accumulators in registers).
 template <typename T, int64_t D>
 void run(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache, const at::Tensor& tables,
@@ -52,7 +59,7 @@ void run(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cac
   T* op = out.data_ptr<T>();
   const float fscale = static_cast<float>(scale);
 
-  at::parallel_for(0, num_seqs * kv_heads, 1, [&](int64_t begin, int64_t end) {
+  at::parallel_for(0, num_seqs * kv_heads, grain(width * block_size, group, dim), [&](int64_t begin, int64_t end) {
     std::vector<float> scores;
     std::vector<const T*> krows, vrows;
     alignas(64) float qf[kMaxDim];
@@ -126,7 +133,7 @@ void run_bf16(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& 
   c10::BFloat16* op = out.data_ptr<c10::BFloat16>();
   const float fscale = static_cast<float>(scale);
 
-  at::parallel_for(0, num_seqs * kv_heads, 1, [&](int64_t begin, int64_t end) {
+  at::parallel_for(0, num_seqs * kv_heads, grain(width * block_size, group, dim), [&](int64_t begin, int64_t end) {
     std::vector<float> scores;
     for (int64_t task = begin; task < end; ++task) {
       const int64_t s = task / kv_heads, h = task % kv_heads;
@@ -248,17 +255,23 @@ void rope_store_impl(at::Tensor& qk, const at::Tensor& v, const at::Tensor& cos,
   const int64_t cs = cos.stride(0), ss = sin.stride(0);
   const int64_t kb = k_cache.stride(0), kt = k_cache.stride(1), kh = k_cache.stride(2);
   const int64_t wb = v_cache.stride(0), wt = v_cache.stride(1), wh = v_cache.stride(2);
-  at::parallel_for(0, tokens, 16, [&](int64_t begin, int64_t end) {
+  // Serial: a few KB per token, less than waking the thread pool costs on a busy machine.
+  {
     std::vector<T> row(dim);
-    for (int64_t t = begin; t < end; ++t) {
+    for (int64_t t = 0; t < tokens; ++t) {
       const T* c = cp + t * cs;
       const T* sn = sp + t * ss;
       for (int64_t r = 0; r < rows; ++r) {
         T* x = qkp + t * qs + r * qh;
         std::copy(x, x + dim, row.begin());
-        for (int64_t d = 0; d < dim; ++d) {
+        for (int64_t d = 0; d < half; ++d) {  // roll by half: the other half's element, no modulo
           const T a = static_cast<T>(row[d] * c[d]);
-          const T b = static_cast<T>(row[(d + half) % dim] * sn[d]);
+          const T b = static_cast<T>(row[d + half] * sn[d]);
+          x[d] = static_cast<T>(a + b);
+        }
+        for (int64_t d = half; d < dim; ++d) {
+          const T a = static_cast<T>(row[d] * c[d]);
+          const T b = static_cast<T>(row[d - half] * sn[d]);
           x[d] = static_cast<T>(a + b);
         }
       }
@@ -271,7 +284,7 @@ void rope_store_impl(at::Tensor& qk, const at::Tensor& v, const at::Tensor& cos,
         std::copy(vsrc, vsrc + dim, vdst + h * wh);
       }
     }
-  });
+  }
 }
 #pragma GCC pop_options
 
