@@ -8,7 +8,11 @@ import torch
 from kvmesh.engine.model import paged_kernel
 from kvmesh.engine.model.attention import DecodeBatch, _decode_attention
 
-pytestmark = pytest.mark.skipif(not paged_kernel.available(), reason=f"kernel not built: {paged_kernel.last_failure}")
+pytestmark = pytest.mark.skipif(paged_kernel.compiler() is None, reason="no C++ compiler: the PyTorch path runs")
+
+
+def test_kernel_builds_and_loads() -> None:
+    assert paged_kernel.available(), paged_kernel.last_failure
 
 LAYERS, KV_HEADS, DIM, HEADS, BLOCK = 3, 2, 64, 6, 4
 

@@ -133,7 +133,7 @@ void run_bf16(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& 
   c10::BFloat16* op = out.data_ptr<c10::BFloat16>();
   const float fscale = static_cast<float>(scale);
 
-  at::parallel_for(0, num_seqs * kv_heads, grain(width * block_size, group, dim), [&](int64_t begin, int64_t end) {
+  at::parallel_for(0, num_seqs * kv_heads, grain(width * block_size, group, D), [&](int64_t begin, int64_t end) {
     std::vector<float> scores;
     for (int64_t task = begin; task < end; ++task) {
       const int64_t s = task / kv_heads, h = task % kv_heads;
