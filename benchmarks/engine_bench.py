@@ -882,11 +882,12 @@ def run_ablation(args: argparse.Namespace) -> tuple[list[dict[str, Any]], str]:
         for name, attr in ABLATIONS:
             rates: dict[bool, list[float]] = {False: [], True: []}
             step_ms: dict[bool, list[float]] = {False: [], True: []}
-            for _ in range(args.rounds):
-                for flag in (False, True):
+            for round_index in range(args.rounds):
+                order = (False, True) if round_index % 2 == 0 else (True, False)  # no order bias
+                for flag in order:
                     setattr(model, attr, flag)
                     rates[flag].append(_decode_tokens_per_s(engine, prompts.make(32), new_tokens))
-                for flag in (False, True):
+                for flag in order:
                     setattr(model, attr, flag)
                     group = [prompts.make(prompt_len) for _ in range(batch)]
                     step_ms[flag].append(_decode_step_ms(engine, group, steps))
@@ -911,7 +912,7 @@ def run_ablation(args: argparse.Namespace) -> tuple[list[dict[str, Any]], str]:
         f"- command: `{shlex.join([sys.executable, *sys.argv])}`",
         f"- CPU: {cpu_model()}, {os.cpu_count()} cores, torch threads {torch.get_num_threads()}, "
         f"flags: {', '.join(f for f in ABLATION_FLAGS if f in flags) or 'none of ' + ', '.join(ABLATION_FLAGS)}",
-        f"- load average at the end: {load}; median of {args.rounds} interleaved rounds (off, on, off, on...)",
+        f"- load average at the end: {load}; median of {args.rounds} interleaved rounds (off, on, then on, off, ...)",
         "",
     ]
     return results, "\n".join(header + lines) + "\n"
