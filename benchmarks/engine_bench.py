@@ -875,10 +875,12 @@ def run_ablation(args: argparse.Namespace) -> tuple[list[dict[str, Any]], str]:
         engine = load_kvmesh(dtype, args)
         model = engine.model
         prompts = PromptMaker(engine.tokenizer)
-        if not model.paged_kernel:
+        if not model.fused_rope:
             log.warning("ablation: the compiled kernels are not available here; skipping %s", dtype)
             continue
         _decode_tokens_per_s(engine, prompts.make(32), 4)  # warm-up
+        for _, attr in ABLATIONS:
+            setattr(model, attr, True)  # off: the others still on
         for name, attr in ABLATIONS:
             rates: dict[bool, list[float]] = {False: [], True: []}
             step_ms: dict[bool, list[float]] = {False: [], True: []}

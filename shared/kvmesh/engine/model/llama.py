@@ -86,10 +86,14 @@ class LlamaModel:
         self.q_size = config.num_heads * config.head_dim
         self.kv_size = config.num_kv_heads * config.head_dim
         self.scale = config.head_dim**-0.5
-        # Decode attention through the compiled kernel, K/V read in place (model/paged_kernel.py).
-        self.paged_kernel = device.type == "cpu" and paged_kernel.available()
-        # Rotary and the K/V store fused into one compiled op (same kernel library), bit-identical.
-        self.fused_rope = self.paged_kernel
+        compiled = device.type == "cpu" and paged_kernel.available()
+        # Decode attention through the compiled kernel, K/V read in place (model/paged_kernel.py):
+        # on for 16-bit dtypes, where it measured 1.00-1.20x; float32 decode attention is bound by
+        # the K/V bytes either way and measured 0.91-1.03x, so it keeps the oneDNN gather path
+        # (docs/benchmarks.md, "Engine decode step").
+        self.paged_kernel = compiled and dtype != torch.float32
+        # Rotary and the K/V store fused into one compiled op (same library), bit-identical.
+        self.fused_rope = compiled
 
     @torch.inference_mode()
     def forward(
