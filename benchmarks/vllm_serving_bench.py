@@ -8,6 +8,8 @@ the next one starts:
                 model's converted folder (float32, the mesh's vLLM block size, the same KV
                 cache bytes, prefix caching on, `--enable-prompt-tokens-details`), its
                 OpenMP threads bound to all the cores this process may use;
+  vllm-1core    the same server with its threads on one core: one mesh worker's share, so
+                that the mesh's own cost shows apart from the core each of its engines lacks;
   mesh-vllm     `kvmesh up --engine vllm` (1 prefill + 1 decode vLLM worker, a core each);
   mesh-kvmesh   `kvmesh up` (1 prefill + 1 decode worker of kvmesh's engine).
 
@@ -72,7 +74,7 @@ logger = logging.getLogger("vllm_serving_bench")
 
 REPO = Path(__file__).resolve().parents[1]
 SECTIONS = {"workloads": "vllm-serving-bench", "bench-serve": "vllm-bench-serve"}  # markers of each mode's section
-SERVERS = ("vllm", "mesh-vllm", "mesh-kvmesh")
+SERVERS = ("vllm", "vllm-1core", "mesh-vllm", "mesh-kvmesh")
 BENCH_SERVE_SERVERS = ("vllm", "mesh-prefill0", "mesh-kvmesh")
 DONE = object()  # parse_sse_line's answer to "data: [DONE]"
 TARGET_TTFT_RATIO = 1.10
@@ -547,7 +549,9 @@ def wait_healthy(process: Any, url: str, timeout: float) -> None:
     raise ProcessStartError(f"{process.name} not healthy after {timeout:.0f}s:\n{process.tail(40)}")
 
 
-def start_vllm(args: argparse.Namespace, workdir: Path) -> Server:
+def start_vllm(args: argparse.Namespace, workdir: Path, *, name: str = "vllm", one_core: bool = False) -> Server:
+    """vLLM's OpenAI server, its OpenMP threads on every core (or, ``one_core``, on the first
+    only: one mesh worker's share, to tell the mesh's own cost from the core it lacks)."""
     from kvmesh.engine.loader.default_model import DEFAULT_MODEL, resolve_model
     from kvmesh.infra.processes import ManagedProcess, free_port
     from kvmesh.worker.engines import DEFAULT_BLOCK_SIZE
@@ -565,11 +569,11 @@ def start_vllm(args: argparse.Namespace, workdir: Path) -> Server:
         "--max-model-len", str(default_max_model_len(model_dir, args.dtype, block, kv_bytes)),
         "--enforce-eager", "--enable-prompt-tokens-details", "--seed", "0", "--disable-log-stats",
     ]  # fmt: skip
-    cores = ",".join(str(c) for c in sorted(os.sched_getaffinity(0)))
+    cores = ",".join(str(c) for c in sorted(os.sched_getaffinity(0))[: 1 if one_core else None])
     env = vllm_env({"VLLM_CPU_OMP_THREADS_BIND": cores})
     started = time.monotonic()
     process = ManagedProcess("vllm-server", command, log_path=workdir / "vllm-server.log", env=env, parent_death_signal=signal.SIGTERM)
-    server = Server("vllm", command, process, f"http://127.0.0.1:{port}", workdir)
+    server = Server(name, command, process, f"http://127.0.0.1:{port}", workdir)
     try:
         wait_healthy(process, f"{server.base_url}/health", args.ready_timeout)
     except BaseException:
@@ -605,6 +609,7 @@ def start_kvmesh_up(name: str, args: argparse.Namespace, workdir: Path, extra: S
 
 SERVER_STARTS: dict[str, tuple[str, Callable[[argparse.Namespace, Path], Server]]] = {
     "vllm": ("python -m vllm.entrypoints.openai.api_server", start_vllm),
+    "vllm-1core": ("python -m vllm.entrypoints.openai.api_server, one core", lambda a, w: start_vllm(a, w, name="vllm-1core", one_core=True)),
     "mesh-vllm": ("kvmesh up --engine vllm", lambda a, w: start_kvmesh_up("mesh-vllm", a, w, ["--engine", "vllm"])),
     "mesh-kvmesh": ("kvmesh up", lambda a, w: start_kvmesh_up("mesh-kvmesh", a, w, [])),
     "mesh-prefill0": ("kvmesh up --prefill 0", lambda a, w: start_kvmesh_up("mesh-prefill0", a, w, ["--prefill", "0"])),
@@ -798,7 +803,7 @@ def markdown(payload: dict[str, Any]) -> str:
         "",
         workloads
         + "Servers: `vllm` is vLLM's OpenAI server alone (block size 32, enforce-eager and the KV cache bytes of one mesh worker), "
-        "its OpenMP threads on all the cores; `mesh-vllm` is `kvmesh up --engine vllm`, `mesh-kvmesh` `kvmesh up` (1 prefill + 1 "
+        "its OpenMP threads on all the cores, `vllm-1core` the same on one core (one mesh engine's share); `mesh-vllm` is `kvmesh up --engine vllm`, `mesh-kvmesh` `kvmesh up` (1 prefill + 1 "
         "decode worker, a core each), `mesh-prefill0` `kvmesh up --prefill 0` (one worker). Each ran alone, stopped by PID after.",
     ]
     return "\n".join(lines) + "\n"
