@@ -444,3 +444,39 @@ async def test_a_vllm_prefill_worker_killed_before_the_pull_is_retried(trio, pro
     assert "retrying" in trio.router.tail(200)
     survivor = "prefill-2" if victim == "prefill-1" else "prefill-1"
     await assert_pools_at_baseline(trio, [survivor, "decode-3"])
+
+
+# ------------------------------------------------------------- kvmesh up --engine vllm, as users run it
+def test_kvmesh_up_engine_vllm_gives_the_official_client_kvmesh_ups_greedy_text(tmp_path, default_model_dir, vllm_python, reference, prompt_ids):
+    """``kvmesh up --engine vllm`` from the README (a vLLM prefill and a vLLM decode worker):
+    the official ``openai`` client gets one vLLM process's greedy text, completions and chat,
+    streamed and not, and it is the text kvmesh's own engine (what plain ``kvmesh up`` runs,
+    float32) makes of the same prompts."""
+    import openai
+
+    from kvmesh.engine.llm_engine import EngineConfig, LLMEngine
+    from kvmesh.engine.request import SamplingParams
+    from tests.mesh.test_up import start_up
+
+    _one_mesh_at_a_time()
+    up = start_up(tmp_path, default_model_dir, "--engine", "vllm", kv_cache_mib=64)
+    try:
+        client = openai.OpenAI(base_url=f"{up.base_url}/v1", api_key="unused", max_retries=0, timeout=120)
+        got = []
+        for prompt in PROMPTS[:2]:
+            answer = client.completions.create(
+                model=MODEL, prompt=prompt, max_tokens=NEW_TOKENS, temperature=0, extra_body={"ignore_eos": True}
+            )
+            got.append(answer.choices[0].text)
+        chunks = client.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=CHAT_TOKENS, temperature=0, stream=True)
+        chat = "".join(chunk.choices[0].delta.content or "" for chunk in chunks if chunk.choices)
+        assert up.popen.poll() is None
+    finally:
+        up.cleanup()
+    assert got == [r["text"] for r in reference["completions"][:2]]
+    assert chat == reference["chat"]["text"]
+    engine = LLMEngine(EngineConfig(model=str(default_model_dir), served_model_name=MODEL, dtype="float32", kv_cache_bytes=32 * 2**20))
+    own = engine.generate(prompt_ids["completions"][:2], SamplingParams(max_tokens=NEW_TOKENS, ignore_eos=True))
+    assert [out.text for out in own] == got
+    [own_chat] = engine.generate([prompt_ids["chat"]], SamplingParams(max_tokens=CHAT_TOKENS))
+    assert own_chat.text == chat
