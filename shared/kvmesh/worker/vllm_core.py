@@ -26,12 +26,13 @@ from kvmesh.engine.block_pool import KVCacheEvent
 from kvmesh.engine.kv_cache_manager import PoolStats
 from kvmesh.engine.kv_layout import KVLayout
 from kvmesh.engine.outputs import KVExport, RequestOutput
-from kvmesh.engine.request import FinishReason, SamplingParams
+from kvmesh.engine.request import FinishReason, SamplingParams, TokenLogprob
 from kvmesh.errors import ErrorCode
 from kvmesh.hashing import BlockHash, hash_token_blocks
 from kvmesh.transfer.layout import PoolLayout
 from kvmesh.worker.vllm_events import EventQueue, KVEventNames
 from kvmesh.worker.vllm_exchange import EXPORT, FROM_TOKEN, IMPORT, NUM_TOKENS, Exchange
+from kvmesh.worker.vllm_outputs import FORCED, logprobs_of, prompt_logprobs_of, structured_outputs_kwargs
 
 logger = logging.getLogger(__name__)
 
@@ -90,6 +91,10 @@ class VllmCore:
         self._num_threads = num_threads
         self._thread_set: int | None = None
         self.blocks_copied = 0  # blocks of imports copied into a request's blocks (the rest used in place)
+        # request id -> the tokens vLLM outputs first (forced: ``vllm_forced``) that are not
+        # new to kvmesh: a guided request's earlier tokens (and an import's first token)
+        self._forced: dict[str, list[int]] = {}
+        self._logprobs: dict[str, tuple[int | None, int | None]] = {}  # request id -> (logprobs, prompt_logprobs) it asks
 
     # -- requests ------------------------------------------------------------------------
     def add_request(
@@ -100,14 +105,15 @@ class VllmCore:
         self._this_thread()
         params = params or SamplingParams()
         transfer: dict[str, Any] = {EXPORT: request_id} if export_kv else {}
-        prefix = self._take_prefix(prompt_token_ids)
+        prompt, forced = self._split_forced(list(prompt_token_ids), params)
+        prefix = self._take_prefix(prompt)
         if prefix is not None:  # a prefix pulled from a peer: the connector loads it, vLLM computes the rest
             handle, start, end = prefix
             transfer.update({IMPORT: handle, NUM_TOKENS: end * self.block_size, FROM_TOKEN: start * self.block_size})
         # export: the first token, then the blocks stay for a peer (the connector's request_finished)
-        sampling = self.sampling(params, max_tokens=1 if export_kv else None, transfer=transfer or None)
+        sampling = self.sampling(params, max_tokens=1 if export_kv else None, transfer=transfer or None, forced=forced)
         try:
-            self.engine.add_request(request_id, {"prompt_token_ids": list(prompt_token_ids)}, sampling)
+            self.engine.add_request(request_id, {"prompt_token_ids": prompt}, sampling)
         except BaseException:
             if prefix is not None:
                 self._forget_import(prefix[0])
@@ -116,29 +122,65 @@ class VllmCore:
             self._exports.add(request_id)
         if prefix is not None:
             self._import_of[request_id] = prefix[0]
+        self._track(request_id, params, forced)
         self._prompts[request_id] = len(prompt_token_ids)
 
+    @staticmethod
+    def _split_forced(prompt: list[int], params: SamplingParams) -> tuple[list[int], list[int]]:
+        """vLLM's prompt, and the tokens it outputs first, forced: a guided request's
+        earlier tokens (a resumed one's, at its prompt's end) are output again, so that vLLM's
+        grammar, which starts at the first output token, consumes them."""
+        m = params.prior_output_tokens if params.guided is not None else 0
+        return (prompt[: len(prompt) - m], prompt[len(prompt) - m :]) if m else (prompt, [])
+
+    def _track(self, request_id: str, params: SamplingParams, forced: list[int]) -> None:
+        if forced:
+            self._forced[request_id] = list(forced)
+        if params.logprobs is not None or params.prompt_logprobs is not None:
+            self._logprobs[request_id] = (params.logprobs, params.prompt_logprobs)
+
+    def _untrack(self, request_id: str) -> None:
+        self._forced.pop(request_id, None)
+        self._logprobs.pop(request_id, None)
+
     def sampling(
-        self, p: SamplingParams, *, max_tokens: int | None = None, generated: int = 0, transfer: dict[str, Any] | None = None
+        self,
+        p: SamplingParams,
+        *,
+        max_tokens: int | None = None,
+        generated: int = 0,
+        transfer: dict[str, Any] | None = None,
+        forced: list[int] | None = None,
+        prompt_logprobs: bool = True,
     ) -> Any:
         """vLLM's sampling parameters for ``p``; ``generated`` tokens at the prompt's end were
         generated already (a resumed request's, an import's first token): min_tokens counts
-        them. vLLM's presence and frequency penalties see only the tokens it generates."""
-        if p.logprobs is not None or p.prompt_logprobs is not None:  # never silently dropped
-            raise UnsupportedByVllm("logprobs (and echo with logprobs) are not supported by vLLM workers yet")
-        if p.guided is not None:  # never dropped: the client asked for output that matches it
-            raise ValueError("structured output (response_format, guided_*, tool_choice required or a named function) is not supported on --engine vllm workers yet")
+        them. vLLM's presence and frequency penalties see only the tokens it generates.
+        ``forced``: tokens vLLM outputs first (``vllm_forced``), of those generated already,
+        on top of ``max_tokens`` new ones. Logprobs are vLLM's raw ones (``vllm_outputs``);
+        ``prompt_logprobs=False`` leaves those out (a decode from imported KV: the prefill
+        computed them). Structured output goes to vLLM's guidance backend (llguidance)."""
         from vllm import SamplingParams as VllmSamplingParams  # type: ignore[import-not-found]
 
-        generated += p.prior_output_tokens
-        limit = max_tokens or p.max_tokens
+        forced = list(forced or ())
+        structured = None
+        if p.guided is not None:  # never dropped: the client asked for output that matches it
+            from vllm.sampling_params import StructuredOutputsParams  # type: ignore[import-not-found]
+
+            structured = StructuredOutputsParams(**structured_outputs_kwargs(p.guided))
+        generated = max(0, generated + p.prior_output_tokens - len(forced))  # forced ones vLLM outputs, and counts
+        limit = (max_tokens or p.max_tokens) + len(forced)
+        extra: dict[str, Any] = {"kv_transfer_params": transfer} if transfer else {}
+        if forced:
+            extra[FORCED] = forced
         return VllmSamplingParams(
             temperature=p.temperature, top_p=p.top_p, top_k=p.top_k if p.top_k > 0 else 0, seed=p.seed,
             max_tokens=limit, stop=list(p.stop), stop_token_ids=list(p.stop_token_ids),
             ignore_eos=p.ignore_eos, presence_penalty=p.presence_penalty, frequency_penalty=p.frequency_penalty,
             repetition_penalty=p.repetition_penalty, logit_bias=dict(p.logit_bias) or None, min_p=p.min_p,
             min_tokens=min(limit, max(0, p.min_tokens - generated)), output_kind=self._delta,  # vLLM refuses min > max
-            extra_args={"kv_transfer_params": transfer} if transfer else None,
+            extra_args=extra or None, logprobs=p.logprobs, prompt_logprobs=p.prompt_logprobs if prompt_logprobs else None,
+            structured_outputs=structured,
         )  # fmt: skip
 
     def has_unfinished(self) -> bool:
@@ -150,29 +192,58 @@ class VllmCore:
         for out in self.engine.step():
             completion = out.outputs[0] if out.outputs else None
             reason = FINISH_REASONS.get(completion.finish_reason or "stop", FinishReason.STOP) if out.finished and completion else None
+            token_ids = list(completion.token_ids) if completion else []
+            text = completion.text if completion else ""
+            sample_logprobs = completion.logprobs if completion else None
+            num_prompt = len(out.prompt_token_ids or ())
+            forced = self._forced.get(out.request_id)
+            if forced is not None:  # outputs kvmesh has already (``vllm_forced``)
+                num_prompt = self._prompts.get(out.request_id, num_prompt)
+                take = min(len(forced), len(token_ids))
+                if token_ids[:take] != forced[:take]:
+                    outputs.append(self._fail_forced(out.request_id, forced[:take], token_ids[:take]))
+                    continue
+                del forced[:take]
+                if take:
+                    token_ids = token_ids[take:]
+                    sample_logprobs = sample_logprobs[take:] if sample_logprobs is not None else None
+                    text = self.tokenizer.decode(token_ids, skip_special_tokens=True) if token_ids else ""
+                if not forced:
+                    del self._forced[out.request_id]
+                if not token_ids and not out.finished and not out.prompt_logprobs:
+                    continue  # nothing new for kvmesh yet
+            try:
+                logprobs, prompt_logprobs = self._logprobs_of(out, sample_logprobs, token_ids)
+            except (ValueError, TypeError, AttributeError) as exc:  # this request fails alone, never the engine thread
+                logger.warning("request %s: vLLM's logprobs could not be read: %s", out.request_id, exc)
+                outputs.append(self._failed(out.request_id, f"vLLM's logprobs could not be read: {exc}", ErrorCode.INTERNAL))
+                continue
             export = None
             if out.finished:
-                self._prompts.pop(out.request_id, None)
+                num_prompt = self._prompts.pop(out.request_id, num_prompt)
+                self._untrack(out.request_id)
                 handle = self._import_of.pop(out.request_id, None)
                 if handle is not None:  # vLLM did not claim it (it had every block cached itself)
                     self._forget_import(handle)
                 if out.request_id in self._exports:
                     self._exports.discard(out.request_id)
-                    export = self._export_of(out.request_id, len(out.prompt_token_ids or ()), reason)
+                    export = self._export_of(out.request_id, num_prompt, reason)
             outputs.append(
                 RequestOutput(
                     request_id=out.request_id,
-                    new_token_ids=list(completion.token_ids) if completion else [],
-                    text=completion.text if completion else "",
+                    new_token_ids=token_ids,
+                    text=text,
                     finished=bool(out.finished),
                     finish_reason=reason if out.finished else None,
-                    num_prompt_tokens=len(out.prompt_token_ids or ()),
+                    num_prompt_tokens=num_prompt if forced is not None else len(out.prompt_token_ids or ()),
                     num_cached_tokens=int(out.num_cached_tokens or 0),
                     kv_export=export,
                     error="vLLM failed this request" if reason is FinishReason.ERROR else None,
                     error_code=ErrorCode.INTERNAL if reason is FinishReason.ERROR else None,  # vLLM's engine fault: retry elsewhere
+                    logprobs=logprobs,
+                    prompt_logprobs=prompt_logprobs,
                 )
-            )
+            )  # fmt: skip
         self._fill_imports()
         self._drop_gone_releases()
         self._pending.extend(self.names.translate(self.events.take()))
@@ -185,10 +256,42 @@ class VllmCore:
             return None
         self.engine.abort_request([request_id])
         self._exports.discard(request_id)
+        self._untrack(request_id)
         handle = self._import_of.pop(request_id, None)
         if handle is not None:
             self._forget_import(handle)
         return RequestOutput(request_id, [], "", True, FinishReason.ABORT, prompt, 0)
+
+    def _logprobs_of(
+        self, out: Any, sample_logprobs: Any, token_ids: list[int]
+    ) -> tuple[list[TokenLogprob | None] | None, list[TokenLogprob | None] | None]:
+        """kvmesh's logprobs of an output's new tokens, and its prompt's (once: vLLM gives
+        them with the output that finished the prompt), where the request asked for them."""
+        sample_k, prompt_k = self._logprobs.get(out.request_id, (None, None))
+        logprobs = logprobs_of(sample_logprobs, token_ids, sample_k) if sample_k is not None else None
+        prompt_logprobs = None
+        if prompt_k is not None and out.prompt_logprobs:  # an empty list on the outputs after that one
+            prompt_logprobs = prompt_logprobs_of(out.prompt_logprobs, out.prompt_token_ids, prompt_k)
+        return logprobs, prompt_logprobs
+
+    def _fail_forced(self, request_id: str, wanted: list[int], got: list[int]) -> RequestOutput:
+        """vLLM output other tokens than the forced ones (its grammar refused one): the
+        request ends here with an error, never with output that left the grammar."""
+        logger.warning("request %s: vLLM output %s where %s were forced", request_id, got, wanted)
+        message = f"the tokens generated before {wanted} do not continue under the request's grammar on this vLLM worker"
+        return self._failed(request_id, message, ErrorCode.REQUEST_FAILED)
+
+    def _failed(self, request_id: str, message: str, code: ErrorCode) -> RequestOutput:
+        """End a request of vLLM's here, with an error: vLLM aborts it (its blocks go back)."""
+        prompt = self._prompts.get(request_id, 0)
+        self._exports.discard(request_id)  # nobody will pull it
+        self.abort_request(request_id)
+        if self.exchange is not None:
+            with self.exchange.lock:
+                kept = request_id in self.exchange.exports  # it had finished: the connector kept its blocks
+            if kept:
+                self.release_export(request_id)
+        return RequestOutput(request_id, [], "", True, FinishReason.ERROR, prompt, 0, error=message, error_code=code)
 
     # -- export (prefill workers) ----------------------------------------------------------
     def _export_of(self, request_id: str, num_tokens: int, reason: FinishReason | None) -> KVExport | None:
@@ -281,19 +384,32 @@ class VllmCore:
         if stop or params.max_tokens <= 1:
             self.block_pool.free_blocks(staged)
             reason = FinishReason.STOP if stop else FinishReason.LENGTH
-            return RequestOutput(request_id, [first_token_id], text, True, reason, n, n)
-        sampling = self.sampling(params, max_tokens=params.max_tokens - 1, generated=1, transfer={IMPORT: handle, NUM_TOKENS: n})
+            first_logprob: list[TokenLogprob | None] | None = [None] if params.logprobs is not None else None  # the prefill's
+            return RequestOutput(request_id, [first_token_id], text, True, reason, n, n, logprobs=first_logprob)
+        forced: list[int] = []
+        if params.guided is None:  # vLLM computes the first token's position and samples the second
+            prompt = [*prompt_token_ids, first_token_id]
+            transfer = {IMPORT: handle, NUM_TOKENS: n}
+        else:  # vLLM outputs the first token again, forced, under its grammar (``vllm_forced``)
+            prompt, forced = self._split_forced(list(prompt_token_ids), params)
+            forced.append(first_token_id)
+            transfer = {IMPORT: handle, NUM_TOKENS: len(prompt) - 1}  # it computes the prompt's last position
+        sampling = self.sampling(
+            params, max_tokens=params.max_tokens - 1, generated=1, transfer=transfer, forced=forced, prompt_logprobs=False
+        )
         self._importing[handle] = (staged, 0)
         try:
-            vllm_id = self.engine.add_request(request_id, {"prompt_token_ids": [*prompt_token_ids, first_token_id]}, sampling)
+            vllm_id = self.engine.add_request(request_id, {"prompt_token_ids": prompt}, sampling)
         except BaseException:
             self._importing.pop(handle, None)
             self.block_pool.free_blocks(staged)
             raise
-        self._adopt(vllm_id, staged, n)
+        self._adopt(vllm_id, staged, min(n, len(prompt)))
+        self._track(request_id, params, forced)
         self._prompts[request_id] = n
         self._import_of[request_id] = handle
-        return RequestOutput(request_id, [first_token_id], text, False, None, n, n)
+        first_logprob = [None] if params.logprobs is not None else None
+        return RequestOutput(request_id, [first_token_id], text, False, None, n, n, logprobs=first_logprob)
 
     def _adopt(self, vllm_id: str, staged: list[Any], num_tokens: int) -> None:
         """Name an import's whole blocks in vLLM's prefix cache under its request's own block

@@ -33,6 +33,9 @@ from kvmesh.worker.engine_api import Engine
 from kvmesh.worker.settings import WorkerSettings
 from kvmesh.worker.vllm_core import VllmCore
 from kvmesh.worker.vllm_exchange import EXCHANGES, new_exchange
+from kvmesh.worker.vllm_outputs import GUIDANCE
+
+FORCED_TOKENS = "kvmesh.worker.vllm_forced:ForcedTokens"  # a vLLM logits processor, by its FQCN
 
 logger = logging.getLogger(__name__)
 
@@ -154,6 +157,10 @@ def engine_args(s: WorkerSettings, model_dir: Path, name: str, exchange: str) ->
             "kv_role": "kv_both",
             "kv_connector_extra_config": {"kvmesh_exchange": exchange},
         },
+        # structured output with llguidance, as kvmesh's engine; a guided import's first token
+        # output again, forced (``kvmesh.worker.vllm_forced``, ``vllm_outputs``)
+        "structured_outputs_config": {"backend": GUIDANCE},
+        "logits_processors": [FORCED_TOKENS],
     }
     if s.engine_args:
         args.update(json.loads(s.engine_args))
@@ -161,6 +168,10 @@ def engine_args(s: WorkerSettings, model_dir: Path, name: str, exchange: str) ->
         from vllm.config import KVEventsConfig  # type: ignore[import-not-found]
 
         args["kv_events_config"] = KVEventsConfig(**args["kv_events_config"])
+    if isinstance(args.get("structured_outputs_config"), dict):
+        from vllm.config import StructuredOutputsConfig  # type: ignore[import-not-found]
+
+        args["structured_outputs_config"] = StructuredOutputsConfig(**args["structured_outputs_config"])
     return args
 
 
