@@ -45,3 +45,56 @@ def test_min_tokens_is_capped_for_the_one_token_of_an_export():
     assert done.returncode == 0, done.stderr[-3000:]
     got = json.loads(done.stdout.strip().splitlines()[-1])
     assert got == {"export": [1, 1], "import": [15, 15], "plain": [8, 3]}
+
+
+# -- vLLM's logprobs as kvmesh's (``kvmesh.worker.vllm_outputs``), without vLLM ------------------
+class _Logprob:
+    """vLLM's ``Logprob``: the fields the conversion reads."""
+
+    def __init__(self, logprob: float, rank: int | None) -> None:
+        self.logprob, self.rank = logprob, rank
+
+
+def _entry(sampled: tuple[int, float, int], tops: list[tuple[int, float]]) -> dict:
+    """vLLM's dict for one position, built as ``append_logprobs_for_next_position`` does: the
+    sampled token first with its rank, then the top k by place (a repeat overwrites)."""
+    token, value, rank = sampled
+    entry = {token: _Logprob(value, rank)}
+    for place, (t, v) in enumerate(tops, start=1):
+        entry[t] = _Logprob(v, place)
+    return entry
+
+
+def test_a_sampled_token_outside_the_top_k_keeps_the_top_k_in_rank_order() -> None:
+    from kvmesh.engine.request import TokenLogprob
+    from kvmesh.worker.vllm_outputs import token_logprob
+
+    entry = _entry((7, -3.5, 9), [(1, -0.1), (2, -0.5), (3, -1.25)])
+    assert token_logprob(entry, 7, 3) == TokenLogprob(7, -3.5, ((1, -0.1), (2, -0.5), (3, -1.25)))
+    assert token_logprob(entry, 7, 0) == TokenLogprob(7, -3.5, ())
+
+
+def test_a_sampled_token_among_the_top_k_takes_its_place_there() -> None:
+    from kvmesh.engine.request import TokenLogprob
+    from kvmesh.worker.vllm_outputs import token_logprob
+
+    entry = _entry((2, -0.5, 2), [(1, -0.1), (2, -0.5), (3, -1.25)])  # inserted first, ranked second
+    assert list(entry) == [2, 1, 3]
+    assert token_logprob(entry, 2, 3) == TokenLogprob(2, -0.5, ((1, -0.1), (2, -0.5), (3, -1.25)))
+    greedy = _entry((1, -0.1, 1), [(1, -0.1), (2, -0.5)])
+    assert token_logprob(greedy, 1, 2) == TokenLogprob(1, -0.1, ((1, -0.1), (2, -0.5)))
+
+
+def test_minus_infinity_crosses_json_as_the_floor_and_counts_must_match() -> None:
+    from kvmesh.engine.logprobs import LOGPROB_FLOOR
+    from kvmesh.worker.vllm_outputs import logprobs_of, prompt_logprobs_of
+
+    masked = _entry((5, 0.0, 1), [(5, 0.0), (0, float("-inf"))])  # a grammar left one token
+    (got,) = logprobs_of([masked], [5], 2)
+    assert got is not None and got.top == ((5, 0.0), (0, LOGPROB_FLOOR))
+    with pytest.raises(ValueError, match="2 tokens"):
+        logprobs_of([masked], [5, 6], 2)
+    prompt = prompt_logprobs_of([None, _entry((9, -2.0, 4), [(3, -0.2)])], [1, 9], 1)
+    assert prompt[0] is None and prompt[1] is not None and (prompt[1].token_id, prompt[1].logprob, prompt[1].top) == (9, -2.0, ((3, -0.2),))
+    with pytest.raises(ValueError, match="3 prompt tokens"):
+        prompt_logprobs_of([None], [1, 2, 3], 1)

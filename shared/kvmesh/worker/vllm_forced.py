@@ -27,7 +27,9 @@ from kvmesh.worker.vllm_outputs import FORCED
 
 class ForcedTokens(LogitsProcessor):  # type: ignore[misc]
     def __init__(self, vllm_config: Any, device: torch.device, is_pin_memory: bool) -> None:
-        self.rows: dict[int, tuple[list[int], list[int]]] = {}  # batch row -> (forced tokens, its output tokens: vLLM's live list)
+        self.rows: dict[
+            int, tuple[list[int], list[int]]
+        ] = {}  # batch row -> (forced tokens, its output tokens: vLLM's live list)
 
     @classmethod
     def validate_params(cls, sampling_params: Any) -> None:

@@ -50,9 +50,7 @@ def token_logprob(entry: Mapping[int, Any], token_id: int, k: int) -> TokenLogpr
         tops = [(t, v) for t, v in items if t != token_id]
     else:  # the token is among the top k: its entry's rank is its place
         tops = sorted(items, key=lambda item: item[1].rank if item[1].rank is not None else math.inf)
-    return TokenLogprob(
-        int(token_id), _value(entry[token_id].logprob), tuple((int(t), _value(v.logprob)) for t, v in tops[:k])
-    )
+    return TokenLogprob(int(token_id), _value(entry[token_id].logprob), tuple((int(t), _value(v.logprob)) for t, v in tops[:k]))
 
 
 def logprobs_of(entries: Sequence[Mapping[int, Any]] | None, token_ids: Sequence[int], k: int) -> list[TokenLogprob | None]:
@@ -63,11 +61,16 @@ def logprobs_of(entries: Sequence[Mapping[int, Any]] | None, token_ids: Sequence
     return [token_logprob(entry, token, k) for entry, token in zip(entries, token_ids)]
 
 
-def prompt_logprobs_of(entries: Sequence[Mapping[int, Any] | None], prompt_token_ids: Sequence[int], k: int) -> list[TokenLogprob | None]:
+def prompt_logprobs_of(
+    entries: Sequence[Mapping[int, Any] | None], prompt_token_ids: Sequence[int], k: int
+) -> list[TokenLogprob | None]:
     """Every prompt token's ``TokenLogprob``, the first None (nothing comes before it)."""
     if len(entries) != len(prompt_token_ids):
         raise ValueError(f"vLLM gave {len(entries)} prompt logprobs for {len(prompt_token_ids)} prompt tokens")
-    return [None if entry is None or i == 0 else token_logprob(entry, token, k) for i, (entry, token) in enumerate(zip(entries, prompt_token_ids))]
+    return [
+        None if entry is None or i == 0 else token_logprob(entry, token, k)
+        for i, (entry, token) in enumerate(zip(entries, prompt_token_ids))
+    ]
 
 
 def _with_json_options(schema: dict[str, Any]) -> dict[str, Any]:
