@@ -74,6 +74,8 @@ def reference(vllm_python, default_model_dir, prompt_ids) -> dict:
     """One vLLM process's greedy output for every prompt: the reference for the mesh."""
     requests = [{"prompt_token_ids": ids, "max_tokens": NEW_TOKENS, "ignore_eos": True} for ids in prompt_ids["completions"]]
     requests.append({"prompt_token_ids": prompt_ids["chat"], "max_tokens": CHAT_TOKENS, "ignore_eos": False})
+    extra = options_reference_requests(default_model_dir)  # logprobs and structured output, after those
+    requests.extend(r for _, r in extra)
     job = {"model": str(default_model_dir), "block_size": BLOCK, "requests": requests}
     done = subprocess.run(
         [vllm_python, str(Path(__file__).with_name("vllm_reference.py"))],
@@ -81,7 +83,8 @@ def reference(vllm_python, default_model_dir, prompt_ids) -> dict:
     )  # fmt: skip
     assert done.returncode == 0, done.stderr[-3000:]
     outputs = json.loads(done.stdout.strip().splitlines()[-1])["outputs"]
-    return {"completions": outputs[:-1], "chat": outputs[-1]}
+    outputs, options = outputs[: len(outputs) - len(extra)], outputs[len(outputs) - len(extra) :]
+    return {"completions": outputs[:-1], "chat": outputs[-1], **{name: out for (name, _), out in zip(extra, options)}}
 
 
 def _env() -> dict[str, str]:
@@ -192,6 +195,198 @@ async def test_the_worker_publishes_vllms_layer_major_pool_and_leaks_nothing(mes
     assert layout.block_stride == layout.segment_bytes and layout.layer_stride == layout.num_blocks * layout.segment_bytes
     stats = await worker_stats(mesh.nats.url, "default", "prefill-1")
     assert (stats.num_in_use, stats.num_held, stats.pins) == (0, 0, 0) and stats.num_cached > 0
+
+
+# -- logprobs and structured output on vLLM workers (the module's prefill -> decode mesh) ----------
+LOGPROBS_CHAT = [{"role": "user", "content": "Name three colors."}]
+LOGPROBS_TOKENS = 8
+TOP = 3
+JSON_ASK = [{"role": "user", "content": "Give me an example JSON value about a city."}]
+JSON_TOKENS = 80
+JSON_SCHEMAS = [
+    {
+        "type": "object",
+        "properties": {"city": {"type": "string", "maxLength": 20}, "population": {"type": "integer", "maximum": 100000000}},
+        "required": ["city", "population"],
+        "additionalProperties": False,
+    },
+    {
+        "type": "object",
+        "properties": {"answer": {"enum": ["yes", "no"]}, "reason": {"type": "string", "maxLength": 30}},
+        "required": ["answer", "reason"],
+        "additionalProperties": False,
+    },
+    {
+        "type": "object",
+        "properties": {
+            "name": {"type": "string", "maxLength": 12},
+            "tags": {"type": "array", "items": {"type": "string", "maxLength": 8}, "maxItems": 2},
+        },
+        "required": ["name", "tags"],
+        "additionalProperties": False,
+    },
+]
+WEATHER_TOOL = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "Get the current weather in a city",
+        "parameters": {
+            "type": "object",
+            "properties": {"city": {"type": "string", "maxLength": 20}, "unit": {"enum": ["celsius", "fahrenheit"]}},
+            "required": ["city", "unit"],
+            "additionalProperties": False,
+        },
+    },
+}
+LOGPROB_TOLERANCE = 2e-3  # float32, the prefill and the decode worker's batches against one process's
+
+
+def _chat_ids(tokenizer: Tokenizer, messages: list[dict]) -> list[int]:
+    return tokenizer.encode(tokenizer.apply_chat_template(messages, add_generation_prompt=True), add_special_tokens=False)
+
+
+def options_reference_requests(model_dir) -> list[tuple[str, dict]]:
+    """The reference's requests for the tests of logprobs and structured output (generated
+    after the others, in a group of their own): greedy, the mesh's structured output as vLLM's."""
+    from kvmesh.engine.structured import GuidedDecoding
+    from kvmesh.worker.vllm_outputs import structured_outputs_kwargs
+
+    tokenizer = Tokenizer.from_dir(model_dir)
+    base = {"ignore_eos": False, "group": 1}
+    out = [
+        ("logprobs_chat", {**base, "prompt_token_ids": _chat_ids(tokenizer, LOGPROBS_CHAT), "max_tokens": LOGPROBS_TOKENS, "logprobs": TOP}),
+        (
+            "echo",
+            {**base, "prompt_token_ids": tokenizer.encode(PROMPTS[1], add_special_tokens=True), "max_tokens": LOGPROBS_TOKENS,
+             "logprobs": 2, "prompt_logprobs": 2},
+        ),
+    ]  # fmt: skip
+    for i, schema in enumerate(JSON_SCHEMAS):
+        structured = structured_outputs_kwargs(GuidedDecoding.json_schema(schema))
+        ids = _chat_ids(tokenizer, JSON_ASK)
+        out.append((f"json{i}", {**base, "prompt_token_ids": ids, "max_tokens": JSON_TOKENS, "structured_outputs": structured}))
+    return out
+
+
+def _top_k(position: list, k: int) -> tuple[int, float, list[tuple[int, float]]]:
+    """The reference's sampled token, its logprob and the top k, from vLLM's dict for a
+    position as the reference printed it (sampled token first; a top-k repeat holds its place)."""
+    token, value, _ = position[0]
+    others = [(t, v, rank) for t, v, rank in position if t != token]
+    tops = sorted(position, key=lambda e: e[2])[:k] if len(position) == k else others[:k]
+    return token, value, [(t, v) for t, v, _ in tops]
+
+
+def _assert_close(got: float | None, want: float) -> None:
+    assert got is not None and abs(got - max(want, -9999.0)) <= LOGPROB_TOLERANCE, (got, want)
+
+
+@pytest.fixture
+async def openai_client(mesh):
+    import openai
+
+    client = openai.AsyncOpenAI(base_url=f"{mesh.base_url}/v1", api_key="unused", max_retries=0, timeout=300)
+    try:
+        yield client
+    finally:
+        await client.close()
+
+
+async def test_chat_logprobs_equal_one_vllm_process(mesh, reference, openai_client, default_model_dir):
+    """Through the official client, streamed and not: the sampled tokens and their logprobs
+    and top logprobs are the reference's (the first token's from the prefill worker, the rest
+    from the decode worker)."""
+    tokenizer = Tokenizer.from_dir(default_model_dir)
+    want = reference["logprobs_chat"]
+    kwargs = {"model": MODEL, "messages": LOGPROBS_CHAT, "max_tokens": LOGPROBS_TOKENS, "temperature": 0, "logprobs": True, "top_logprobs": TOP}
+    answer = await openai_client.chat.completions.create(**kwargs)
+    content = answer.choices[0].logprobs.content
+    streamed = []
+    async for chunk in await openai_client.chat.completions.create(**kwargs, stream=True):
+        if chunk.choices and chunk.choices[0].logprobs is not None:
+            streamed.extend(chunk.choices[0].logprobs.content or [])
+    assert answer.choices[0].message.content == want["text"]
+    for entries in (content, streamed):
+        assert len(entries) == len(want["token_ids"]) == len(want["logprobs"])
+        for entry, token, position in zip(entries, want["token_ids"], want["logprobs"]):
+            sampled, value, tops = _top_k(position, TOP)
+            assert sampled == token and entry.token == tokenizer.decode([token], skip_special_tokens=False)
+            _assert_close(entry.logprob, value)
+            assert [t.token for t in entry.top_logprobs] == [tokenizer.decode([t], skip_special_tokens=False) for t, _ in tops]
+            for top, (_, top_value) in zip(entry.top_logprobs, tops):
+                _assert_close(top.logprob, top_value)
+
+
+async def test_completions_echo_with_logprobs_equals_one_vllm_process_cached_or_not(mesh, reference, openai_client, default_model_dir):
+    """Completions' ``logprobs: 2`` with ``echo``: the prompt's logprobs (computed by the vLLM
+    prefill worker, whose prefix cache holds the prompt the second time: vLLM skips it for
+    them) and the answer's are the reference's."""
+    tokenizer = Tokenizer.from_dir(default_model_dir)
+    want = reference["echo"]
+    prompt_ids = tokenizer.encode(PROMPTS[1], add_special_tokens=True)
+    for _ in range(2):
+        answer = await openai_client.completions.create(
+            model=MODEL, prompt=PROMPTS[1], max_tokens=LOGPROBS_TOKENS, temperature=0, logprobs=2, echo=True
+        )
+        choice = answer.choices[0]
+        assert choice.text == PROMPTS[1] + want["text"]
+        lp = choice.logprobs
+        ids = prompt_ids + want["token_ids"]
+        positions = want["prompt_logprobs"] + want["logprobs"]
+        assert len(lp.tokens) == len(ids) == len(positions) and lp.token_logprobs[0] is None
+        for i, (token, position) in enumerate(zip(ids, positions)):
+            assert lp.tokens[i] == tokenizer.decode([token], skip_special_tokens=False)
+            if i == 0:
+                assert position is None
+                continue
+            sampled, value, tops = _top_k(position, 2)
+            assert sampled == token
+            _assert_close(lp.token_logprobs[i], value)
+            expected = {tokenizer.decode([t], skip_special_tokens=False): v for t, v in tops}
+            expected.setdefault(lp.tokens[i], value)
+            assert set(lp.top_logprobs[i]) == set(expected)
+            for text, top_value in expected.items():
+                _assert_close(lp.top_logprobs[i][text], top_value)
+    await assert_pools_at_baseline(mesh, ["prefill-1", "decode-2"])
+
+
+async def test_json_schemas_parse_validate_and_equal_one_vllm_process(mesh, reference, openai_client):
+    """``response_format`` json_schema, streamed and not: the grammar runs on the vLLM prefill
+    worker's first token and on from there on the decode worker (which has vLLM output that
+    token again, forced, under its grammar); the answer validates and is the reference's
+    greedy text for the same structured-output request."""
+    import jsonschema
+
+    pulled = (await worker_stats(mesh.nats.url, "default", "decode-2")).bytes_pulled
+    for i, schema in enumerate(JSON_SCHEMAS):
+        want = reference[f"json{i}"]
+        fmt = {"type": "json_schema", "json_schema": {"name": f"s{i}", "schema": schema, "strict": True}}
+        kwargs = {"model": MODEL, "messages": JSON_ASK, "max_tokens": JSON_TOKENS, "temperature": 0, "response_format": fmt}
+        answer = await openai_client.chat.completions.create(**kwargs)
+        text = answer.choices[0].message.content or ""
+        streamed, reason = "", None
+        async for chunk in await openai_client.chat.completions.create(**kwargs, stream=True):
+            if chunk.choices:
+                streamed += chunk.choices[0].delta.content or ""
+                reason = chunk.choices[0].finish_reason or reason
+        assert text == streamed == want["text"], (schema, text, streamed, want["text"])
+        assert answer.choices[0].finish_reason == reason == want["finish_reason"] == "stop"
+        jsonschema.validate(json.loads(text), schema)
+    assert (await worker_stats(mesh.nats.url, "default", "decode-2")).bytes_pulled > pulled  # handed off, not prefilled there
+    await assert_pools_at_baseline(mesh, ["prefill-1", "decode-2"])
+
+
+async def test_a_named_tool_call_on_vllm_workers_parses(mesh, openai_client):
+    import jsonschema
+
+    answer = await openai_client.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": "What is the weather in Paris right now?"}], max_tokens=60,
+        temperature=0, tools=[WEATHER_TOOL], tool_choice={"type": "function", "function": {"name": "get_weather"}},
+    )  # fmt: skip
+    calls = answer.choices[0].message.tool_calls
+    assert calls and calls[0].function.name == "get_weather"
+    jsonschema.validate(json.loads(calls[0].function.arguments), WEATHER_TOOL["function"]["parameters"])
 
 
 async def test_a_vllm_decode_worker_killed_mid_stream_resumes_on_the_other(tmp_path, default_model_dir, vllm_python, reference):
