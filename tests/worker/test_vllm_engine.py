@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 from pathlib import Path
 
@@ -53,4 +54,11 @@ def test_export_import_and_release_through_the_connector(default_model_dir):
         "finished": ["A", "B"], "released": [True, True], "free_back": True, "steps_while_idle": 0, "leftovers": none_left,
         "steps_after_a_gone_release": 0,  # dropped, rather than stepped for forever
     }  # fmt: skip
+    guided = seen["guided"]
+    assert re.fullmatch(r"[a-z]{3}-[0-9]{4}", guided["text"]), guided
+    assert {k: guided[k] for k in ("logprobs", "imported", "import_logprobs", "resumed", "free_back")} == {
+        "logprobs": True, "imported": True, "import_logprobs": [[None], True], "resumed": True, "free_back": True,
+    }  # fmt: skip
+    # a first token the grammar does not allow: the import fails by name, after that token alone
+    assert guided["refused"] == {"reason": "error", "code": "request_failed", "tokens": [guided["digit"]]}
     assert (seen["free_at_end"], seen["in_use_at_end"]) == (seen["free_at_start"], 0)

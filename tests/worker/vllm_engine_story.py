@@ -70,6 +70,7 @@ async def story(model: str) -> dict:
         await engine._call(reset)
         seen["abort_mid_prefill"] = await abort_mid_prefill(engine)
         seen["release_idle"] = await release_on_an_idle_engine(engine)
+        seen["guided"] = await guided_hand_off(engine)
         for _ in range(50):
             stats = await engine.pool_stats()
             if stats.num_in_use == 0:
@@ -79,6 +80,48 @@ async def story(model: str) -> dict:
         seen["in_use_at_end"] = stats.num_in_use
     finally:
         await engine.shutdown()
+    return seen
+
+
+async def guided_hand_off(engine) -> dict:
+    """Structured output across an export and an import: the import has vLLM output the
+    export's first token again, forced, under its grammar, and gives the plain run's tokens;
+    so does a resumed request (its earlier tokens forced); a first token the grammar does not
+    allow fails the import by name. Logprobs come with every token but the import's first
+    (the export's). The pool ends where it began."""
+    import torch
+
+    from kvmesh.engine.request import SamplingParams
+    from kvmesh.engine.structured import GuidedDecoding
+
+    core = engine.core
+    before = await settle(engine)
+    prompt = [504, 3575, 282, 4649, 314] * 9  # 45 tokens: a whole block and a part
+    params = SamplingParams(max_tokens=12, guided=GuidedDecoding("regex", r"[a-z]{3}-[0-9]{4}"), logprobs=2)
+    outs = [out async for out in engine.generate("g-plain", prompt, params)]
+    plain = [t for out in outs for t in out.new_token_ids]
+    seen: dict = {"text": core.tokenizer.decode(plain, skip_special_tokens=True)}
+    seen["logprobs"] = [len(out.logprobs or []) == len(out.new_token_ids) for out in outs] == [True] * len(outs)
+    export = await engine.prefill_export("g-x", prompt, params)
+    assert export.kv_export is not None
+    staged = await engine.allocate_import("g-y", len(prompt))
+    assert staged is not None
+    src, dst = torch.tensor(list(export.kv_export.block_ids)), torch.tensor(staged)
+    await engine._call(lambda: [cache.__setitem__(dst, cache[src]) for cache in core.kv_caches])
+    await engine.release_export("g-x")
+    await engine._call(core.engine.reset_prefix_cache)
+    outs = [out async for out in engine.generate_from_import("g-y", prompt, export.new_token_ids[0], "g-y", params)]
+    seen["imported"] = [t for out in outs for t in out.new_token_ids] == plain
+    seen["import_logprobs"] = [outs[0].logprobs, all(out.logprobs and None not in out.logprobs for out in outs[1:])]
+    resumed = SamplingParams(max_tokens=12 - 3, guided=params.guided, prior_output_tokens=3)
+    seen["resumed"] = [t async for out in engine.generate("g-r", prompt + plain[:3], resumed) for t in out.new_token_ids] == plain[3:]
+    digit = core.tokenizer.encode("7", add_special_tokens=False)[0]  # [a-z] first: not allowed
+    await engine.allocate_import("g-bad", len(prompt))
+    outs = [out async for out in engine.generate_from_import("g-bad", prompt, digit, "g-bad", params)]
+    last = outs[-1]
+    seen["refused"] = {"reason": last.finish_reason.value if last.finish_reason else None, "code": last.error_code.value if last.error_code else None, "tokens": [t for o in outs for t in o.new_token_ids]}
+    seen["digit"] = digit
+    seen["free_back"] = await settle(engine) == before
     return seen
 
 
