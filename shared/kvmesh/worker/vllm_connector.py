@@ -10,7 +10,9 @@ share one ``Exchange``, named in ``kv_connector_extra_config["kvmesh_exchange"]`
   ``VllmCore.release_export`` (the decode side pulled them, or the pin expired) hands its
   id to the worker side's ``get_finished`` as sent, and vLLM frees them.
 - **Import** (a decode worker): the request's prompt is the prompt plus the prefill's first
-  token, with ``kvmesh_import`` (the handle) and ``num_tokens`` (the prompt's); or (a prefill
+  token, with ``kvmesh_import`` (the handle) and ``num_tokens`` (the prompt's), or, for
+  structured output, the prompt alone with ``num_tokens`` one less (vLLM outputs the first
+  token again, forced: ``kvmesh.worker.vllm_forced``); or (a prefill
   worker that pulled a prefix from a peer) the prompt, with ``num_tokens`` the prefix's and
   ``from_token`` where the pulled part starts (vLLM's own cached blocks before it). The scheduler
   side claims every prompt token vLLM has not cached itself, asynchronously

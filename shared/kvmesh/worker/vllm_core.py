@@ -368,7 +368,9 @@ class VllmCore:
     ) -> RequestOutput:
         """Decode from the KV pulled into the blocks of ``handle``: vLLM gets the prompt and
         the first token, and the connector has it take every prompt token from the import.
-        Returns the output for the first token."""
+        A guided request's vLLM gets the prompt alone and outputs the first token again,
+        forced (its grammar starts at its first output token): the connector has it take all
+        but the prompt's last token. Returns the output for the first token."""
         params = params or SamplingParams()
         if request_id in self._prompts:
             raise ValueError(f"request id {request_id!r} is already in use")
