@@ -355,7 +355,7 @@ async def test_json_schemas_parse_validate_and_equal_one_vllm_process(mesh, refe
     """``response_format`` json_schema, streamed and not: the grammar runs on the vLLM prefill
     worker's first token and on from there on the decode worker (which has vLLM output that
     token again, forced, under its grammar); the answer validates and is the reference's
-    greedy text for the same structured-output request."""
+    greedy text for the same structured-output request. Sampled (temperature 1), it validates too."""
     import jsonschema
 
     pulled = (await worker_stats(mesh.nats.url, "default", "decode-2")).bytes_pulled
@@ -373,6 +373,11 @@ async def test_json_schemas_parse_validate_and_equal_one_vllm_process(mesh, refe
         assert text == streamed == want["text"], (schema, text, streamed, want["text"])
         assert answer.choices[0].finish_reason == reason == want["finish_reason"] == "stop"
         jsonschema.validate(json.loads(text), schema)
+        sampled = await openai_client.chat.completions.create(**{**kwargs, "temperature": 1.0, "seed": i})  # the forced token too
+        if sampled.choices[0].finish_reason == "stop":
+            jsonschema.validate(json.loads(sampled.choices[0].message.content or ""), schema)
+        else:  # cut by max_tokens: a prefix of the grammar's language, never another text
+            assert sampled.choices[0].finish_reason == "length" and (sampled.choices[0].message.content or "").startswith("{")
     assert (await worker_stats(mesh.nats.url, "default", "decode-2")).bytes_pulled > pulled  # handed off, not prefilled there
     await assert_pools_at_baseline(mesh, ["prefill-1", "decode-2"])
 
