@@ -32,6 +32,7 @@ from kvmesh.hashing import BlockHash, hash_token_blocks
 from kvmesh.transfer.layout import PoolLayout
 from kvmesh.worker.vllm_events import EventQueue, KVEventNames
 from kvmesh.worker.vllm_exchange import EXPORT, FROM_TOKEN, IMPORT, NUM_TOKENS, Exchange
+from kvmesh.worker.vllm_stats import VllmStats
 
 logger = logging.getLogger(__name__)
 
@@ -90,6 +91,7 @@ class VllmCore:
         self._num_threads = num_threads
         self._thread_set: int | None = None
         self.blocks_copied = 0  # blocks of imports copied into a request's blocks (the rest used in place)
+        self.stats = VllmStats()  # what vLLM's stat logger records (``VllmEngine.build`` sets the engine's)
 
     # -- requests ------------------------------------------------------------------------
     def add_request(
@@ -431,12 +433,14 @@ class VllmCore:
                 held += sum(len(blocks) for _, blocks in self.exchange.exports.values())
         return held
 
+    @property
+    def num_preemptions(self) -> int:
+        """vLLM's preemptions so far (``vllm_stats``), as ``AsyncEngine`` reads kvmesh's engine's."""
+        return self.stats.num_preemptions
+
     def load(self) -> dict[str, int]:
-        return {
-            "running": len(self.scheduler.running),
-            "waiting": len(self.scheduler.waiting),
-            "free_blocks": self.block_pool.get_num_free_blocks(),
-        }
+        running, waiting = self.scheduler.get_request_counts()  # waiting: those holding KV too (imports)
+        return {"running": running, "waiting": waiting, "free_blocks": self.block_pool.get_num_free_blocks()}
 
     def _this_thread(self) -> None:
         """OpenMP threads are per calling thread: the engine thread gets the worker's count."""
