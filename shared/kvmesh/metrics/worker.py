@@ -161,7 +161,7 @@ class WorkerMetrics:
         self.ttft.observe(ttft)
         if self._engine_phases:
             return
-        if out.queue_seconds is not None:  # kvmesh's engine says; vLLM's does not (then prefill includes the wait)
+        if out.queue_seconds is not None:  # kvmesh's engine says; one that does not: prefill includes the wait
             self.queue_time.observe(out.queue_seconds)
         self.prefill_time.observe(max(0.0, ttft - (out.queue_seconds or 0.0)))
 
