@@ -32,6 +32,12 @@ def main() -> None:
     manager = types.SimpleNamespace(stat_loggers=[object(), ours, object()])  # vLLM's own two and ours
     assert stats.keep_only_ours(types.SimpleNamespace(logger_manager=manager))
     assert manager.stat_loggers == [ours]
+    other = VllmStats()
+    assert not other.keep_only_ours(types.SimpleNamespace(logger_manager=types.SimpleNamespace(stat_loggers=[ours])))
+    assert not other.keep_only_ours(types.SimpleNamespace(logger_manager=None))  # disable_log_stats
+    late = WorkerMetrics("m", "decode", "w2")
+    other.observe(late)  # stats off: the worker keeps timing the phases itself
+    assert other.observer is None and not late._engine_phases
     metrics = WorkerMetrics("m", "decode", "w1")
     stats.observe(metrics)  # as VllmEngine.observe_steps does
 

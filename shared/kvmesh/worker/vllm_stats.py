@@ -122,8 +122,11 @@ class VllmStats:
             )
             return False
         ours = [s for s in manager.stat_loggers if getattr(s, "stats", None) is self]
-        if not ours:
-            raise RuntimeError("vLLM did not install kvmesh's stat logger")
+        if not ours:  # another vLLM's manager: its own loggers stay, the worker times phases itself
+            logger.warning(
+                "vLLM's stat loggers do not include kvmesh's: preemptions and queue / prefill / decode times are not reported"
+            )
+            return False
         manager.stat_loggers = ours
         self.enabled = True
         return True
