@@ -15,7 +15,7 @@ from nats.aio.msg import Msg
 from pydantic import ValidationError
 
 from kvmesh.errors import ErrorCode, MeshError
-from kvmesh.protocol import QUEUE_GROUP, DecodeAck, DecodeRequest, ErrorInfo, LogprobSpec, ReleaseReply, ReleaseRequest, Stage, TokenEvent
+from kvmesh.protocol import QUEUE_GROUP, DecodeAck, DecodeRequest, ErrorInfo, LogprobSpec, ReleaseReply, ReleaseRequest, Stage, TokenEvent, request_id_of
 from kvmesh.services.decode_worker.handle_check import check_handle, producer_layout
 from kvmesh.telemetry import extract_context, inject_headers, record_queue_wait, setup_logging
 from kvmesh.transfer.mooncake_agent import TransferError
@@ -55,7 +55,7 @@ class DecodeWorker:
             request = DecodeRequest.decode(msg.data)
         except ValidationError as exc:
             error = ErrorInfo(code=ErrorCode.BAD_REQUEST, message=str(exc))
-            await msg.respond(DecodeAck(request_id="", accepted=False, error=error).encode())
+            await msg.respond(DecodeAck(request_id=request_id_of(msg.data), accepted=False, error=error).encode())
             return
         if self.runtime.draining:
             error = ErrorInfo(code=ErrorCode.UNAVAILABLE, message="worker is draining")

@@ -29,7 +29,7 @@ from kvmesh.protocol import (
     Subjects,
 )
 from kvmesh.hashing import hash_from_hex
-from kvmesh.protocol import KVLendReply, KVLendRequest, LogprobSpec
+from kvmesh.protocol import KVLendReply, KVLendRequest, LogprobSpec, request_id_of
 from kvmesh.services.prefill_worker.peer_prefix import CostModel, borrow_handle, borrow_prefix
 from kvmesh.services.prefill_worker.pins import PinTable
 from kvmesh.telemetry import extract_context, record_queue_wait, setup_logging
@@ -75,7 +75,7 @@ class PrefillWorker:
         try:
             request = PrefillRequest.decode(msg.data)
         except ValidationError as exc:
-            await msg.respond(PrefillResponse(request_id="", error=ErrorInfo(code=ErrorCode.BAD_REQUEST, message=str(exc))).encode())
+            await msg.respond(PrefillResponse(request_id=request_id_of(msg.data), error=ErrorInfo(code=ErrorCode.BAD_REQUEST, message=str(exc))).encode())
             return
         rid = request.request_id
         self.in_flight.start(rid)

@@ -7,6 +7,7 @@ at the edge by the ``from_*`` / ``to_*`` helpers here, and nowhere else.
 from __future__ import annotations
 
 import dataclasses
+import json
 import re
 
 from typing import Annotated, Literal
@@ -152,6 +153,21 @@ class Message(BaseModel):
     @classmethod
     def decode(cls, data: bytes):  # -> Self
         return cls.model_validate_json(data)
+
+
+MAX_REQUEST_ID_CHARS = 256
+
+
+def request_id_of(data: bytes) -> str:
+    """The ``request_id`` a message that failed validation names, else "". The refusal of a
+    malformed request (a router of another version, say) carries it, so the attempt waiting
+    for that answer takes it and fails at once, not after its silence timeout."""
+    try:
+        value = json.loads(data)
+    except ValueError:
+        return ""
+    request_id = value.get("request_id") if isinstance(value, dict) else None
+    return request_id if isinstance(request_id, str) and len(request_id) <= MAX_REQUEST_ID_CHARS else ""
 
 
 class ErrorInfo(Message):

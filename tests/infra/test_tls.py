@@ -117,7 +117,13 @@ def test_a_host_name_endpoint_goes_through_the_dns_resolver():
     # etcd3aio's own ``ipv4:`` target cannot take ``etcd:2379`` (the deployment files' endpoint).
     assert _dns_target(["etcd:2379"]) == "dns:///etcd:2379"
     assert _dns_target(["127.0.0.1:2379"]) is None and _dns_target(["localhost:2379"]) is None
-    assert _dns_target(["etcd-0:2379", "etcd-1:2379"]) is None
+    assert _dns_target(["127.0.0.1:2379", "127.0.0.2:2379", "localhost:2379"]) is None
+
+
+def test_several_endpoints_naming_hosts_are_refused_at_once_with_the_way_out():
+    """gRPC's one channel takes one DNS name: a list of names used to fail at the first call."""
+    with pytest.raises(ClusterError, match=r"\(not etcd-0:2379, etcd-1:2379\); give one name"):
+        EtcdStore(["etcd-0:2379", "etcd-1:2379"])
 
 
 async def test_no_password_goes_to_a_server_that_skips_tls(tmp_path, tls):

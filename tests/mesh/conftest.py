@@ -8,6 +8,7 @@ from collections.abc import Iterator
 import pytest
 
 from kvmesh.infra.local_mesh import LocalMesh
+from kvmesh.testing.otlp_sink import OTLPSink
 from tests.mesh.meshes import free_port_range, make_mesh
 
 TRANSFER_PORTS = 16
@@ -16,6 +17,14 @@ TRANSFER_PORTS = 16
 @pytest.fixture(scope="module")
 def transfer_ports() -> tuple[int, int]:
     return free_port_range(TRANSFER_PORTS)
+
+
+@pytest.fixture(scope="module")
+def sink() -> Iterator[OTLPSink]:
+    """An OTLP/HTTP receiver the module's mesh exports its spans to."""
+    receiver = OTLPSink()
+    yield receiver
+    receiver.close()
 
 
 @pytest.fixture(scope="module")

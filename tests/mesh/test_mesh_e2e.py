@@ -11,18 +11,10 @@ import pytest
 from kvmesh.engine.llm_engine import EngineConfig, LLMEngine
 from kvmesh.engine.request import SamplingParams
 from kvmesh.infra.local_mesh import LocalMesh, MeshOptions
-from kvmesh.testing.otlp_sink import OTLPSink
 from tests.mesh.client import post, stream, streamed_text, worker_stats
 from tests.mesh.meshes import MODEL, NEW_TOKENS, PROMPTS
 
 pytestmark = pytest.mark.slow
-
-
-@pytest.fixture(scope="module")
-def sink():
-    receiver = OTLPSink()
-    yield receiver
-    receiver.close()
 
 
 @pytest.fixture(scope="module")

@@ -7,6 +7,7 @@ refused before anything is allocated."""
 from __future__ import annotations
 
 import asyncio
+import json
 import re
 import time
 from datetime import datetime
@@ -128,6 +129,32 @@ async def test_an_inconsistent_decode_request_is_refused_and_leaks_nothing(mesh)
     # The refused pull released the prefill's pin (ok=False), and nothing is held anywhere.
     await assert_pools_at_baseline(mesh, ["prefill-1", "decode-2"])
     assert (await greedy(mesh, "The capital of France is")).status_code == 200
+
+
+async def test_a_request_the_workers_cannot_read_is_refused_under_its_own_id(mesh):
+    """Work with a field this version does not know (a router of a newer version, in a
+    rolling upgrade) is refused with bad_request under the request's own id, so the attempt
+    waiting on that stream takes the answer at once; it used to come back with an empty id,
+    which the router drops, and the request waited out its silence timeout."""
+    subjects = Subjects("default")
+    prefill = PrefillRequest(request_id="skew-1", prompt_token_ids=[1, 2, 3], sampling=SamplingSpec(max_tokens=2))
+    decode = DecodeRequest(request_id="skew-2", prompt_token_ids=[1, 2, 3], sampling=SamplingSpec(max_tokens=2))
+    nc = await nats.connect(mesh.nats.url, connect_timeout=5)
+    try:
+        for subject, request, kind in (
+            (subjects.prefill("prefill-1"), prefill, PrefillResponse), (subjects.decode("decode-2"), decode, DecodeAck),
+        ):  # fmt: skip
+            payload = json.dumps({**json.loads(request.encode()), "a_newer_field": 1}).encode()
+            [answer] = await send_work(nc, subject, payload, subjects.stream("test", request.request_id, answer_phase(kind)), timeout=5)
+            assert isinstance(answer, kind) and answer.request_id == request.request_id, answer
+            assert answer.error is not None and answer.error.code == "bad_request" and "a_newer_field" in answer.error.message
+    finally:
+        await nc.close()
+    await assert_pools_at_baseline(mesh, ["prefill-1", "decode-2"])
+
+
+def answer_phase(kind: type) -> str:
+    return "prefill" if kind is PrefillResponse else "decode"
 
 
 async def test_a_long_prefill_is_not_taken_for_a_dead_worker(tmp_path, default_model_dir):

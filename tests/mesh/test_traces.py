@@ -23,13 +23,6 @@ PROMPT = "Here is a list of three fruits: apples, pears and plums. Here are thre
 
 
 @pytest.fixture(scope="module")
-def sink():
-    receiver = OTLPSink()
-    yield receiver
-    receiver.close()
-
-
-@pytest.fixture(scope="module")
 def mesh(tmp_path_factory, default_model_dir, sink):
     env = {"OTEL_EXPORTER_OTLP_ENDPOINT": sink.endpoint, "OTEL_BSP_SCHEDULE_DELAY": "100", "KVMESH_INGEST_SPAN_INTERVAL": "0.5"}
     local = make_mesh(tmp_path_factory.mktemp("mesh"), default_model_dir, prefill=1, decode=1, env=env)

@@ -392,6 +392,56 @@ async def test_a_named_tool_call_on_vllm_workers_parses(mesh, openai_client):
     calls = answer.choices[0].message.tool_calls
     assert calls and calls[0].function.name == "get_weather"
     jsonschema.validate(json.loads(calls[0].function.arguments), WEATHER_TOOL["function"]["parameters"])
+METRICS_PROMPT = "Inventory of the lighthouse keeper's shed, counted twice for the metrics: " + "rope, lamp oil, brass polish, spare wicks, " * 8
+
+
+async def test_vllm_workers_metrics_come_from_vllms_stats(mesh):
+    """What vLLM's own stats say (``kvmesh.worker.vllm_stats``): the preemption counter, one
+    queue / prefill / decode time per request served on each side, the prefix cache queried
+    and hit on a repeated prompt, and KV usage in [0, 1] while a request decodes and 0 once
+    every block is back (vLLM's null block not counted as used)."""
+    from tests.mesh.test_metrics import metrics_urls, scrape, value
+
+    urls = await metrics_urls(mesh)
+    roles = ("prefill", "decode")
+    before = {role: await scrape(urls[role]) for role in roles}
+    during: list = []
+
+    async def sample(events: list[dict]) -> None:
+        if len(events) == 3:
+            during.append(await scrape(urls["decode"]))
+
+    body = completion_body(METRICS_PROMPT)
+    first = await post(mesh.base_url, "/v1/completions", body)
+    assert first.status_code == 200, first.text
+    again = await post(mesh.base_url, "/v1/completions", body)
+    assert again.status_code == 200, again.text
+    events = await stream(mesh.base_url, "/v1/completions", body, on_event=sample)
+    assert streamed_text(events) == again.json()["choices"][0]["text"] == first.json()["choices"][0]["text"]
+    served = 3
+    n = first.json()["usage"]["prompt_tokens"]
+    assert n > 2 * BLOCK
+    await assert_pools_at_baseline(mesh, ["prefill-1", "decode-2"])
+    after = {role: await scrape(urls[role]) for role in roles}
+
+    def delta(role: str, name: str, suffix: str) -> float:
+        return value(after[role], name, suffix) - value(before[role], name, suffix)
+
+    for role in roles:
+        assert "kvmesh:num_preemptions" in after[role] and delta(role, "kvmesh:num_preemptions", "_total") >= 0
+        for phase in ("queue", "prefill", "decode"):
+            assert delta(role, f"kvmesh:request_{phase}_time_seconds", "_count") == served, (role, phase)
+        assert value(after[role], "kvmesh:kv_cache_usage_perc") == 0.0, role  # idle: every block free or cached
+        assert value(after[role], "kvmesh:num_requests_running") == value(after[role], "kvmesh:num_requests_waiting") == 0
+    assert delta("prefill", "kvmesh:request_prefill_time_seconds", "_sum") > 0
+    assert delta("decode", "kvmesh:request_decode_time_seconds", "_sum") > 0
+    # The prefill worker looked every prompt up; the second and third found all its whole blocks
+    # but the one holding the last token (vLLM recomputes it). The decode worker prefilled nothing.
+    assert delta("prefill", "kvmesh:prefix_cache_queries", "_total") == served * n
+    assert delta("prefill", "kvmesh:prefix_cache_hits", "_total") == (served - 1) * ((n - 1) // BLOCK * BLOCK)
+    assert delta("decode", "kvmesh:prefix_cache_queries", "_total") == 0
+    usage = value(during[0], "kvmesh:kv_cache_usage_perc")
+    assert 0 < usage <= 1 and value(during[0], "kvmesh:num_requests_running") == 1
 
 
 async def test_a_vllm_decode_worker_killed_mid_stream_resumes_on_the_other(tmp_path, default_model_dir, vllm_python, reference):

@@ -278,6 +278,13 @@ def _dns_target(endpoints: list[str]) -> str | None:
     """``dns:///host:port`` for a single endpoint whose host is a name (not ``localhost``,
     which etcd3aio maps to 127.0.0.1 itself); None when the ``ipv4:`` target works."""
     if len(endpoints) != 1:
+        named = [e for e in endpoints if _is_name(e.rpartition(":")[0])]
+        if named:  # gRPC's ``ipv4:`` target would fail at the first call, far from the cause
+            raise ClusterError(
+                f"etcd endpoints {','.join(endpoints)}: with several endpoints each must be an IP address "
+                f"(not {', '.join(named)}); give one name that resolves to every member instead, "
+                "such as a Kubernetes Service"
+            )
         return None
     host = endpoints[0].rpartition(":")[0]
     try:
@@ -285,6 +292,14 @@ def _dns_target(endpoints: list[str]) -> str | None:
     except ValueError:
         return None if host in ("", "localhost") else f"dns:///{endpoints[0]}"
     return None
+
+
+def _is_name(host: str) -> bool:
+    try:
+        ipaddress.ip_address(host.strip("[]"))
+    except ValueError:
+        return host not in ("", "localhost")
+    return False
 
 
 def _split_userinfo(endpoints: list[str]) -> tuple[list[str], UserPassword | None]:

@@ -97,7 +97,7 @@ class AsyncEngine:
             logger.exception("the step observer failed")
 
     def _stepped(self, outputs: list[RequestOutput], seconds: float) -> None:
-        preemptions = int(getattr(self.engine, "num_preemptions", 0))  # vLLM's core keeps no count
+        preemptions = int(getattr(self.engine, "num_preemptions", 0))  # VllmCore's: from vLLM's stats
         self._observe(lambda o: o.stepped(outputs, seconds, preemptions))
 
     def _run_commands(self, wait: bool) -> None:

@@ -17,6 +17,7 @@ import logging
 import threading
 import time
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
@@ -24,6 +25,9 @@ from kvmesh.engine.kv_cache_manager import PoolStats
 from kvmesh.engine.outputs import RequestOutput
 from kvmesh.engine.request import FinishReason
 from kvmesh.metrics import buckets
+
+if TYPE_CHECKING:
+    from kvmesh.worker.vllm_stats import RequestPhases
 
 logger = logging.getLogger(__name__)
 
@@ -94,6 +98,7 @@ class WorkerMetrics:
         self._lock = threading.Lock()
         self._preemptions_seen = 0
         self._pool: PoolStats | None = None
+        self._engine_phases = False  # queue / prefill / decode times come from the engine (vLLM's)
 
     # -- StepObserver --------------------------------------------------------------------
     def arrived(self, request_id: str) -> None:
@@ -137,6 +142,16 @@ class WorkerMetrics:
         with self._lock:
             self._requests.pop(request_id, None)
 
+    # -- an engine that times request phases itself (``kvmesh.worker.vllm_stats``) -------
+    def phases_from_engine(self) -> None:
+        self._engine_phases = True
+
+    def engine_phases(self, phases: RequestPhases) -> None:
+        """A request the engine finished: its queue, prefill and decode times as it timed them."""
+        self.queue_time.observe(phases.queue_seconds)
+        self.prefill_time.observe(phases.prefill_seconds)
+        self.decode_time.observe(phases.decode_seconds)
+
     def _prefilled(self, out: RequestOutput, timing: _Timing, now: float) -> None:
         timing.first_token = now
         self.prompt_tokens.inc(out.num_prompt_tokens)
@@ -144,7 +159,9 @@ class WorkerMetrics:
         self.prefix_hits.inc(min(out.num_cached_tokens, out.num_prompt_tokens))
         ttft = now - timing.arrival
         self.ttft.observe(ttft)
-        if out.queue_seconds is not None:  # kvmesh's engine says; vLLM's does not (then prefill includes the wait)
+        if self._engine_phases:
+            return
+        if out.queue_seconds is not None:  # kvmesh's engine says; one that does not: prefill includes the wait
             self.queue_time.observe(out.queue_seconds)
         self.prefill_time.observe(max(0.0, ttft - (out.queue_seconds or 0.0)))
 
@@ -154,7 +171,7 @@ class WorkerMetrics:
         if out.finish_reason is FinishReason.ERROR:
             return
         self.e2e.observe(now - timing.arrival)
-        if timing.first_token is not None:
+        if timing.first_token is not None and not self._engine_phases:
             self.decode_time.observe(now - timing.first_token)
 
     # -- transfers -----------------------------------------------------------------------
@@ -171,11 +188,12 @@ class WorkerMetrics:
         """The registry's text, with the pool and queue gauges read now (pool stats wait at
         most ``POOL_STATS_WAIT`` for the engine thread, else the last ones are shown)."""
         load = engine.load_now()
-        total = engine.kv_layout.num_blocks
         try:
             self._pool = await asyncio.wait_for(engine.pool_stats(), POOL_STATS_WAIT)
         except Exception as exc:  # noqa: BLE001 - a busy or dead engine: the last stats, or none
             logger.debug("pool stats for /metrics: %r", exc)
+        # the blocks a request may have: vLLM's pool says one fewer than its tensors hold (its null block)
+        total = self._pool.num_blocks if self._pool is not None else engine.kv_layout.num_blocks
         self.running.set(load["running"])
         self.waiting.set(load["waiting"])
         free = load["free_blocks"]  # unreferenced: empty or cached (evictable)

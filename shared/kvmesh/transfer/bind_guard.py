@@ -20,11 +20,11 @@ import ipaddress
 import logging
 import os
 import shutil
-import subprocess
 import sys
-import tempfile
 from pathlib import Path
 from typing import Literal
+
+from kvmesh.native_build import build_shared_library
 
 logger = logging.getLogger(__name__)
 
@@ -78,25 +78,10 @@ def library(cache: Path | None = None) -> Path | None:
     if cc is None:
         last_failure = "no C compiler (cc)"
         return None
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        fd, temporary = tempfile.mkstemp(prefix=".bind_guard-", suffix=".so", dir=path.parent)
-        os.close(fd)
-        try:
-            result = subprocess.run(
-                [cc, "-shared", "-fPIC", "-O2", "-o", temporary, str(SOURCE), "-ldl"],
-                capture_output=True, text=True, timeout=60,
-            )  # fmt: skip
-            if result.returncode != 0:
-                last_failure = f"{cc} failed: {' '.join(result.stderr.split())[:300]}"
-                return None
-            os.chmod(temporary, 0o755)
-            os.replace(temporary, path)  # another process building it at once is harmless
-        finally:
-            if os.path.exists(temporary):
-                os.unlink(temporary)
-    except (OSError, subprocess.SubprocessError) as exc:
-        last_failure = f"building {path} failed: {exc}"
+    last_failure = build_shared_library(
+        path, lambda output: [cc, "-shared", "-fPIC", "-O2", "-o", output, str(SOURCE), "-ldl"], timeout=60, mode=0o755
+    )
+    if last_failure:
         return None
     return path
 

@@ -33,6 +33,7 @@ from kvmesh.transfer.layout import PoolLayout
 from kvmesh.worker.vllm_events import EventQueue, KVEventNames
 from kvmesh.worker.vllm_exchange import EXPORT, FROM_TOKEN, IMPORT, NUM_TOKENS, Exchange
 from kvmesh.worker.vllm_outputs import FORCED, logprobs_of, prompt_logprobs_of, structured_outputs_kwargs
+from kvmesh.worker.vllm_stats import VllmStats
 
 logger = logging.getLogger(__name__)
 
@@ -95,6 +96,7 @@ class VllmCore:
         # new to kvmesh: a guided request's earlier tokens (and an import's first token)
         self._forced: dict[str, list[int]] = {}
         self._logprobs: dict[str, tuple[int | None, int | None]] = {}  # request id -> (logprobs, prompt_logprobs) it asks
+        self.stats = VllmStats()  # what vLLM's stat logger records (``VllmEngine.build`` sets the engine's)
 
     # -- requests ------------------------------------------------------------------------
     def add_request(
@@ -549,12 +551,14 @@ class VllmCore:
                 held += sum(len(blocks) for _, blocks in self.exchange.exports.values())
         return held
 
+    @property
+    def num_preemptions(self) -> int:
+        """vLLM's preemptions so far (``vllm_stats``), as ``AsyncEngine`` reads kvmesh's engine's."""
+        return self.stats.num_preemptions
+
     def load(self) -> dict[str, int]:
-        return {
-            "running": len(self.scheduler.running),
-            "waiting": len(self.scheduler.waiting),
-            "free_blocks": self.block_pool.get_num_free_blocks(),
-        }
+        running, waiting = self.scheduler.get_request_counts()  # waiting: those holding KV too (imports)
+        return {"running": running, "waiting": waiting, "free_blocks": self.block_pool.get_num_free_blocks()}
 
     def _this_thread(self) -> None:
         """OpenMP threads are per calling thread: the engine thread gets the worker's count."""

@@ -25,7 +25,7 @@ import os
 from pathlib import Path
 from typing import Any, cast
 
-from kvmesh.engine.async_engine import AsyncEngine
+from kvmesh.engine.async_engine import AsyncEngine, StepObserver
 from kvmesh.engine.loader.default_model import resolve_model, served_model_name
 from kvmesh.hashing import hash_token_blocks
 from kvmesh.transfer.layout import ITEMSIZE, VLLM_CPU_ARRANGEMENT, PoolLayout
@@ -34,6 +34,7 @@ from kvmesh.worker.settings import WorkerSettings
 from kvmesh.worker.vllm_core import VllmCore
 from kvmesh.worker.vllm_exchange import EXCHANGES, new_exchange
 from kvmesh.worker.vllm_outputs import GUIDANCE
+from kvmesh.worker.vllm_stats import VllmStats
 
 FORCED_TOKENS = "kvmesh.worker.vllm_forced:ForcedTokens"  # a vLLM logits processor, by its FQCN
 
@@ -76,12 +77,19 @@ class VllmEngine(AsyncEngine):
         parallel = engine_args_.tensor_parallel_size * engine_args_.pipeline_parallel_size
         if parallel > 1:  # its workers, and the KV pool, would live in child processes
             raise ValueError(f"--engine vllm: kvmesh hosts vLLM in the worker's process; tensor x pipeline parallel {parallel} is not there yet")
-        engine = VllmLLMEngine.from_engine_args(engine_args_)
+        stats = VllmStats()  # preemptions and request phases from vLLM's own stats
+        engine = VllmLLMEngine.from_engine_args(engine_args_, stat_loggers=[stats.stat_logger_class()])
+        stats.keep_only_ours(engine)
         block_size = engine.vllm_config.cache_config.block_size
         layout = pool_layout(engine, s.dtype, block_size)
         core = VllmCore(engine, name, layout, len(cores), EXCHANGES[exchange])
+        core.stats = stats
         logger.info("vLLM KV pool: %d blocks of %d tokens, %d bytes at %#x", layout.num_blocks, block_size, layout.pool_bytes, layout.base_address)
         return cls(core, layout, engine.model_config.max_model_len, engine.model_config.get_vocab_size())
+
+    def observe_steps(self, observer: StepObserver) -> None:
+        super().observe_steps(observer)
+        self.core.stats.observe(observer)  # queue / prefill / decode times as vLLM timed them
 
     @property
     def model_name(self) -> str:
@@ -146,7 +154,7 @@ def engine_args(s: WorkerSettings, model_dir: Path, name: str, exchange: str) ->
         "max_num_seqs": s.max_num_seqs,
         "max_num_batched_tokens": s.max_num_batched_tokens,
         "enforce_eager": True,  # no torch.compile: minutes of start-up on a small CPU
-        "disable_log_stats": True,
+        "disable_log_stats": False,  # vLLM's stats feed the worker's metrics (``vllm_stats``)
         "seed": 0,
         # KV events into this process (``VllmCore`` replaces the null publisher with its queue)
         "kv_events_config": {"enable_kv_cache_events": True, "publisher": "null"},

@@ -15,12 +15,12 @@ import hashlib
 import logging
 import os
 import shutil
-import subprocess
 import sys
-import tempfile
 from pathlib import Path
 
 import torch
+
+from kvmesh.native_build import build_shared_library
 
 logger = logging.getLogger(__name__)
 
@@ -70,25 +70,15 @@ def build(cache: Path | None = None) -> Path | None:
     includes = [f"-I{p}" for p in cpp_extension.include_paths()]
     libdirs = cpp_extension.library_paths()
     abi = int(torch._C._GLIBCXX_USE_CXX11_ABI)
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        fd, temporary = tempfile.mkstemp(prefix=".paged_decode-", suffix=".so", dir=path.parent)
-        os.close(fd)
-        try:
-            command = [
-                cxx, *FLAGS, f"-D_GLIBCXX_USE_CXX11_ABI={abi}", *includes, str(SOURCE), "-o", temporary,
-                *[f"-L{d}" for d in libdirs], *[f"-Wl,-rpath,{d}" for d in libdirs], "-lc10", "-ltorch_cpu",
-            ]  # fmt: skip
-            result = subprocess.run(command, capture_output=True, text=True, timeout=600)
-            if result.returncode != 0:
-                last_failure = f"{cxx} failed: {' '.join(result.stderr.split())[:300]}"
-                return None
-            os.replace(temporary, path)
-        finally:
-            if os.path.exists(temporary):
-                os.unlink(temporary)
-    except (OSError, subprocess.SubprocessError) as exc:
-        last_failure = f"building {path} failed: {exc}"
+    last_failure = build_shared_library(
+        path,
+        lambda output: [
+            cxx, *FLAGS, f"-D_GLIBCXX_USE_CXX11_ABI={abi}", *includes, str(SOURCE), "-o", output,
+            *[f"-L{d}" for d in libdirs], *[f"-Wl,-rpath,{d}" for d in libdirs], "-lc10", "-ltorch_cpu",
+        ],  # fmt: skip
+        timeout=600,
+    )
+    if last_failure:
         return None
     return path
 
