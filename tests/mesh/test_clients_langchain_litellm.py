@@ -16,7 +16,7 @@ import json
 import os
 import socket
 from collections.abc import Iterator
-from typing import Any
+from typing import Any, Literal
 
 import httpx
 import jsonschema
@@ -705,6 +705,149 @@ def test_langchain_responses_api_structured_output(base_url: str, reference: ope
     chat_format = {"type": "json_schema", "json_schema": {k: v for k, v in fmt.items() if k != "type"}}
     want = official_chat(reference, CITY_QUESTION, max_tokens=STRUCTURED_TOKENS, response_format=chat_format)
     assert got == City.model_validate_json(want.choices[0].message.content)
+
+
+# --------------------------------------------------------------------------- more of what users set
+def get_weather(city: str, unit: Literal["celsius", "fahrenheit"]) -> str:
+    """Get the current weather in a city.
+
+    Args:
+        city: The city.
+        unit: The unit of temperature.
+    """
+    raise AssertionError("the model calls it; the test does not")
+
+
+def test_langchain_function_calling_structured_output_and_strict_tools(base_url: str, reference: openai.OpenAI, sent: Recorder) -> None:
+    llm = chat_model(base_url, sent, max_tokens=STRUCTURED_TOKENS)
+    got = llm.with_structured_output(City, method="function_calling", strict=True).invoke(CITY_QUESTION)
+    assert isinstance(got, City)
+    body = sent.last
+    [tool] = body["tools"]
+    assert tool["function"]["strict"] is True and body["parallel_tool_calls"] is False
+    assert body["tool_choice"] == {"type": "function", "function": {"name": "City"}}
+    want = official_chat(
+        reference, CITY_QUESTION, max_tokens=STRUCTURED_TOKENS, tools=body["tools"], tool_choice=body["tool_choice"], parallel_tool_calls=False
+    )
+    [call] = want.choices[0].message.tool_calls or []
+    assert got == City.model_validate_json(call.function.arguments)
+    # a Python function bound with strict and parallel_tool_calls, tool_choice "auto"
+    auto = llm.bind_tools([get_weather, TIME], tool_choice="auto", strict=True, parallel_tool_calls=False).invoke(ASK)
+    body = sent.last
+    assert body["tool_choice"] == "auto" and body["tools"][0]["function"]["strict"] is True
+    assert body["tools"][0]["function"]["parameters"]["required"] == ["city", "unit"]
+    want = official_chat(reference, ASK, max_tokens=STRUCTURED_TOKENS, tools=body["tools"], tool_choice="auto", parallel_tool_calls=False)
+    assert auto.content == (want.choices[0].message.content or "")
+    assert [(c["name"], c["args"]) for c in auto.tool_calls] == [
+        (c.function.name, json.loads(c.function.arguments)) for c in want.choices[0].message.tool_calls or []
+    ]
+
+
+def test_langchain_text_parts_and_vllm_extensions(base_url: str, reference: openai.OpenAI, sent: Recorder) -> None:
+    from langchain_core.messages import HumanMessage
+
+    extras = {"repetition_penalty": 1.3, "min_p": 0.05, "top_k": 20}
+    want = official_chat(reference, DAYS, max_tokens=24, extra_body=extras).choices[0].message.content
+    assert want != official_chat(reference, DAYS, max_tokens=24).choices[0].message.content
+    llm = chat_model(base_url, sent, max_tokens=24, extra_body=extras)
+    parts = [{"type": "text", "text": "List the days of the week,"}, {"type": "text", "text": "then list them again."}]
+    joined = official_chat(reference, [{"role": "user", "content": parts}], max_tokens=24, extra_body=extras).choices[0].message.content
+    assert llm.invoke([HumanMessage(content=parts)]).content == joined  # type: ignore[arg-type]
+    assert sent.last["messages"][0]["content"] == parts
+    assert llm.invoke(DAYS).content == want
+    assert all(sent.last[k] == v for k, v in extras.items())
+
+
+def test_litellm_vllm_extensions_json_object_and_a_tool_round_trip(base_url: str, reference: openai.OpenAI) -> None:
+    extras = {"repetition_penalty": 1.3, "min_p": 0.05, "top_k": 20}
+    want = official_chat(reference, DAYS, max_tokens=24, extra_body=extras).choices[0].message.content
+    assert litellm_call(base_url, DAYS, max_tokens=24, extra_body=extras).choices[0].message.content == want
+    fmt = {"type": "json_object"}
+    want = official_chat(reference, CITY_QUESTION, max_tokens=STRUCTURED_TOKENS, response_format=fmt).choices[0].message.content
+    got = litellm_call(base_url, CITY_QUESTION, max_tokens=STRUCTURED_TOKENS, response_format=fmt).choices[0].message.content
+    assert got == want and isinstance(json.loads(got), dict)
+    call = litellm_call(base_url, ASK, tools=[WEATHER], tool_choice=NAMED, max_tokens=TOOL_TOKENS).choices[0].message
+    [tool_call] = call.tool_calls
+    history = [
+        {"role": "user", "content": ASK},
+        call.model_dump(exclude_none=False),  # the assistant message as LiteLLM returned it
+        {"role": "tool", "tool_call_id": tool_call.id, "content": TOOL_RESULT},
+    ]
+    got = litellm_call(base_url, history, tools=[WEATHER], max_tokens=24).choices[0].message
+    plain_history = [
+        {"role": "user", "content": ASK},
+        {"role": "assistant", "content": None, "tool_calls": [
+            {"id": tool_call.id, "type": "function", "function": {"name": "get_weather", "arguments": tool_call.function.arguments}},
+        ]},
+        {"role": "tool", "tool_call_id": tool_call.id, "content": TOOL_RESULT},
+    ]  # fmt: skip
+    want = official_chat(reference, plain_history, tools=[WEATHER], max_tokens=24).choices[0].message
+    assert got.content == want.content
+
+
+def test_litellm_streamed_n_and_parallel_tool_calls(base_url: str, four_choices: list[str], tool_references) -> None:
+    texts = ["", "", "", ""]
+    for chunk in litellm_call(base_url, SEA, n=4, stream=True, **N_OPTIONS):
+        for choice in chunk.choices:
+            texts[choice.index] += choice.delta.content or ""
+    assert texts == four_choices
+    got = litellm_call(base_url, ASK, tools=[WEATHER, TIME], tool_choice="required", parallel_tool_calls=False, max_tokens=TOOL_TOKENS)
+    calls = got.choices[0].message.tool_calls
+    assert len(calls) == 1 and (calls[0].function.name, json.loads(calls[0].function.arguments)) == tool_references["required"][0]
+
+
+def test_litellm_text_completion(base_url: str, reference: openai.OpenAI) -> None:
+    import litellm
+
+    want = reference.completions.create(model=MODEL, prompt=PROMPTS, max_tokens=6, temperature=0, logprobs=2, echo=True)
+    got = litellm.text_completion(
+        model=f"text-completion-openai/{MODEL}", api_base=base_url, api_key="unused", prompt=PROMPTS,
+        max_tokens=6, temperature=0, logprobs=2, echo=True, num_retries=0, timeout=60,
+    )  # fmt: skip
+    assert [c.text for c in got.choices] == [c.text for c in want.choices]
+    assert got.choices[0].text.startswith(PROMPTS[0])
+    for choice, ref in zip(got.choices, want.choices):
+        assert choice.logprobs.tokens == ref.logprobs.tokens
+        assert choice.logprobs.token_logprobs[1:] == pytest.approx(ref.logprobs.token_logprobs[1:], abs=LOGPROB_ATOL)
+
+
+def test_langchain_responses_api_conversation_and_what_it_refuses(base_url: str, reference: openai.OpenAI, sent: Recorder) -> None:
+    """An answer sent back as history (its message item, with id, status and output_text parts),
+    streamed usage, and what kvmesh's Responses API does not do refused by name."""
+    from langchain_core.messages import HumanMessage
+
+    llm = chat_model(base_url, sent, max_tokens=12, use_responses_api=True)
+    first = llm.invoke(QUESTION)
+    follow_up = "And of Italy?"
+    answer = llm.invoke([HumanMessage(QUESTION), first, HumanMessage(follow_up)])
+    item = sent.last["input"][1]
+    assert item["role"] == "assistant" and item["content"][0]["type"] == "output_text"
+    history = [
+        {"role": "user", "content": QUESTION},
+        {"role": "assistant", "content": first.text},
+        {"role": "user", "content": follow_up},
+    ]
+    want = official_chat(reference, history, max_tokens=12)
+    assert answer.text == want.choices[0].message.content
+    chunks = list(chat_model(base_url, sent, max_tokens=12, use_responses_api=True, stream_usage=True).stream(QUESTION))
+    usage = [c.usage_metadata for c in chunks if c.usage_metadata]
+    assert [(u["input_tokens"], u["output_tokens"]) for u in usage] == [(first.usage_metadata["input_tokens"], first.usage_metadata["output_tokens"])]
+    for refused, param in (
+        (chat_model(base_url, use_responses_api=True, top_logprobs=2), "top_logprobs"),
+        (chat_model(base_url, use_responses_api=True).bind_tools([WEATHER]), "tools"),
+    ):
+        with pytest.raises(openai.BadRequestError) as info:
+            refused.invoke(QUESTION)
+        assert info.value.body["param"] == param, info.value.body
+
+
+def test_langchain_structured_output_streamed(base_url: str, reference: openai.OpenAI, sent: Recorder) -> None:
+    llm = chat_model(base_url, sent, max_tokens=STRUCTURED_TOKENS).with_structured_output(City, method="json_schema")
+    parsed = list(llm.stream(CITY_QUESTION))
+    fmt = sent.last["response_format"]
+    assert sent.last["stream"] is True
+    want = official_chat(reference, CITY_QUESTION, max_tokens=STRUCTURED_TOKENS, response_format=fmt)
+    assert parsed[-1] == City.model_validate_json(want.choices[0].message.content)
 
 
 async def test_pools_back_at_baseline(mesh: LocalMesh) -> None:
