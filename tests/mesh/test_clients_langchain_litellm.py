@@ -850,5 +850,74 @@ def test_langchain_structured_output_streamed(base_url: str, reference: openai.O
     assert parsed[-1] == City.model_validate_json(want.choices[0].message.content)
 
 
+class Landmark(pydantic.BaseModel):
+    name: str = pydantic.Field(max_length=24)
+    kind: Literal["museum", "tower", "church", "park"]
+
+
+class Guide(pydantic.BaseModel):
+    """A short guide to a city: nested models, an optional field and a bounded list ($defs, anyOf null)."""
+
+    city: City
+    landmarks: list[Landmark] = pydantic.Field(min_length=1, max_length=2)
+    motto: str | None = pydantic.Field(default=None, max_length=30)
+
+
+def test_structured_output_with_nested_and_optional_fields(base_url: str, reference: openai.OpenAI, sent: Recorder) -> None:
+    question = "Write a short guide to Paris as JSON."
+    llm = chat_model(base_url, sent, max_tokens=120)
+    got = llm.with_structured_output(Guide, method="json_schema", strict=True).invoke(question)
+    assert isinstance(got, Guide)
+    fmt = sent.last["response_format"]
+    assert "$defs" in fmt["json_schema"]["schema"]
+    want = official_chat(reference, question, max_tokens=120, response_format=fmt)
+    assert got == Guide.model_validate_json(want.choices[0].message.content)
+    # the official client's own strict conversion of the same class
+    parsed = reference.chat.completions.parse(model=MODEL, messages=[{"role": "user", "content": question}], max_tokens=120, temperature=0, response_format=Guide)
+    assert isinstance(parsed.choices[0].message.parsed, Guide)
+
+
+def test_a_named_message_is_refused_by_name(base_url: str) -> None:
+    """LangChain sends a message's ``name`` (a LangGraph agent's answers carry one); kvmesh refuses
+    it by name rather than dropping it."""
+    from langchain_core.messages import HumanMessage
+
+    with pytest.raises(openai.BadRequestError) as info:
+        chat_model(base_url).invoke([HumanMessage(QUESTION, name="alice")])
+    assert info.value.body["message"].startswith("messages.0.name: ") and "name is not supported" in info.value.body["message"]
+
+
+def test_litellm_streamed_text_completion_and_extensions_as_keywords(base_url: str, reference: openai.OpenAI) -> None:
+    import litellm
+
+    want = reference.completions.create(model=MODEL, prompt=PROMPTS, max_tokens=6, temperature=0, n=2)
+    texts = ["", "", "", ""]
+    for chunk in litellm.text_completion(
+        model=f"text-completion-openai/{MODEL}", api_base=base_url, api_key="unused", prompt=PROMPTS, n=2,
+        max_tokens=6, temperature=0, stream=True, num_retries=0, timeout=60,
+    ):  # fmt: skip
+        for choice in chunk.choices:
+            texts[choice.index] += choice.text or ""
+    assert texts == [c.text for c in want.choices]
+    extras = {"repetition_penalty": 1.3, "top_k": 20}
+    want_text = official_chat(reference, DAYS, max_tokens=24, extra_body=extras).choices[0].message.content
+    assert litellm_call(base_url, DAYS, max_tokens=24, **extras).choices[0].message.content == want_text
+
+
+async def test_litellm_async_streamed_tool_calls_and_usage(base_url: str, tool_references) -> None:
+    import litellm
+
+    stream = await litellm.acompletion(
+        model=f"openai/{MODEL}", api_base=base_url, api_key="unused", messages=[{"role": "user", "content": ASK}],
+        tools=[WEATHER, TIME], tool_choice="required", temperature=0, max_tokens=TOOL_TOKENS, stream=True,
+        stream_options={"include_usage": True}, num_retries=0, timeout=60,
+    )  # fmt: skip
+    chunks = [chunk async for chunk in stream]
+    built = litellm.stream_chunk_builder(chunks)
+    calls = built.choices[0].message.tool_calls
+    assert [(c.function.name, json.loads(c.function.arguments)) for c in calls] == tool_references["required"]
+    assert built.usage.completion_tokens > 0
+
+
 async def test_pools_back_at_baseline(mesh: LocalMesh) -> None:
     await assert_pools_at_baseline(mesh, ["prefill-1", "decode-2"])
