@@ -631,6 +631,12 @@ def test_streamed_usage_through_both(base_url: str, reference: openai.OpenAI, se
     assert len(metadata) == 1
     assert (metadata[0]["input_tokens"], metadata[0]["output_tokens"]) == (usage.prompt_tokens, usage.completion_tokens)
     assert "".join(str(c.content) for c in chunks) == want.choices[0].message.content
+    # stream_usage set, then invoke: a plain request; streaming=True: invoke streams and sums the usage
+    plain = chat_model(base_url, sent, stream_usage=True).invoke(QUESTION)
+    assert "stream_options" not in sent.last and plain.usage_metadata["output_tokens"] == usage.completion_tokens
+    summed = chat_model(base_url, sent, streaming=True, stream_usage=True).invoke(QUESTION)
+    assert sent.last["stream"] is True and summed.content == want.choices[0].message.content
+    assert (summed.usage_metadata["input_tokens"], summed.usage_metadata["output_tokens"]) == (usage.prompt_tokens, usage.completion_tokens)
     streamed = list(litellm_call(base_url, QUESTION, stream=True, stream_options={"include_usage": True}))
     usages = [c.usage for c in streamed if getattr(c, "usage", None)]
     assert usages and (usages[-1].prompt_tokens, usages[-1].completion_tokens) == (usage.prompt_tokens, usage.completion_tokens)
