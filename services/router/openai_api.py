@@ -343,8 +343,9 @@ class ChatMessage(BaseModel):
     content: Annotated[
         str | None, BeforeValidator(_parse_optional_content), WithJsonSchema({"anyOf": [CONTENT_SCHEMA, {"type": "null"}]})
     ] = None
+    # the participant's name (LangGraph's agents set one): handed to the chat template, as vLLM does
+    name: Text | None = Field(default=None, max_length=256)
     # what a client echoes back in an assistant message of the history, accepted when empty
-    name: Annotated[Any, _only_off(_is_null, "a message's name is not supported")] = None
     refusal: Annotated[Any, _only_off(_is_null, "a message's refusal is not supported")] = None
     # an assistant message's tool calls, and a tool message's answer to one (``tools``)
     tool_calls: Annotated[
@@ -365,6 +366,8 @@ class ChatMessage(BaseModel):
 
     def template_message(self) -> dict[str, Any]:
         message: dict[str, Any] = {"role": self.template_role, "content": self.content}
+        if self.name is not None:
+            message["name"] = self.name
         if self.tool_calls:
             message["tool_calls"] = list(self.tool_calls)
         if self.tool_call_id is not None:

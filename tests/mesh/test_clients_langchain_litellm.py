@@ -883,14 +883,17 @@ def test_structured_output_with_nested_and_optional_fields(base_url: str, refere
     assert isinstance(parsed.choices[0].message.parsed, Guide)
 
 
-def test_a_named_message_is_refused_by_name(base_url: str) -> None:
-    """LangChain sends a message's ``name`` (a LangGraph agent's answers carry one); kvmesh refuses
-    it by name rather than dropping it."""
+def test_a_named_message_is_answered_as_the_official_clients(base_url: str, reference: openai.OpenAI, sent: Recorder) -> None:
+    """LangChain sends a message's ``name`` (a LangGraph agent's answers carry one); the router
+    takes it as OpenAI and vLLM do (it used to refuse it with a 400)."""
     from langchain_core.messages import HumanMessage
 
-    with pytest.raises(openai.BadRequestError) as info:
-        chat_model(base_url).invoke([HumanMessage(QUESTION, name="alice")])
-    assert info.value.body["message"].startswith("messages.0.name: ") and "name is not supported" in info.value.body["message"]
+    want = reference.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": QUESTION, "name": "alice"}], max_tokens=16, temperature=0
+    )
+    got = chat_model(base_url, sent).invoke([HumanMessage(QUESTION, name="alice")])
+    assert sent.last["messages"] == [{"role": "user", "content": QUESTION, "name": "alice"}]
+    assert got.content == want.choices[0].message.content and got.content
 
 
 def test_litellm_streamed_text_completion_and_extensions_as_keywords(base_url: str, reference: openai.OpenAI) -> None:

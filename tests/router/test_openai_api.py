@@ -124,6 +124,16 @@ def test_an_echoed_assistant_message_with_empty_fields_is_accepted() -> None:
     assert req.template_messages()[0] == {"role": "assistant", "content": "Hi"}
 
 
+def test_a_messages_name_goes_to_the_chat_template() -> None:
+    """OpenAI and vLLM take a participant's ``name`` (LangChain sends it whenever a message has
+    one, as LangGraph's agents' do); it used to be refused with a 400."""
+    messages = [{"role": "user", "content": "Hi", "name": "alice"}, {"role": "assistant", "content": "Hello", "name": "bot"}]
+    req = ChatCompletionRequest.model_validate({"model": "m", "messages": messages})
+    assert req.template_messages() == messages
+    with pytest.raises(ValidationError, match="at most 256"):
+        ChatCompletionRequest.model_validate({"model": "m", "messages": [{"role": "user", "content": "x", "name": "n" * 257}]})
+
+
 def test_prompt_lists() -> None:
     def prompts(value: object) -> list:
         return CompletionRequest.model_validate({"model": "m", "prompt": value}).prompts
@@ -231,7 +241,7 @@ def test_chat_max_tokens_defaults_to_none_and_stream_options_need_stream() -> No
     [
         ([], ("messages",), "at least 1 item"),
         ([{"role": "function", "content": "x"}], ("messages", 0, "role"), "'system', 'developer', 'user', 'assistant' or 'tool'"),
-        ([{"role": "user", "content": "x", "name": "bob"}], ("messages", 0, "name"), "a message's name is not supported"),
+        ([{"role": "user", "content": "x", "name": 7}], ("messages", 0, "name"), "Input should be a valid string"),
         ([{"role": "user", "content": "x", "audio": None}], ("messages", 0, "audio"), "Extra inputs are not permitted"),
         (
             [{"role": "user", "content": [{"type": "text", "text": "x", "cache_control": {}}]}],
