@@ -928,9 +928,9 @@ def test_every_variable_in_compose_and_kubernetes_is_one_the_services_read():
 
 
 def test_every_port_in_compose_and_kubernetes_is_one_the_services_listen_on():
-    from kvmesh.services.router.main import build_parser
+    from kvmesh.settings.router import router_parser
 
-    router_flags = build_parser().parse_args(
+    router_flags = router_parser().parse_args(
         ["--nats-url", "nats://x:4222", "--etcd", "x:2379", "--host", "0.0.0.0", "--port", "8000"]
     )
     assert router_flags.port == 8000

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import sys
 
 from nats.aio.msg import Msg
 from pydantic import ValidationError
@@ -17,13 +16,14 @@ from pydantic import ValidationError
 from kvmesh.errors import ErrorCode, MeshError
 from kvmesh.protocol import QUEUE_GROUP, DecodeAck, DecodeRequest, ErrorInfo, LogprobSpec, ReleaseReply, ReleaseRequest, Stage, TokenEvent, request_id_of
 from kvmesh.services.decode_worker.handle_check import check_handle, producer_layout
-from kvmesh.telemetry import extract_context, inject_headers, record_queue_wait, setup_logging
+from kvmesh.telemetry import extract_context, inject_headers, record_queue_wait
 from kvmesh.transfer.mooncake_agent import TransferError
 from kvmesh.transfer.runs import coalesce
 from kvmesh.worker.in_flight import InFlight
 from kvmesh.worker.engine_api import EngineDeadError, FinishReason
 from kvmesh.worker.runtime import WorkerRuntime
-from kvmesh.worker.settings import worker_settings
+from kvmesh.service_main import start_service
+from kvmesh.settings.worker import worker_settings
 
 logger = logging.getLogger(__name__)
 
@@ -257,8 +257,9 @@ def error_code(exc: BaseException) -> ErrorCode:
 
 
 async def main(argv: list[str] | None = None) -> int:
-    settings = worker_settings("decode", argv if argv is not None else sys.argv[1:])
-    setup_logging()
-    worker = DecodeWorker(WorkerRuntime(settings))
+    settings = worker_settings("decode", argv)
+    runtime = WorkerRuntime(settings)
+    start_service("decode worker", settings, instance_id=settings.worker_id, prepare=runtime.guard_binds)
+    worker = DecodeWorker(runtime)
     await worker.start()
-    return await worker.runtime.serve_until_signalled()
+    return await runtime.serve_until_signalled()

@@ -13,12 +13,10 @@ came (never one per batch), and a ``kv_resync`` span per snapshot resync.
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import logging
 import os
 import socket
-import sys
 import time
 import uuid
 from collections import deque
@@ -46,13 +44,13 @@ from kvmesh.protocol import (
     WorkerRecord,
 )
 from kvmesh.services.kv_metadata.mirror import EtcdMirror
-from kvmesh.telemetry import extract_context, log_settings, setup_logging, setup_tracing, shutdown_tracing, tracer
+from kvmesh.service_main import start_service, until_signalled
+from kvmesh.settings.kv_metadata import INGEST_SPAN_INTERVAL, kv_metadata_settings
+from kvmesh.settings.mesh import MeshSettings
+from kvmesh.telemetry import extract_context, shutdown_tracing, tracer
 from kvmesh.worker.health import HealthServer, HealthStatus
-from kvmesh.worker.settings import MeshSettings, add_mesh_args, mesh_settings
 
 logger = logging.getLogger(__name__)
-
-INGEST_SPAN_INTERVAL = 10.0  # seconds one kv_ingest span sums up (KVMESH_INGEST_SPAN_INTERVAL)
 
 
 class IngestWindow:
@@ -319,41 +317,18 @@ class KVMetadataService:
 
 
 async def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(prog="kvmesh-kv-metadata", description="kvmesh kv-metadata service")
-    add_mesh_args(parser)
-    parser.add_argument("--service-id", default=os.environ.get("KVMESH_SERVICE_ID"))
-    parser.add_argument("--mirror-interval", type=float, default=float(os.environ.get("KVMESH_MIRROR_INTERVAL", "0.2")))
-    parser.add_argument(
-        "--ingest-span-interval", type=float, default=float(os.environ.get("KVMESH_INGEST_SPAN_INTERVAL", INGEST_SPAN_INTERVAL)),
-        help="seconds of event ingestion one kv_ingest span sums up (KVMESH_INGEST_SPAN_INTERVAL)",
-    )
-    parser.add_argument("--health-host", default=os.environ.get("KVMESH_HEALTH_HOST", "127.0.0.1"))
-    parser.add_argument(
-        "--health-port", type=int, default=int(os.environ.get("KVMESH_HEALTH_PORT", "0")),
-        help="port of /health/live and /health/ready; 0 picks a free one (KVMESH_HEALTH_PORT)",
-    )
-    args = parser.parse_args(argv if argv is not None else sys.argv[1:])
-    setup_logging()
-    log_settings("kv-metadata", vars(args))
-    if args.ingest_span_interval <= 0:
-        parser.error("--ingest-span-interval must be positive")
+    settings = kv_metadata_settings(argv)
+    start_service("kv-metadata", settings, instance_id=settings.service_id)
     service = KVMetadataService(
-        mesh_settings(args, parser),
-        service_id=args.service_id,
-        mirror_interval=args.mirror_interval,
-        ingest_span_interval=args.ingest_span_interval,
+        settings.mesh,
+        service_id=settings.service_id,
+        mirror_interval=settings.mirror_interval,
+        ingest_span_interval=settings.ingest_span_interval,
     )
-    setup_tracing("kvmesh-kv-metadata", service.service_id)
-    health = HealthServer(service.health_status, args.health_host, args.health_port, metrics=service.metrics.render)
+    health = HealthServer(service.health_status, settings.health_host, settings.health_port, metrics=service.metrics.render)
     await health.start()
     await service.start()
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    import signal
-
-    for signum in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(signum, stop.set)
-    await stop.wait()
+    await until_signalled()
     await service.close()
     await health.stop()
     shutdown_tracing()

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import sys
 import time
 
 from nats.aio.msg import Msg
@@ -32,11 +31,12 @@ from kvmesh.hashing import hash_from_hex
 from kvmesh.protocol import KVLendReply, KVLendRequest, LogprobSpec, request_id_of
 from kvmesh.services.prefill_worker.peer_prefix import CostModel, borrow_handle, borrow_prefix
 from kvmesh.services.prefill_worker.pins import PinTable
-from kvmesh.telemetry import extract_context, record_queue_wait, setup_logging
+from kvmesh.telemetry import extract_context, record_queue_wait
 from kvmesh.worker.in_flight import InFlight
 from kvmesh.worker.engine_api import EngineDeadError, FinishReason
 from kvmesh.worker.runtime import WorkerRuntime
-from kvmesh.worker.settings import worker_settings
+from kvmesh.service_main import start_service
+from kvmesh.settings.worker import worker_settings
 
 logger = logging.getLogger(__name__)
 
@@ -248,8 +248,9 @@ class PrefillWorker:
 
 
 async def main(argv: list[str] | None = None) -> int:
-    settings = worker_settings("prefill", argv if argv is not None else sys.argv[1:])
-    setup_logging()
-    worker = PrefillWorker(WorkerRuntime(settings))
+    settings = worker_settings("prefill", argv)
+    runtime = WorkerRuntime(settings)
+    start_service("prefill worker", settings, instance_id=settings.worker_id, prepare=runtime.guard_binds)
+    worker = PrefillWorker(runtime)
     await worker.start()
-    return await worker.runtime.serve_until_signalled()
+    return await runtime.serve_until_signalled()

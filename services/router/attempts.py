@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 
 from kvmesh.errors import ErrorCode, MeshError, is_retryable
 from kvmesh.protocol import DecodeAck, TokenEvent
-from kvmesh.worker.settings import MeshSettings
+from kvmesh.settings.mesh import MeshSettings
 
 OVERLOADED_BACKOFF = 0.25  # seconds before retrying a request a worker had no room for
 DRAINED_GRACE = 1.0  # seconds a drained worker's last events may trail its record's removal

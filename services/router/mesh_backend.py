@@ -68,7 +68,7 @@ from kvmesh.services.router.progress import RequestProgress
 from kvmesh.services.router.streams import Streams, new_key
 from kvmesh.services.router.worker_choice import Choice, Excluded, LayoutPairing, LoadBoard, least_loaded, route_reason
 from kvmesh.telemetry import inject_headers, tracer
-from kvmesh.worker.settings import MeshSettings
+from kvmesh.settings.mesh import MeshSettings
 
 logger = logging.getLogger(__name__)
 

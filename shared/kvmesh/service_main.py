@@ -1,4 +1,5 @@
-"""How every service process runs its ``main`` and exits.
+"""How every service process starts (``start_service``), waits for its signal
+(``until_signalled``), runs its ``main`` and exits (``run_service``).
 
 After a service has closed its connections, flushed its spans and logged its last line,
 the interpreter's own teardown (unmapping torch and the KV pool, finalizers) costs ~0.7 s
@@ -9,11 +10,15 @@ left to clean up by then, so the process exits at once with the service's exit c
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import os
+import signal
 import sys
-from collections.abc import Coroutine
+from collections.abc import Callable, Coroutine
 from typing import Any, NoReturn
+
+from kvmesh.telemetry import log_settings, masked, setup_logging, setup_tracing
 
 
 _service_process = False
@@ -33,3 +38,43 @@ def run_service(main: Coroutine[Any, Any, int | None]) -> NoReturn:
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(code)
+
+
+def settings_values(settings: Any, prefix: str = "") -> dict[str, object]:
+    """A settings dataclass as ``name: value``, nested ones flattened (``mesh.nats_url``),
+    each value masked by its own name where it is a secret; fields whose metadata says
+    ``logged: False`` left out."""
+    values: dict[str, object] = {}
+    for f in dataclasses.fields(settings):
+        if not f.metadata.get("logged", True):
+            continue
+        value = getattr(settings, f.name)
+        if dataclasses.is_dataclass(value) and not isinstance(value, type):
+            values |= settings_values(value, f"{prefix}{f.name}.")
+        else:
+            values[prefix + f.name] = masked(f.name, value)
+    return values
+
+
+def start_service(
+    service: str, settings: Any, *, instance_id: str | None = None, prepare: Callable[[], object] | None = None
+) -> None:
+    """What every service does first: its logging; ``prepare``, what must come before the
+    rest (a worker's bind guard, which may execute the process again: the settings are
+    logged once); its resolved settings logged once (secrets masked); its tracer provider
+    (``kvmesh-<service>``, spaces as dashes)."""
+    setup_logging()
+    if prepare is not None:
+        prepare()
+    log_settings(service, settings_values(settings))
+    setup_tracing(f"kvmesh-{service.replace(' ', '-')}", instance_id)
+
+
+async def until_signalled(stop: asyncio.Event | None = None) -> None:
+    """Until SIGTERM or SIGINT, or until ``stop`` is set by something else (an engine that
+    died, say): the signals set ``stop``."""
+    stop = stop or asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for signum in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(signum, stop.set)
+    await stop.wait()

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from kvmesh import machine
-from kvmesh.worker.settings import worker_settings
+from kvmesh.settings.worker import worker_settings
 
 MESH = ["--nats-url", "nats://127.0.0.1:1", "--etcd", "127.0.0.1:1"]  # parsed only, never dialled
 
@@ -31,7 +31,7 @@ def test_default_dtype_off_cpu_is_float32() -> None:
 
 def test_worker_dtype_auto_is_resolved_before_any_engine_sees_it(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(machine, "cpu_flags", lambda: "avx2 avx512_bf16")
-    assert worker_settings("decode", [*MESH, "--dtype", "auto"]).dtype == "bfloat16"
+    assert worker_settings("decode", [*MESH, "--dtype", "auto"]).engine.dtype == "bfloat16"
     monkeypatch.setattr(machine, "cpu_flags", lambda: "avx2")
-    assert worker_settings("decode", [*MESH, "--dtype", "auto"]).dtype == "float32"
-    assert worker_settings("decode", [*MESH, "--dtype", "bfloat16"]).dtype == "bfloat16"
+    assert worker_settings("decode", [*MESH, "--dtype", "auto"]).engine.dtype == "float32"
+    assert worker_settings("decode", [*MESH, "--dtype", "bfloat16"]).engine.dtype == "bfloat16"

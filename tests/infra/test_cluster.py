@@ -124,7 +124,7 @@ async def test_a_large_batch_is_written_in_transactions_etcd_accepts(store):
 def test_advertise_host_auto_resolves_this_hosts_address():
     import socket
 
-    from kvmesh.worker.settings import resolve_advertise_host
+    from kvmesh.settings.worker import resolve_advertise_host
 
     assert resolve_advertise_host("auto") == socket.gethostbyname(socket.gethostname())
     assert resolve_advertise_host("10.1.2.3") == "10.1.2.3"

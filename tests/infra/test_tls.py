@@ -18,7 +18,8 @@ from kvmesh.cluster.etcd_store import ClusterError, EtcdStore, _dns_target
 from kvmesh.infra.servers import start_etcd, start_nats
 from kvmesh.security.credentials import UserPassword, write_credentials
 from kvmesh.security.tls import LOCAL_HOSTS, MeshTLS, client_context
-from kvmesh.worker.settings import MeshSettings, add_mesh_args, mesh_settings
+from kvmesh.settings.flags import SettingsParser
+from kvmesh.settings.mesh import MeshSettings, add_mesh_args, mesh_settings
 
 
 @pytest.fixture(scope="module")
@@ -179,9 +180,7 @@ async def connect_nats_once(mesh: MeshSettings) -> nats.NATS:
 
 
 def test_require_tls_refuses_a_service_without_cas_or_credentials(tmp_path, tls, capsys):
-    import argparse
-
-    parser = argparse.ArgumentParser(prog="svc")
+    parser = SettingsParser(prog="svc")
     add_mesh_args(parser)
     base = ["--nats-url", "nats://127.0.0.1:1", "--etcd", "127.0.0.1:2", "--require-tls"]
     with pytest.raises(SystemExit) as exit_info:

@@ -13,8 +13,8 @@ import pytest
 from kvmesh import __version__
 from kvmesh.cli import build_parser
 from kvmesh.infra.up import SERVICE_OPTIONS, service_args
-from kvmesh.services.router.main import build_parser as router_parser
-from kvmesh.worker.settings import worker_parser
+from kvmesh.settings.router import router_parser
+from kvmesh.settings.worker import worker_parser
 
 
 def up_args(*argv: str):

@@ -10,7 +10,7 @@ import pytest
 
 from kvmesh.services.router.api_keys import ApiKeyError, ApiKeys, load_api_keys, parse_key_file
 from kvmesh.services.router.app import create_app
-from kvmesh.services.router.main import NO_KEY_IN_ARGV, access_from, build_parser
+from kvmesh.settings.router import NO_KEY_IN_ARGV, access_from, router_parser
 from tests.router.fakes import FakeBackend
 
 MODEL = "tiny-llama"
@@ -89,7 +89,7 @@ def test_router_reads_the_key_file_and_key_from_the_environment(tmp_path: Path, 
     monkeypatch.setenv("KVMESH_API_KEY_FILE", str(path))
     monkeypatch.setenv("KVMESH_API_KEY", "sk-env")
     monkeypatch.setenv("KVMESH_AUTH_METRICS", "1")
-    parser = build_parser()
+    parser = router_parser()
     args = parser.parse_args([])
     keys, rate_limits = access_from(args, parser)
     assert keys is not None and keys.names == ["alice", "bob", "default"]
@@ -99,7 +99,7 @@ def test_router_reads_the_key_file_and_key_from_the_environment(tmp_path: Path, 
 @pytest.mark.parametrize("argv", [["--api-key", "sk-x"], ["--api-key=sk-x"], ["--api-key"]])
 def test_router_refuses_a_key_in_argv(argv: list[str], capsys: pytest.CaptureFixture[str]) -> None:
     with pytest.raises(SystemExit) as exit_:
-        build_parser().parse_args(argv)
+        router_parser().parse_args(argv)
     assert exit_.value.code == 2
     assert capsys.readouterr().err == f"kvmesh-router: error: {NO_KEY_IN_ARGV}\n"
     assert "use --api-key-file PATH or KVMESH_API_KEY" in NO_KEY_IN_ARGV
@@ -118,7 +118,7 @@ def test_kvmesh_up_refuses_a_key_in_argv(capsys: pytest.CaptureFixture[str]) -> 
 
 def test_auth_on_metrics_without_keys_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv("KVMESH_API_KEY", raising=False)
-    parser = build_parser()
+    parser = router_parser()
     with pytest.raises(SystemExit):
         access_from(parser.parse_args(["--auth-docs"]), parser)
 

@@ -8,7 +8,7 @@ import httpx
 import pytest
 
 from kvmesh.services.router.app import create_app
-from kvmesh.services.router.main import build_parser
+from kvmesh.settings.router import router_parser
 from tests.router.fakes import FakeBackend
 from tests.router.test_app import MODEL, error
 
@@ -83,4 +83,4 @@ async def test_any_origin(fake: FakeBackend) -> None:
 )
 def test_the_routers_flag_and_environment(monkeypatch: pytest.MonkeyPatch, argv: list[str], env: str, want: tuple) -> None:
     monkeypatch.setenv("KVMESH_CORS_ALLOW_ORIGINS", env)
-    assert build_parser().parse_args(argv).cors_allow_origins == want
+    assert router_parser().parse_args(argv).cors_allow_origins == want

@@ -14,7 +14,7 @@ import pytest
 from kvmesh.protocol import SamplingSpec
 from kvmesh.services.router.app import create_app
 from kvmesh.services.router.generation_defaults import GenerationDefaults
-from kvmesh.services.router.main import build_parser
+from kvmesh.settings.router import router_parser
 from tests.router.fakes import FakeBackend
 from tests.router.test_app import MODEL
 
@@ -53,9 +53,9 @@ def test_what_is_read(model_dir: Path, tiny_model_dir: Path, caplog: pytest.LogC
 
 
 def test_the_routers_setting(monkeypatch: pytest.MonkeyPatch) -> None:
-    assert build_parser().parse_args([]).generation_config == "auto"
+    assert router_parser().parse_args([]).generation_config == "auto"
     monkeypatch.setenv("KVMESH_GENERATION_CONFIG", "vllm")
-    assert build_parser().parse_args([]).generation_config == "vllm"
+    assert router_parser().parse_args([]).generation_config == "vllm"
 
 
 async def test_defaults_fill_what_a_request_omits(fake: FakeBackend, model_dir: Path) -> None:

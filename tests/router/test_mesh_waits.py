@@ -12,7 +12,7 @@ import kvmesh.services.router.attempts as attempts
 from kvmesh.errors import ErrorCode, MeshError
 from kvmesh.protocol import TokenEvent
 from kvmesh.services.router.attempts import Attempt, Retry, WorkerGone, events_in_order
-from kvmesh.worker.settings import MeshSettings
+from kvmesh.settings.mesh import MeshSettings
 
 
 def mesh(**settings) -> MeshSettings:

@@ -129,7 +129,7 @@ async def test_the_router_prefills_only_where_the_chosen_decode_worker_can_pull(
     from opentelemetry import trace
 
     from kvmesh.services.router.mesh_backend import MeshBackend
-    from kvmesh.worker.settings import MeshSettings
+    from kvmesh.settings.mesh import MeshSettings
 
     backend = MeshBackend(MeshSettings("nats://127.0.0.1:1", ("127.0.0.1:1",)), model=str(tiny_model_dir))
     workers = {

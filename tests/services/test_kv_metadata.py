@@ -16,7 +16,7 @@ from kvmesh.hashing import hash_to_hex, hash_token_blocks
 from kvmesh.infra.servers import start_etcd, start_nats
 from kvmesh.protocol import KVEventBatch, KVEventSpec, KVIndexStats, KVQuery, KVQueryReply, KVSnapshot, Keys, Subjects, WorkerRecord
 from kvmesh.services.kv_metadata.main import KVMetadataService
-from kvmesh.worker.settings import MeshSettings
+from kvmesh.settings.mesh import MeshSettings
 
 NS = "kvtest"
 SUBJECTS, KEYS = Subjects(NS), Keys(NS)

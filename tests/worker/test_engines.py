@@ -10,16 +10,13 @@ from kvmesh.transfer.layout import block_major
 from kvmesh.hashing import hash_token_blocks
 from kvmesh.worker.engine_api import AllBlocksCleared, BlockRemoved, BlockStored
 from kvmesh.worker.engines import create_engine, unavailable, worker_python
-from kvmesh.worker.settings import MeshSettings, WorkerSettings, worker_settings
+from kvmesh.settings.worker import EngineSettings, worker_settings
 
 MESH = ["--nats-url", "nats://127.0.0.1:1", "--etcd", "127.0.0.1:1"]
 
 
 async def test_the_kvmesh_engine_serves_through_the_interface_and_publishes_its_pool(tiny_model_dir):
-    settings = WorkerSettings(
-        role="prefill", mesh=MeshSettings("nats://127.0.0.1:1", ("127.0.0.1:1",)), model=str(tiny_model_dir),
-        block_size=4, kv_cache_bytes=2**20,
-    )  # fmt: skip
+    settings = EngineSettings(model=str(tiny_model_dir), block_size=4, kv_cache_bytes=2**20)
     engine = await create_engine(settings)
     try:
         layout = engine.kv_layout
@@ -47,7 +44,7 @@ def test_vllm_is_refused_with_one_clear_line_where_it_is_not_installed(capsys):
     assert exit_.value.code == 2
     error = capsys.readouterr().err.strip().splitlines()[-1]
     assert error.endswith(unavailable("vllm") or "?")
-    assert worker_settings("decode", [*MESH, "--engine", "kvmesh"]).engine == "kvmesh"
+    assert worker_settings("decode", [*MESH, "--engine", "kvmesh"]).engine.name == "kvmesh"
 
 
 def test_a_launcher_finds_the_vllm_python_or_says_why(monkeypatch, tmp_path):

@@ -11,7 +11,8 @@ from kvmesh.engine.async_engine import AsyncEngine, EngineDeadError
 from kvmesh.engine.llm_engine import EngineConfig
 from kvmesh.engine.request import SamplingParams
 from kvmesh.worker.runtime import WorkerRuntime
-from kvmesh.worker.settings import MeshSettings, WorkerSettings
+from kvmesh.settings.mesh import MeshSettings
+from kvmesh.settings.worker import WorkerSettings
 
 
 def runtime() -> WorkerRuntime:

@@ -22,12 +22,9 @@ async def story(model: str) -> dict:
 
     from kvmesh.engine.request import SamplingParams
     from kvmesh.worker.engines import create_engine
-    from kvmesh.worker.settings import MeshSettings, WorkerSettings
+    from kvmesh.settings.worker import EngineSettings
 
-    settings = WorkerSettings(
-        role="prefill", mesh=MeshSettings("nats://127.0.0.1:1", ("127.0.0.1:1",)), engine="vllm", model=model,
-        block_size=32, kv_cache_bytes=128 * 2**20, num_threads=1,
-    )  # fmt: skip
+    settings = EngineSettings(name="vllm", model=model, block_size=32, kv_cache_bytes=128 * 2**20, num_threads=1)
     engine = await create_engine(settings)
     seen: dict = {"free_at_start": (await engine.pool_stats()).num_free}
     try:

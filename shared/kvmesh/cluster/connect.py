@@ -11,7 +11,7 @@ import nats
 from kvmesh.cluster.etcd_store import EtcdStore
 from kvmesh.security.credentials import load_credentials
 from kvmesh.security.tls import client_context
-from kvmesh.worker.settings import MeshSettings
+from kvmesh.settings.mesh import MeshSettings
 
 logger = logging.getLogger(__name__)
 

@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     from kvmesh.worker.engine_api import Engine
-    from kvmesh.worker.settings import WorkerSettings
+    from kvmesh.settings.worker import EngineSettings
 
 ENGINES = ("kvmesh", "vllm")
 DEFAULT_BLOCK_SIZE = {"kvmesh": 16, "vllm": 32}  # tokens per KV block; vLLM on CPU takes multiples of 32
@@ -62,12 +62,12 @@ def _repo_vllm_python() -> Path | None:
     return candidate if candidate.exists() else None
 
 
-async def create_engine(settings: WorkerSettings) -> Engine:
-    """Load the engine ``settings.engine`` names (off the event loop) and start it."""
-    reason = unavailable(settings.engine)
+async def create_engine(settings: EngineSettings) -> Engine:
+    """Load the engine ``settings.name`` names (off the event loop) and start it."""
+    reason = unavailable(settings.name)
     if reason is not None:
         raise ValueError(reason)
-    if settings.engine == "vllm":
+    if settings.name == "vllm":
         from kvmesh.worker.vllm_engine import VllmEngine
 
         return await VllmEngine.start(settings)

@@ -10,7 +10,7 @@ from kvmesh.engine.async_engine import AsyncEngine
 from kvmesh.engine.llm_engine import EngineConfig, LLMEngine
 from kvmesh.transfer.layout import KVMESH_ARRANGEMENT, PoolLayout
 from kvmesh.worker.engine_api import Engine
-from kvmesh.worker.settings import WorkerSettings
+from kvmesh.settings.worker import EngineSettings
 
 
 class KvmeshEngine(AsyncEngine):
@@ -26,7 +26,7 @@ class KvmeshEngine(AsyncEngine):
         return cls(await asyncio.to_thread(LLMEngine, config))
 
     @classmethod
-    async def start(cls, s: WorkerSettings) -> KvmeshEngine:
+    async def start(cls, s: EngineSettings) -> KvmeshEngine:
         """The engine a worker's settings describe."""
         return await cls.create(
             EngineConfig(

@@ -11,7 +11,6 @@ import asyncio
 import functools
 import logging
 import os
-import signal
 import time
 from collections.abc import Awaitable, Callable, Coroutine
 from typing import Any
@@ -25,8 +24,9 @@ from kvmesh.cluster.etcd_store import EtcdStore
 from kvmesh.cluster.registration import LeasedKey
 from kvmesh.metrics.worker import WorkerMetrics
 from kvmesh.protocol import CancelRequest, Keys, KVLayoutSpec, LoadReport, Stage, Subjects, WorkerRecord, WorkerStats
-from kvmesh.service_main import running_as_service
-from kvmesh.telemetry import setup_tracing, shutdown_tracing, tracer
+from kvmesh.service_main import running_as_service, until_signalled
+from kvmesh.settings.worker import WorkerSettings
+from kvmesh.telemetry import shutdown_tracing, tracer
 from kvmesh.transfer import bind_guard
 from kvmesh.transfer.mooncake_agent import MooncakeAgent
 from kvmesh.worker.callbacks import ControlHandlers
@@ -35,7 +35,6 @@ from kvmesh.worker.engines import create_engine
 from kvmesh.worker.health import HealthServer, HealthStatus
 from kvmesh.worker.heartbeat import Heartbeat
 from kvmesh.worker.kv_events import KVEventPublisher
-from kvmesh.worker.settings import WorkerSettings
 
 logger = logging.getLogger(__name__)
 
@@ -70,14 +69,19 @@ class WorkerRuntime:
         self.metrics: WorkerMetrics | None = None  # once the engine is loaded: /metrics on the health port
 
     # -- start ---------------------------------------------------------------------------
-    async def start(self) -> None:
+    def guard_binds(self) -> None:
+        """The transfer engine's listeners on the advertised address only (``bind_guard``):
+        in a service process this executes it again, same PID, with the guard preloaded."""
         s = self.settings
-        bind_guard.enforce(s.advertise_host, s.transfer_port_range, reexec=running_as_service())  # may exec again, same PID
-        s.log()
-        setup_tracing(f"kvmesh-{s.role}-worker", self.worker_id)
+        bind_guard.enforce(s.advertise_host, s.transfer_port_range, reexec=running_as_service())
+
+    async def start(self) -> None:
+        """Once the service has started (``kvmesh.service_main.start_service``, with
+        ``guard_binds`` first)."""
+        s = self.settings
         await self.health.start()  # live (and not ready) while the model loads
         logger.info("loading the model")
-        self.engine = await create_engine(s)
+        self.engine = await create_engine(s.engine)
         metrics = self.metrics = WorkerMetrics(self.engine.model_name, s.role, self.worker_id)
         self.engine.observe_steps(metrics)
         self.health.metrics = functools.partial(metrics.render, self.engine)
@@ -287,10 +291,7 @@ class WorkerRuntime:
     async def serve_until_signalled(self) -> int:
         """Block until SIGTERM or SIGINT (or the engine's death), then drain and close.
         Returns the process's exit code."""
-        loop = asyncio.get_running_loop()
-        for signum in (signal.SIGTERM, signal.SIGINT):
-            loop.add_signal_handler(signum, self._stopped.set)
-        await self._stopped.wait()
+        await until_signalled(self._stopped)
         if self.exit_code == 0:
             logger.info("signal received")
             await self.drain()

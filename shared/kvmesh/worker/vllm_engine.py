@@ -30,7 +30,7 @@ from kvmesh.engine.loader.default_model import resolve_model, served_model_name
 from kvmesh.hashing import hash_token_blocks
 from kvmesh.transfer.layout import ITEMSIZE, VLLM_CPU_ARRANGEMENT, PoolLayout
 from kvmesh.worker.engine_api import Engine
-from kvmesh.worker.settings import WorkerSettings
+from kvmesh.settings.worker import EngineSettings
 from kvmesh.worker.vllm_core import VllmCore
 from kvmesh.worker.vllm_exchange import EXCHANGES, new_exchange
 from kvmesh.worker.vllm_outputs import GUIDANCE
@@ -52,12 +52,12 @@ class VllmEngine(AsyncEngine):
         self._vocab_size = vocab_size
 
     @classmethod
-    async def start(cls, s: WorkerSettings) -> VllmEngine:
+    async def start(cls, s: EngineSettings) -> VllmEngine:
         """The engine a worker's settings describe, loaded off the event loop."""
         return await asyncio.to_thread(cls.build, s)
 
     @classmethod
-    def build(cls, s: WorkerSettings) -> VllmEngine:
+    def build(cls, s: EngineSettings) -> VllmEngine:
         cores = bind_cores(s.cpu_bind, s.num_threads)
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # the engine core (and the KV pool) in this process
         os.environ.setdefault("VLLM_HOST_IP", "127.0.0.1")  # its internal traffic on loopback
@@ -140,7 +140,7 @@ def parse_cores(text: str) -> list[int]:
     return sorted(set(cores))
 
 
-def engine_args(s: WorkerSettings, model_dir: Path, name: str, exchange: str) -> dict[str, Any]:
+def engine_args(s: EngineSettings, model_dir: Path, name: str, exchange: str) -> dict[str, Any]:
     """vLLM's ``EngineArgs`` from a worker's settings, with kvmesh's KV connector sharing
     ``exchange``; ``--engine-args`` last, so it wins."""
     args: dict[str, Any] = {

@@ -1,0 +1,83 @@
+"""Flags with an environment variable behind them: a flag given beats its ``KVMESH_*``
+variable, which beats the default; a value that does not parse, from either, is one CLI
+error line (``prog: error: ...``), as argparse says it for a flag."""
+
+from __future__ import annotations
+
+import argparse
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, fields
+from typing import Any, TypeVar
+
+from kvmesh.settings.env import EnvError, EnvVar
+
+T = TypeVar("T")
+
+
+@dataclass(frozen=True, slots=True)
+class _EnvOption:
+    dest: str
+    env: EnvVar | None
+    default: Any
+    convert: Callable[[str], Any]
+
+
+class SettingsParser(argparse.ArgumentParser):
+    """``argparse`` whose options (``option``) fall back to their variable, then their default."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._env_options: list[_EnvOption] = []
+
+    def option(
+        self,
+        *flags: str,
+        env: EnvVar | None = None,
+        default: Any = None,
+        from_env: Callable[[str], Any] | None = None,
+        group: argparse._ArgumentGroup | None = None,
+        **kwargs: Any,
+    ) -> argparse.Action:
+        """A flag read from ``env`` when not given (``from_env`` reads the variable's text;
+        by default the flag's own ``type``); ``%(default)s`` in its help is ``default``."""
+        if "help" in kwargs and kwargs["help"] is not argparse.SUPPRESS:
+            kwargs["help"] = kwargs["help"].replace("%(default)s", str(default))
+        action = (group or self).add_argument(*flags, default=argparse.SUPPRESS, **kwargs)
+        convert = from_env or action.type or str
+        assert callable(convert) and not (env is not None and action.nargs == 0 and from_env is None), flags
+        self._env_options.append(_EnvOption(action.dest, env, default, convert))  # type: ignore[arg-type]
+        return action
+
+    def parse_known_args(  # type: ignore[override]
+        self, args: Sequence[str] | None = None, namespace: argparse.Namespace | None = None
+    ) -> tuple[argparse.Namespace, list[str]]:
+        parsed, extras = super().parse_known_args(args, namespace)
+        for option in self._env_options:
+            if hasattr(parsed, option.dest):
+                continue  # given as a flag
+            try:
+                value = option.default if option.env is None else option.env.read(option.convert, option.default)
+            except EnvError as exc:
+                self.error(str(exc))
+            setattr(parsed, option.dest, value)
+        return parsed, extras
+
+
+def switch(text: str) -> bool:
+    """A variable that turns a flag on: 1, true, yes or on."""
+    return text.strip().lower() in ("1", "true", "yes", "on")
+
+
+def int_or_none(text: str) -> int | None:
+    """A number where 0 means "not set"."""
+    return int(text) or None
+
+
+int_or_none.__name__ = "int"
+
+
+def from_args(cls: type[T], args: argparse.Namespace, **computed: Any) -> T:
+    """``cls`` with each field the flag of its name gave (``computed``: those no flag gives
+    as it is); a field neither names keeps its default."""
+    values = {f.name: getattr(args, f.name) for f in fields(cls) if hasattr(args, f.name)}  # type: ignore[arg-type]
+    return cls(**(values | computed))

@@ -1,0 +1,185 @@
+"""A worker's settings: its engine's (``EngineSettings``, handed to the engine as it is)
+and its own in the mesh (``WorkerSettings``), from flags and ``KVMESH_*`` variables
+(``worker_settings``)."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import socket
+import uuid
+from dataclasses import dataclass, field
+
+from kvmesh.machine import default_dtype
+from kvmesh.protocol import Role
+from kvmesh.settings import env
+from kvmesh.settings.env import EnvError
+from kvmesh.settings.flags import SettingsParser, from_args, int_or_none
+from kvmesh.settings.mesh import MeshSettings, add_mesh_args, mesh_settings
+from kvmesh.transfer.mooncake_agent import parse_port_range
+from kvmesh.worker.engines import DEFAULT_BLOCK_SIZE, ENGINES, unavailable
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(slots=True, frozen=True)
+class EngineSettings:
+    """What the engine a worker hosts is to be (``kvmesh.worker.engines.create_engine``)."""
+
+    name: str = "kvmesh"  # which engine (``kvmesh.worker.engines``): kvmesh's own or vllm
+    model: str | None = None
+    served_model_name: str | None = None
+    device: str = "cpu"
+    dtype: str = "float32"
+    kv_cache_bytes: int = 512 * 2**20
+    block_size: int = 16
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 1024
+    enable_prefix_caching: bool = True
+    num_threads: int | None = None  # torch threads; None: torch's default
+    # vLLM only (``kvmesh.worker.vllm_engine``): the longest sequence (None: the model's),
+    # the cores its OpenMP threads are bound to (VLLM_CPU_OMP_THREADS_BIND, e.g. "0" or
+    # "0-1"; None: the first ``num_threads`` cores this process may run on), and further
+    # ``EngineArgs`` as a JSON object (``{"enforce_eager": false}``), applied last.
+    max_model_len: int | None = None
+    cpu_bind: str | None = None
+    engine_args: str | None = None
+
+
+def new_worker_id() -> str:
+    return f"{socket.gethostname()}-{uuid.uuid4().hex[:8]}"
+
+
+@dataclass(slots=True, frozen=True)
+class WorkerSettings:
+    role: Role
+    mesh: MeshSettings
+    engine: EngineSettings = field(default_factory=EngineSettings)
+    worker_id: str = field(default_factory=new_worker_id)
+    advertise_host: str = "127.0.0.1"  # the address peers reach this worker's transfer engine at
+    lease_ttl: int = 5  # seconds: a dead worker leaves etcd within this
+    pin_ttl: int = 30  # seconds a prefill's blocks wait for the decode side's pull
+    transfer_port_range: tuple[int, int] | None = None  # where Mooncake listens (both ports); None: its default
+    import_wait: float = 10.0  # seconds a decode worker waits for room for a pull (less than pin_ttl)
+    load_interval: float = 0.5  # seconds between load reports
+    drain_timeout: float = 60.0
+    health_host: str = "127.0.0.1"  # where the liveness / readiness endpoint listens
+    health_port: int = 0  # 0: a free port (logged, and in the worker's etcd record)
+    engine_stall_limit: float = 60.0  # an engine that has not gone round its loop for this long is not ready
+    # Fault injection for tests: seconds a decode worker waits before pulling KV, so a test
+    # can kill the prefill worker in between. Read from KVMESH_FAULT_PULL_DELAY only.
+    fault_pull_delay: float = 0.0
+
+
+def worker_parser(role: Role) -> SettingsParser:
+    parser = SettingsParser(prog=f"kvmesh-{role}-worker", description=f"kvmesh {role} worker")
+    add_mesh_args(parser)
+    option = parser.option
+    option("--worker-id", env=env.WORKER_ID)
+    option(
+        "--engine", env=env.ENGINE, default="kvmesh", choices=ENGINES,
+        help="the engine this worker hosts: kvmesh (its own) or vllm (installed with `make vllm`) (KVMESH_ENGINE)",
+    )  # fmt: skip
+    option("--model", env=env.MODEL, help="model dir or .gguf (default: SmolLM2-135M-Instruct)")
+    option("--served-model-name", env=env.SERVED_MODEL_NAME)
+    option("--device", env=env.DEVICE, default="cpu")
+    option(
+        "--dtype", env=env.DTYPE, default="float32", choices=["float32", "bfloat16", "float16", "auto"],
+        help="auto: bfloat16 where the CPU has native bf16 (AVX512-BF16 / AMX), else float32 (KVMESH_DTYPE)",
+    )  # fmt: skip
+    option("--kv-cache-mib", env=env.KV_CACHE_MIB, type=int, default=512)
+    option(
+        "--block-size", env=env.BLOCK_SIZE, type=int, from_env=int_or_none,
+        help=f"tokens per KV block (KVMESH_BLOCK_SIZE; default {DEFAULT_BLOCK_SIZE['kvmesh']}, "
+        f"{DEFAULT_BLOCK_SIZE['vllm']} with vllm, whose CPU backend takes multiples of 32)",
+    )  # fmt: skip
+    option(
+        "--max-model-len", env=env.MAX_MODEL_LEN, type=int, from_env=int_or_none,
+        help="vllm: the longest sequence, prompt and output (KVMESH_MAX_MODEL_LEN; default the model's)",
+    )  # fmt: skip
+    option(
+        "--cpu-bind", env=env.CPU_BIND,
+        help="vllm on CPU: cores of its OpenMP threads, as VLLM_CPU_OMP_THREADS_BIND (KVMESH_CPU_BIND; "
+        "default the first --num-threads cores this process may use)",
+    )  # fmt: skip
+    option(
+        "--engine-args", env=env.ENGINE_ARGS, metavar="JSON",
+        help='vllm: more EngineArgs as a JSON object, e.g. \'{"enforce_eager": false}\' (KVMESH_ENGINE_ARGS)',
+    )  # fmt: skip
+    option("--max-num-seqs", env=env.MAX_NUM_SEQS, type=int, default=64)
+    option("--max-num-batched-tokens", env=env.MAX_NUM_BATCHED_TOKENS, type=int, default=1024)
+    option("--no-prefix-caching", env=env.PREFIX_CACHING, action="store_true", default=False, from_env=lambda text: text == "0")
+    option("--num-threads", env=env.NUM_THREADS, type=int, from_env=int_or_none)
+    option(
+        "--advertise-host", env=env.ADVERTISE_HOST, default="127.0.0.1",
+        help="address peers reach this worker's transfer engine at; 'auto' resolves this host's name",
+    )  # fmt: skip
+    option("--lease-ttl", env=env.LEASE_TTL, type=int, default=5)
+    option("--pin-ttl", env=env.PIN_TTL, type=int, default=30)
+    option("--load-interval", env=env.LOAD_INTERVAL, type=float, default=0.5)
+    option(
+        "--transfer-ports", env=env.TRANSFER_PORTS, metavar="MIN-MAX",
+        help="port range of the Mooncake transfer engine's two listeners, to fence them (KVMESH_TRANSFER_PORTS)",
+    )  # fmt: skip
+    option("--drain-timeout", env=env.DRAIN_TIMEOUT, type=float, default=60.0)
+    option("--health-host", env=env.HEALTH_HOST, default="127.0.0.1", help="(KVMESH_HEALTH_HOST)")
+    option(
+        "--health-port", env=env.HEALTH_PORT, type=int, default=0,
+        help="port of /health/live and /health/ready; 0 picks a free one (KVMESH_HEALTH_PORT)",
+    )  # fmt: skip
+    parser.add_argument("-v", "--verbose", action="store_true")
+    return parser
+
+
+def _check_engine_args(text: str, parser: argparse.ArgumentParser) -> None:
+    import json
+
+    try:
+        value = json.loads(text)
+    except ValueError as exc:
+        parser.error(f"--engine-args: not JSON ({exc})")
+    if not isinstance(value, dict):
+        parser.error("--engine-args: must be a JSON object of EngineArgs fields")
+
+
+def resolve_advertise_host(value: str) -> str:
+    """``auto``: this host's own address (a container's, in compose or Kubernetes)."""
+    if value == "auto":
+        return socket.gethostbyname(socket.gethostname())
+    return value
+
+
+def worker_settings(role: Role, argv: list[str] | None = None) -> WorkerSettings:
+    parser = worker_parser(role)
+    args = parser.parse_args(argv)
+    reason = unavailable(args.engine)
+    if reason is not None:
+        parser.error(reason)
+    if args.engine_args is not None:
+        _check_engine_args(args.engine_args, parser)
+    if args.dtype == "auto":
+        args.dtype, why = default_dtype(args.device.split(":")[0])
+        logger.info("dtype auto: %s, since %s", args.dtype, why)
+    mesh = mesh_settings(args, parser)
+    try:
+        transfer_port_range = parse_port_range(args.transfer_ports) if args.transfer_ports else None
+        fault_pull_delay = env.FAULT_PULL_DELAY.read(float, 0.0)
+        engine = from_args(
+            EngineSettings, args,
+            name=args.engine,
+            kv_cache_bytes=args.kv_cache_mib * 2**20,
+            block_size=args.block_size or DEFAULT_BLOCK_SIZE[args.engine],
+            enable_prefix_caching=not args.no_prefix_caching,
+        )  # fmt: skip
+    except (EnvError, ValueError) as exc:
+        parser.error(str(exc))
+    return from_args(
+        WorkerSettings, args,
+        role=role,
+        mesh=mesh,
+        engine=engine,
+        worker_id=args.worker_id or new_worker_id(),
+        advertise_host=resolve_advertise_host(args.advertise_host),
+        transfer_port_range=transfer_port_range,
+        fault_pull_delay=fault_pull_delay,
+    )  # fmt: skip
