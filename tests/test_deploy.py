@@ -862,17 +862,27 @@ def test_yamllint_catches_a_duplicate_key(tmp_path):
 
 # -- no drift between the deployment files and the settings the services read ------------------
 def variables_the_services_read() -> set[str]:
-    """Every ``KVMESH_*`` name the services' code reads: the literal names, and those the
-    settings code builds from a suffix (``_env("HEALTH_PORT")``)."""
+    """Every ``KVMESH_*`` variable a service (or ``kvmesh etcd-auth``) reads, from the registry of the settings'
+    one home (``kvmesh.settings.env``; a test there keeps every name in the code in it),
+    internal ones left out (set by kvmesh for a process of its own); and the ``OTEL_*``
+    names the code reads."""
     import re
 
-    names: set[str] = set()
+    from kvmesh.settings import env
+
+    in_containers = {*env.SERVICES, env.ETCD_AUTH}  # what a deployment's containers run
+    names = {v.name for v in env.variables() if not v.internal and set(v.readers) & in_containers}
     for path in [*(ROOT / "shared/kvmesh").rglob("*.py"), *(ROOT / "services").rglob("*.py")]:
-        text = path.read_text()
-        names |= set(re.findall(r"\bKVMESH_[A-Z0-9_]*[A-Z0-9]\b", text))
-        names |= {f"KVMESH_{suffix}" for suffix in re.findall(r"\b_?env\(\s*[\"']([A-Z][A-Z0-9_]*)[\"']", text)}
-        names |= set(re.findall(r"[\"'](OTEL_[A-Z0-9_]+)[\"']", text))
+        names |= set(re.findall(r"[\"'](OTEL_[A-Z0-9_]+)[\"']", path.read_text()))
     return names
+
+
+def service_of(container: dict) -> str | None:
+    """The service a container's command runs (``kvmesh.services.decode_worker``: decode-worker)."""
+    import re
+
+    found = re.search(r"\bkvmesh\.services\.(\w+)", " ".join(container.get("command") or []))
+    return found.group(1).replace("_", "-") if found else None
 
 
 def kvmesh_containers() -> list[tuple[str, dict, dict[str, str]]]:
@@ -898,12 +908,23 @@ def kvmesh_containers() -> list[tuple[str, dict, dict[str, str]]]:
 
 
 def unread_variables(containers: list[tuple[str, dict, dict[str, str]]]) -> list[str]:
+    """Variables no service reads; and those a container sets itself (not the ConfigMap
+    every pod shares) that its own service does not read."""
+    from kvmesh.settings import env
+
     read = variables_the_services_read()
     unread = []
-    for where, container, env in containers:
+    for where, container, environment in containers:
         command = " ".join(container.get("command") or [])
-        # A variable only the container's own shell command reads (POD_NAME) is fine too.
-        unread += [f"{where}: {name}" for name in env if name not in read and f"${name}" not in command]
+        service = service_of(container)
+        own = container.get("environment") or {e["name"] for e in container.get("env", [])}
+        for name in environment:
+            if f"${name}" in command:  # a variable only the container's own shell command reads (POD_NAME)
+                continue
+            if name not in read:
+                unread.append(f"{where}: {name}")
+            elif service and name in own and name in env.REGISTRY and service not in env.REGISTRY[name].readers:
+                unread.append(f"{where}: {name} (not read by {service})")
     return unread
 
 
@@ -920,10 +941,15 @@ def test_every_variable_in_compose_and_kubernetes_is_one_the_services_read():
     containers = kvmesh_containers()
     assert len(containers) > 30
     assert unread_variables(containers) == []
-    # A misspelt or retired name is caught.
+    # A misspelt or retired name is caught; so is an internal one, and one the container's
+    # own service does not read (the router's port on a worker).
     worker = {"command": ["python", "-m", "kvmesh.services.decode_worker"]}
     assert unread_variables([("x", worker, {"KVMESH_HEALTH_PROT": "8081", "KVMESH_KV_CACHE_MB": "1"})]) == [
         "x: KVMESH_HEALTH_PROT", "x: KVMESH_KV_CACHE_MB",
+    ]  # fmt: skip
+    worker["environment"] = {"KVMESH_ROUTER_PORT": "8000", "KVMESH_BIND_GUARD_EXEC": "x", "KVMESH_HEALTH_PORT": "8081"}
+    assert unread_variables([("x", worker, worker["environment"])]) == [
+        "x: KVMESH_ROUTER_PORT (not read by decode-worker)", "x: KVMESH_BIND_GUARD_EXEC",
     ]  # fmt: skip
 
 
