@@ -289,3 +289,18 @@ async def test_a_service_waits_for_sigterm_or_its_own_stop() -> None:
     await asyncio.sleep(0.05)
     stop.set()  # an engine that died, say
     await asyncio.wait_for(waiting, 5)
+
+
+def test_the_engine_settings_are_the_engines_own_fields() -> None:
+    """kvmesh's engine takes every field its ``EngineConfig`` shares with ``EngineSettings``
+    (none copied by hand): a field renamed on one side and not the other shows here."""
+    from dataclasses import fields
+
+    from kvmesh.engine.llm_engine import EngineConfig
+
+    shared = {f.name for f in fields(EngineConfig)} & {f.name for f in fields(EngineSettings)}
+    assert shared == {
+        "model", "served_model_name", "device", "dtype", "block_size", "kv_cache_bytes", "max_num_seqs",
+        "max_num_batched_tokens", "enable_prefix_caching", "num_threads",
+    }  # fmt: skip
+    assert {f.name for f in fields(EngineSettings)} - shared == {"name", "max_model_len", "cpu_bind", "engine_args"}  # vLLM's, and which engine

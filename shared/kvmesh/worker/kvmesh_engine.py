@@ -5,6 +5,7 @@ The one module of the worker that knows that engine's insides."""
 from __future__ import annotations
 
 import asyncio
+from dataclasses import fields
 
 from kvmesh.engine.async_engine import AsyncEngine
 from kvmesh.engine.llm_engine import EngineConfig, LLMEngine
@@ -27,21 +28,9 @@ class KvmeshEngine(AsyncEngine):
 
     @classmethod
     async def start(cls, s: EngineSettings) -> KvmeshEngine:
-        """The engine a worker's settings describe."""
-        return await cls.create(
-            EngineConfig(
-                model=s.model,
-                served_model_name=s.served_model_name,
-                device=s.device,
-                dtype=s.dtype,
-                block_size=s.block_size,
-                kv_cache_bytes=s.kv_cache_bytes,
-                max_num_seqs=s.max_num_seqs,
-                max_num_batched_tokens=s.max_num_batched_tokens,
-                enable_prefix_caching=s.enable_prefix_caching,
-                num_threads=s.num_threads,
-            )
-        )
+        """The engine a worker's settings describe: each field of ``EngineConfig`` the
+        settings have (the vLLM-only ones are not its)."""
+        return await cls.create(EngineConfig(**{f.name: getattr(s, f.name) for f in fields(EngineConfig) if hasattr(s, f.name)}))
 
     @property
     def model_name(self) -> str:
