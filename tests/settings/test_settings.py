@@ -304,3 +304,9 @@ def test_the_engine_settings_are_the_engines_own_fields() -> None:
         "max_num_batched_tokens", "enable_prefix_caching", "num_threads",
     }  # fmt: skip
     assert {f.name for f in fields(EngineSettings)} - shared == {"name", "max_model_len", "cpu_bind", "engine_args"}  # vLLM's, and which engine
+
+
+def test_the_docs_can_list_every_variable() -> None:
+    rows = env.table().splitlines()
+    assert len(rows) == 2 + len(env.REGISTRY)
+    assert "| `KVMESH_HEALTH_PORT` | int | prefill-worker, decode-worker, kv-metadata | port of /health and /metrics (0: a free one) |" in rows

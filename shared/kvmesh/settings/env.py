@@ -148,3 +148,13 @@ SECRETS = _var("KVMESH_SECRETS", str, (COMPOSE,), "the compose file's folder of 
 TRANSFER_BIND = _var("KVMESH_TRANSFER_BIND", str, WORKERS, "the bind guard's address (kvmesh.transfer.bind_guard)", internal=True)
 TRANSFER_BIND_PORTS = _var("KVMESH_TRANSFER_BIND_PORTS", str, WORKERS, "the bind guard's ports", internal=True)
 BIND_GUARD_EXEC = _var("KVMESH_BIND_GUARD_EXEC", str, WORKERS, "set across the bind guard's one re-exec", internal=True)
+
+
+def table() -> str:
+    """The registry as a Markdown table, for the docs (``python -m kvmesh.settings``)."""
+    rows = ["| variable | type | read by | meaning |", "|---|---|---|---|"]
+    for var in variables():
+        readers = ", ".join(var.readers) + (" (internal)" if var.internal else "")
+        rows.append(f"| `{var.name}` | {var.type.__name__} | {readers} | {var.help} |")
+    return "\n".join(rows)
+
