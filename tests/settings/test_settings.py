@@ -69,6 +69,13 @@ def test_every_kvmesh_variable_in_the_code_is_registered() -> None:
     assert NAME.findall("x = 'KVMESH_NEW_THING'; help='(KVMESH_OTHER)'") == ["KVMESH_NEW_THING", "KVMESH_OTHER"]
 
 
+def test_every_kvmesh_variable_the_docs_name_is_registered() -> None:
+    docs = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+    named = {name: path.name for path in docs for name in NAME.findall(path.read_text())}
+    assert len(named) > 20
+    assert {name: where for name, where in named.items() if name not in env.REGISTRY} == {}
+
+
 def test_every_registered_variable_is_read_somewhere() -> None:
     """No entry outlives what read it: each is used through the registry (``env.NAME``)
     or named in the code beside it."""
