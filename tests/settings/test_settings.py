@@ -170,6 +170,7 @@ def test_a_worker_flag_beats_its_variable(monkeypatch: pytest.MonkeyPatch) -> No
         ("KVMESH_FAULT_PULL_DELAY", "x", "KVMESH_FAULT_PULL_DELAY='x': invalid float value: 'x'"),
         ("KVMESH_ENGINE_ARGS", "[1]", "--engine-args: must be a JSON object of EngineArgs fields"),
         ("KVMESH_HEARTBEAT_INTERVAL", "9", "the heartbeat interval must be positive and shorter than the silence timeout"),
+        ("KVMESH_DTYPE", "fp8", "KVMESH_DTYPE='fp8': invalid choice: 'fp8' (choose from 'float32', 'bfloat16', 'float16', 'auto')"),
     ],
 )
 def test_a_bad_worker_value_is_one_error_line(
@@ -229,6 +230,7 @@ def test_router_settings_from_the_environment_and_flags_beating_it(monkeypatch: 
     ("variable", "value", "error"),
     [
         ("KVMESH_ROUTER_PORT", "http", "KVMESH_ROUTER_PORT='http': invalid int value: 'http'"),
+        ("KVMESH_RATE_LIMIT_STORE", "redis", "KVMESH_RATE_LIMIT_STORE='redis': invalid choice: 'redis' (choose from 'local', 'nats')"),
         ("KVMESH_MAX_HEADER_BYTES", "10", "max_header_bytes must be >= 1024, got 10"),
         ("KVMESH_AUTH_METRICS", "1", "--auth-metrics / --auth-docs need API keys: give --api-key-file or KVMESH_API_KEY"),
         ("KVMESH_API_KEY_FILE", "/nowhere/keys", "cannot read the API key file /nowhere/keys"),

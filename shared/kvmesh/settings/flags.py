@@ -20,6 +20,7 @@ class _EnvOption:
     env: EnvVar | None
     default: Any
     convert: Callable[[str], Any]
+    choices: tuple[Any, ...] | None = None
 
 
 class SettingsParser(argparse.ArgumentParser):
@@ -45,7 +46,8 @@ class SettingsParser(argparse.ArgumentParser):
         action = (group or self).add_argument(*flags, default=argparse.SUPPRESS, **kwargs)
         convert = from_env or action.type or str
         assert callable(convert) and not (env is not None and action.nargs == 0 and from_env is None), flags
-        self._env_options.append(_EnvOption(action.dest, env, default, convert))  # type: ignore[arg-type]
+        choices = tuple(action.choices) if action.choices is not None else None
+        self._env_options.append(_EnvOption(action.dest, env, default, convert, choices))  # type: ignore[arg-type]
         return action
 
     def parse_known_args(  # type: ignore[override]
@@ -59,6 +61,10 @@ class SettingsParser(argparse.ArgumentParser):
                 value = option.default if option.env is None else option.env.read(option.convert, option.default)
             except EnvError as exc:
                 self.error(str(exc))
+            if option.choices is not None and value not in option.choices:  # as argparse checks a flag's
+                assert option.env is not None
+                choose = ", ".join(map(repr, option.choices))
+                self.error(f"{option.env.name}={option.env.raw()!r}: invalid choice: {value!r} (choose from {choose})")
             setattr(parsed, option.dest, value)
         return parsed, extras
 
