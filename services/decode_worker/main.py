@@ -259,7 +259,7 @@ def error_code(exc: BaseException) -> ErrorCode:
 async def main(argv: list[str] | None = None) -> int:
     settings = worker_settings("decode", argv)
     runtime = WorkerRuntime(settings)
-    start_service("decode worker", settings, instance_id=settings.worker_id, prepare=runtime.guard_binds)
+    await start_service("decode worker", settings, instance="worker_id", prepare=runtime.prepare)
     worker = DecodeWorker(runtime)
     await worker.start()
     return await runtime.serve_until_signalled()

@@ -318,7 +318,7 @@ class KVMetadataService:
 
 async def main(argv: list[str] | None = None) -> None:
     settings = kv_metadata_settings(argv)
-    start_service("kv-metadata", settings, instance_id=settings.service_id)
+    await start_service("kv-metadata", settings, instance="service_id")
     service = KVMetadataService(
         settings.mesh,
         service_id=settings.service_id,

@@ -250,7 +250,7 @@ class PrefillWorker:
 async def main(argv: list[str] | None = None) -> int:
     settings = worker_settings("prefill", argv)
     runtime = WorkerRuntime(settings)
-    start_service("prefill worker", settings, instance_id=settings.worker_id, prepare=runtime.guard_binds)
+    await start_service("prefill worker", settings, instance="worker_id", prepare=runtime.prepare)
     worker = PrefillWorker(runtime)
     await worker.start()
     return await runtime.serve_until_signalled()

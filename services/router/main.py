@@ -28,7 +28,7 @@ logger = logging.getLogger("kvmesh.router")
 async def main(argv: list[str] | None = None) -> None:
     settings = router_settings(argv)
     mesh, keys, rate_limits = settings.mesh, settings.api_keys, settings.rate_limit_config
-    start_service("router", settings)
+    await start_service("router", settings)
     logger.info(
         "API keys: %s; rate limits: %s (store: %s)",
         ", ".join(keys.names) if keys else "none (/v1 is open)",

@@ -15,11 +15,12 @@ import logging
 import os
 import signal
 import sys
-from collections.abc import Callable, Coroutine
-from typing import Any, NoReturn
+from collections.abc import Awaitable, Callable, Coroutine
+from typing import Any, NoReturn, TypeVar
 
 from kvmesh.telemetry import log_settings, masked, setup_logging, setup_tracing
 
+S = TypeVar("S")
 
 _service_process = False
 
@@ -56,18 +57,20 @@ def settings_values(settings: Any, prefix: str = "") -> dict[str, object]:
     return values
 
 
-def start_service(
-    service: str, settings: Any, *, instance_id: str | None = None, prepare: Callable[[], object] | None = None
-) -> None:
-    """What every service does first: its logging; ``prepare``, what must come before the
-    rest (a worker's bind guard, which may execute the process again: the settings are
-    logged once); its resolved settings logged once (secrets masked); its tracer provider
-    (``kvmesh-<service>``, spaces as dashes)."""
+async def start_service(
+    service: str, settings: S, *, instance: str | None = None, prepare: Callable[[], Awaitable[S]] | None = None
+) -> S:
+    """What every service does first: its logging; ``prepare``, what must come first and
+    gives the settings to run with (a worker's: its bind guard, which may execute the
+    process again, so that the settings are logged once); the resolved settings logged once
+    (secrets masked); its tracer provider (``kvmesh-<service>``, spaces as dashes), whose
+    instance id is the settings' field ``instance`` names. Returns the settings."""
     setup_logging()
     if prepare is not None:
-        prepare()
+        settings = await prepare()
     log_settings(service, settings_values(settings))
-    setup_tracing(f"kvmesh-{service.replace(' ', '-')}", instance_id)
+    setup_tracing(f"kvmesh-{service.replace(' ', '-')}", getattr(settings, instance) if instance else None)
+    return settings
 
 
 async def until_signalled(stop: asyncio.Event | None = None) -> None:

@@ -270,7 +270,7 @@ def test_a_bad_kv_metadata_value_is_one_error_line(monkeypatch: pytest.MonkeyPat
 
 
 # -- start-up -----------------------------------------------------------------------------------
-def test_the_settings_are_logged_once_at_start_with_secrets_masked(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+async def test_the_settings_are_logged_once_at_start_with_secrets_masked(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
     keys = tmp_path / "keys"
     keys.write_text("alice:sk-alice-secret\n")
     settings = router_settings(["--nats-url", "nats://user:hunter2@n:4222", "--etcd", "e:1", "--api-key-file", str(keys)])
@@ -279,7 +279,7 @@ def test_the_settings_are_logged_once_at_start_with_secrets_masked(tmp_path: Pat
     assert values["api_key_file"] == str(keys) and values["limits.max_body_bytes"] == 4 * 2**20
     assert "api_keys" not in values and "rate_limit_config" not in values  # loaded, never logged
     with caplog.at_level(logging.INFO, logger="kvmesh.telemetry"):
-        start_service("router", settings)
+        assert await start_service("router", settings) is settings
     lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("router settings: ")]
     assert len(lines) == 1
     assert "mesh.nats_url=nats://user:***@n:4222" in lines[0] and "hunter2" not in lines[0] and "sk-alice" not in lines[0]
@@ -319,3 +319,22 @@ def test_the_docs_can_list_every_variable() -> None:
     rows = env.table().splitlines()
     assert len(rows) == 2 + len(env.REGISTRY)
     assert "| `KVMESH_HEALTH_PORT` | int | prefill-worker, decode-worker, kv-metadata | port of /health and /metrics (0: a free one) |" in rows
+
+
+async def test_what_a_service_prepares_first_gives_the_settings_it_logs_and_runs_with(caplog: pytest.LogCaptureFixture) -> None:
+    """A worker's bind guard (and anything else that must come before the settings are
+    logged, such as an identity that replaces the id) runs first; its settings are logged."""
+    import dataclasses
+
+    settings = kv_metadata_settings([*MESH, "--service-id", "kvm-before"])
+    order: list[str] = []
+
+    async def prepare():
+        order.append("prepared")
+        return dataclasses.replace(settings, service_id="kvm-after")
+
+    with caplog.at_level(logging.INFO, logger="kvmesh.telemetry"):
+        got = await start_service("kv-metadata", settings, instance="service_id", prepare=prepare)
+    assert got.service_id == "kvm-after" and order == ["prepared"]
+    lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("kv-metadata settings: ")]
+    assert len(lines) == 1 and "service_id=kvm-after" in lines[0] and "kvm-before" not in lines[0]

@@ -69,15 +69,17 @@ class WorkerRuntime:
         self.metrics: WorkerMetrics | None = None  # once the engine is loaded: /metrics on the health port
 
     # -- start ---------------------------------------------------------------------------
-    def guard_binds(self) -> None:
-        """The transfer engine's listeners on the advertised address only (``bind_guard``):
-        in a service process this executes it again, same PID, with the guard preloaded."""
+    async def prepare(self) -> WorkerSettings:
+        """What comes before the settings are logged (``kvmesh.service_main.start_service``):
+        the transfer engine's listeners on the advertised address only (``bind_guard``; in a
+        service process this executes it again, same PID, with the guard preloaded).
+        Returns the settings the worker runs with."""
         s = self.settings
         bind_guard.enforce(s.advertise_host, s.transfer_port_range, reexec=running_as_service())
+        return self.settings
 
     async def start(self) -> None:
-        """Once the service has started (``kvmesh.service_main.start_service``, with
-        ``guard_binds`` first)."""
+        """Once the service has started (``start_service``, ``prepare`` first)."""
         s = self.settings
         await self.health.start()  # live (and not ready) while the model loads
         logger.info("loading the model")
