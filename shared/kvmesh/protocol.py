@@ -142,6 +142,10 @@ class Keys:
     def pin(self, prefill_worker_id: str, request_id: str) -> str:
         return self.pins(prefill_worker_id) + request_id
 
+    def slot(self, role: str, identity: str) -> str:
+        """The claim of the one live replica that runs as ``identity`` (``kvmesh.cluster.identity_slots``)."""
+        return f"{self.root}slots/{role}/{identity}"
+
 
 # --------------------------------------------------------------------------- payloads
 class Message(BaseModel):

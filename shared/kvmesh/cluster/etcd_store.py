@@ -193,6 +193,17 @@ class EtcdStore:
         )
         return [_key_value(kv) for kv in response.kvs], response.header.revision
 
+    async def create(self, key: str, value: bytes, *, lease: int = 0, unless: tuple[str, ...] = ()) -> bool:
+        """Put ``key`` only if neither it nor any key in ``unless`` exists, in one transaction;
+        True if it was put."""
+        kv = self._kv
+        compare = [kv.txn_compare_create_revision(k, 0) for k in (key, *unless)]
+        put = [kv.txn_op_put(key, value, lease=lease)]
+        response = await self._call(
+            f"create {key}", functools.partial(kv.txn, compare=compare, success=put, failure=[], timeout=self.timeout)
+        )
+        return bool(response.succeeded)
+
     async def delete(self, key: str) -> bool:
         response = await self._call(f"delete {key}", lambda: self._kv.delete(key, timeout=self.timeout))
         return response.deleted > 0

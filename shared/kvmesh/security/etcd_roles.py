@@ -1,7 +1,7 @@
 """etcd users of one mesh and the keys each may read and write (one role per user).
 
-A worker reads ``workers/`` and writes only its own record, its own ``pins/<id>/`` and its
-own ``blocks/<id>/`` (mirrored there under its lease by kv-metadata);
+A worker reads ``workers/`` and writes only its own record, its own identity slot
+(``slots/<role>/<id>``), its own ``pins/<id>/`` and its own ``blocks/<id>/`` (mirrored there under its lease by kv-metadata);
 kv-metadata writes ``blocks/`` and its own record; routers read ``workers/``. ``root`` (etcd's
 own all-powerful user) sets auth up and deletes dead workers' records for the supervisor.
 
@@ -38,6 +38,9 @@ def worker_grants(keys: Keys, role: str, worker_id: str) -> tuple[Grant, ...]:
         # kv-metadata mirrors the worker's blocks under the worker's lease, and etcd lets a user
         # revoke a lease (at drain) only if it may write every key on it.
         Grant(keys.blocks(worker_id), "READWRITE", prefix=True),
+        # its own identity slot only (``kvmesh.cluster.identity_slots``): a replica claims the
+        # identity by creating it, logged in as that identity, so it cannot take another's
+        Grant(keys.slot(role, worker_id), "READWRITE"),
     ]
     if role == "prefill":
         grants.append(Grant(keys.pins(worker_id), "READWRITE", prefix=True))

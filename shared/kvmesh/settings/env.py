@@ -115,6 +115,9 @@ TRANSFER_PORTS = _var("KVMESH_TRANSFER_PORTS", str, WORKERS, "MIN-MAX: the ports
 DRAIN_TIMEOUT = _var("KVMESH_DRAIN_TIMEOUT", float, WORKERS, "seconds a stopping worker finishes its work in")
 HEALTH_HOST = _var("KVMESH_HEALTH_HOST", str, (*WORKERS, KV_METADATA), "where /health and /metrics listen")
 HEALTH_PORT = _var("KVMESH_HEALTH_PORT", int, (*WORKERS, KV_METADATA), "port of /health and /metrics (0: a free one)")
+IDENTITY_SLOTS = _var(
+    "KVMESH_IDENTITY_SLOTS", str, WORKERS, "a folder of the role's credentials files (or a list): run as one no live worker holds"
+)
 FAULT_PULL_DELAY = _var("KVMESH_FAULT_PULL_DELAY", float, (DECODE,), "tests: seconds a decode worker waits before pulling KV")
 
 # -- the router (``kvmesh.settings.router``) --------------------------------------------------

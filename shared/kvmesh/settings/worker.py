@@ -65,6 +65,9 @@ class WorkerSettings:
     drain_timeout: float = 60.0
     health_host: str = "127.0.0.1"  # where the liveness / readiness endpoint listens
     health_port: int = 0  # 0: a free port (logged, and in the worker's etcd record)
+    # Credentials files of the role's identities; given, the worker runs as the first one no live
+    # worker holds, claimed at start (``kvmesh.cluster.identity_slots``): its id and credentials.
+    identity_slots: tuple[str, ...] = ()
     engine_stall_limit: float = 60.0  # an engine that has not gone round its loop for this long is not ready
     # Fault injection for tests: seconds a decode worker waits before pulling KV, so a test
     # can kill the prefill worker in between. Read from KVMESH_FAULT_PULL_DELAY only.
@@ -127,6 +130,11 @@ def worker_parser(role: Role) -> SettingsParser:
         "--health-port", env=env.HEALTH_PORT, type=int, default=0,
         help="port of /health/live and /health/ready; 0 picks a free one (KVMESH_HEALTH_PORT)",
     )  # fmt: skip
+    option(
+        "--identity-slots", env=env.IDENTITY_SLOTS, metavar="DIR|FILE,FILE",
+        help="run as one of these identities no live worker holds, claimed in etcd at start: a folder's "
+        "<role>-*.json credentials files or a list of them; sets the worker id and credentials (KVMESH_IDENTITY_SLOTS)",
+    )  # fmt: skip
     parser.add_argument("-v", "--verbose", action="store_true")
     return parser
 
@@ -160,6 +168,17 @@ def worker_settings(role: Role, argv: list[str] | None = None) -> WorkerSettings
     if args.dtype == "auto":
         args.dtype, why = default_dtype(args.device.split(":")[0])
         logger.info("dtype auto: %s, since %s", args.dtype, why)
+    slots: tuple[str, ...] = ()
+    if args.identity_slots:  # the id and credentials are the identity claimed at start
+        from kvmesh.cluster.identity_slots import SlotError, slot_files
+
+        if args.worker_id or args.nats_credentials or args.etcd_credentials:
+            parser.error("--identity-slots gives the worker id and credentials: not with --worker-id or --*-credentials")
+        try:
+            slots = tuple(map(str, slot_files(args.identity_slots, role)))
+        except SlotError as exc:
+            parser.error(str(exc))
+        args.nats_credentials = args.etcd_credentials = slots[0]  # checked here like any; replaced at the claim
     mesh = mesh_settings(args, parser)
     try:
         transfer_port_range = parse_port_range(args.transfer_ports) if args.transfer_ports else None
@@ -182,4 +201,5 @@ def worker_settings(role: Role, argv: list[str] | None = None) -> WorkerSettings
         advertise_host=resolve_advertise_host(args.advertise_host),
         transfer_port_range=transfer_port_range,
         fault_pull_delay=fault_pull_delay,
+        identity_slots=slots,
     )  # fmt: skip

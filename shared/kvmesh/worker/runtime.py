@@ -72,10 +72,13 @@ class WorkerRuntime:
     async def prepare(self) -> WorkerSettings:
         """What comes before the settings are logged (``kvmesh.service_main.start_service``):
         the transfer engine's listeners on the advertised address only (``bind_guard``; in a
-        service process this executes it again, same PID, with the guard preloaded).
+        service process this executes it again, same PID, with the guard preloaded), then,
+        with identity slots, the identity claimed (``kvmesh.cluster.identity_slots``).
         Returns the settings the worker runs with."""
         s = self.settings
         bind_guard.enforce(s.advertise_host, s.transfer_port_range, reexec=running_as_service())
+        if s.identity_slots:  # run as one of the role's identities no live worker holds
+            return await self._claim_identity()
         return self.settings
 
     async def start(self) -> None:
@@ -101,6 +104,25 @@ class WorkerRuntime:
         self.kv_events = KVEventPublisher(self.engine, self.nc, self.subjects, self.worker_id)
         await self.kv_events.start()
         self.on_close(self.kv_events.stop)
+
+    async def _claim_identity(self) -> WorkerSettings:
+        from kvmesh.cluster.identity_slots import NO_FREE_SLOT_EXIT, IdentitySlot, SlotError
+
+        try:
+            self.slot = await IdentitySlot.claim(self.settings)
+        except SlotError as exc:
+            logger.error("%s; exiting (code %d) to be started again later", exc, NO_FREE_SLOT_EXIT)
+            raise SystemExit(NO_FREE_SLOT_EXIT) from None
+
+        def lost() -> None:  # another worker runs as this identity now: stop, to be started again
+            self.exit_code = 1
+            self._stopped.set()
+
+        self.slot.keep(on_lost=lost)
+        self.on_close(self.slot.release)  # first registered, so closed last
+        self.settings = self.slot.settings(self.settings)
+        self.worker_id = self.settings.worker_id
+        return self.settings
 
     def record(self) -> WorkerRecord:
         engine = self.engine
