@@ -71,7 +71,9 @@ def _natural(path: Path) -> list:
 class IdentitySlot:
     """A claimed identity: its slot key under a lease this object keeps alive until ``release``."""
 
-    def __init__(self, store: EtcdStore, key: str, identity: str, credentials: Path, lease_id: int, ttl: int, value: bytes) -> None:
+    def __init__(
+        self, store: EtcdStore, key: str, identity: str, credentials: Path, lease_id: int, ttl: int, value: bytes
+    ) -> None:
         self.store, self.key, self.identity, self.credentials = store, key, identity, credentials
         self.lease_id, self.ttl, self.value = lease_id, ttl, value
         self._task: asyncio.Task | None = None
@@ -133,7 +135,9 @@ class IdentitySlot:
                 lease_id = await self.store.grant(self.ttl)
                 if not await self.store.create(self.key, self.value, lease=lease_id):
                     await self.store.revoke(lease_id)
-                    logger.critical("identity %s was claimed by another worker while this one was cut off from etcd", self.identity)
+                    logger.critical(
+                        "identity %s was claimed by another worker while this one was cut off from etcd", self.identity
+                    )
                     on_lost()
                     return
                 self.lease_id = lease_id
