@@ -437,12 +437,12 @@ MOUNT = "/run/secrets/kvmesh"
 
 @pytest.fixture(scope="module")
 def secrets_dir(tmp_path_factory) -> Path:
-    """What ``kvmesh credentials --out DIR`` makes for the files' one prefill and one decode worker."""
+    """What ``kvmesh credentials --out DIR`` makes by default: the four prefill and four decode
+    identities the compose file's replicas claim."""
     out = tmp_path_factory.mktemp("secrets") / "secrets"
     done = subprocess.run(
-        [sys.executable, "-m", "kvmesh.cli", "credentials", "--out", str(out), "--prefill", "1", "--decode", "1"],
-        capture_output=True, text=True, timeout=60,
-    )  # fmt: skip
+        [sys.executable, "-m", "kvmesh.cli", "credentials", "--out", str(out)], capture_output=True, text=True, timeout=60
+    )
     assert done.returncode == 0, done.stderr
     return out
 
@@ -483,10 +483,12 @@ def test_generated_secret_files_are_private(secrets_dir):
         "nats-users.conf",
         "etcd-users.json",
     } <= names
-    assert {"router.json", "kv-metadata.json", "prefill-worker-0.json", "decode-worker-0.json", "secrets.yaml"} <= names
+    identities = {f"{role}-worker-{i}.json" for role in ("prefill", "decode") for i in range(4)}
+    assert {"router.json", "kv-metadata.json", "api-keys", "secrets.yaml", *identities} <= names
+    assert not names & {"prefill-worker-4.json", "decode-worker-4.json"}
     assert "handshake_first: true" in (secrets_dir / "nats-server.conf").read_text()
     users = (secrets_dir / "nats-users.conf").read_text()  # bcrypt hashes only: reading it lets nobody in
-    assert not [v for v in secret_values(secrets_dir) if v in users] and users.count('"password": "$2b$') == 5
+    assert not [v for v in secret_values(secrets_dir) if v in users] and users.count('"password": "$2b$') == 3 + 8
 
 
 def test_compose_services_get_credentials_and_ca_as_files_never_in_argv_or_env(secrets_dir):
@@ -503,8 +505,11 @@ def test_compose_services_get_credentials_and_ca_as_files_never_in_argv_or_env(s
         env, targets = services[name]["environment"], {m["target"]: m["source"] for m in services[name]["secrets"]}
         assert env["KVMESH_REQUIRE_TLS"] == "1"
         assert env["KVMESH_NATS_TLS_CA"] == env["KVMESH_ETCD_TLS_CA"] == f"{MOUNT}/ca.crt" in targets
+        if name.endswith("-worker"):  # replicas: each claims one of its role's identities (the next test)
+            assert env["KVMESH_IDENTITY_SLOTS"] == MOUNT and "KVMESH_NATS_CREDENTIALS" not in env
+            continue
         assert env["KVMESH_NATS_CREDENTIALS"] == env["KVMESH_ETCD_CREDENTIALS"] in targets
-        identity = env.get("KVMESH_WORKER_ID") or env.get("KVMESH_SERVICE_ID") or "router"
+        identity = env.get("KVMESH_SERVICE_ID") or "router"
         assert Path(secrets[targets[env["KVMESH_NATS_CREDENTIALS"]]]["file"]).name == f"{identity}.json"
         assert services[name]["depends_on"]["etcd-auth"]["condition"] == "service_completed_successfully"
     nats = services["nats"]["command"]
@@ -513,6 +518,32 @@ def test_compose_services_get_credentials_and_ca_as_files_never_in_argv_or_env(s
     assert (
         "--listen-client-urls=https://" in etcd and f"--cert-file={MOUNT}/etcd.crt" in etcd and "http://0.0.0.0:2379" not in etcd
     )
+
+
+@pytest.mark.parametrize("profile", PROFILES)
+def test_compose_workers_scale_each_replica_given_its_roles_identities(secrets_dir, profile):
+    """Replicas of a worker service share one configuration: no fixed id, name or host port;
+    each gets every identity file of its role (and no other role's), claims one at start
+    (tests/infra/test_identity_slots.py), and Prometheus finds every replica by the role's name."""
+    from kvmesh.cluster.identity_slots import slot_files
+
+    config = compose_config(profile, env={"KVMESH_SECRETS": str(secrets_dir)})
+    jobs = yaml.safe_load((ROOT / "deploy/prometheus/prometheus.yaml").read_text())["scrape_configs"]
+    scrape = {job["job_name"]: job["dns_sd_configs"][0]["names"] for job in jobs}
+    workers = {name: s for name, s in config["services"].items() if "_worker" in " ".join(s.get("command") or [])}
+    assert len(workers) == 2
+    for name, service in workers.items():
+        role = "prefill" if "prefill" in name else "decode"
+        env = service["environment"]
+        assert not {"KVMESH_WORKER_ID", "KVMESH_NATS_CREDENTIALS", "KVMESH_ETCD_CREDENTIALS"} & set(env), name
+        assert "container_name" not in service and "hostname" not in service and not service.get("ports"), name
+        files = sorted(Path(config["secrets"][m["source"]]["file"]).name for m in service["secrets"])
+        assert files == sorted(["ca.crt", *(f"{role}-worker-{i}.json" for i in range(4))]), name
+        assert all(m["target"] == f"{MOUNT}/{Path(config['secrets'][m['source']]['file']).name}" for m in service["secrets"])
+        assert [p.name for p in slot_files(str(secrets_dir), role)] == [f"{role}-worker-{i}.json" for i in range(4)]
+        aliases = (service["networks"]["mesh"] or {}).get("aliases") or [name]
+        assert scrape[f"{role}-worker"] == [f"{role}-worker"] and f"{role}-worker" in aliases, name
+        assert service["restart"] == "unless-stopped"  # a replica with no free identity exits and is tried again
 
 
 def test_kubernetes_secrets_are_valid_and_each_pod_mounts_only_its_own(secrets_dir):

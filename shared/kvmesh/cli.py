@@ -156,8 +156,14 @@ def build_parser() -> argparse.ArgumentParser:
         "credentials", help="make the secrets of a deployment (deploy/compose, deploy/k8s): CA, certificates, users, passwords"
     )
     creds.add_argument("--out", required=True, help="folder to write them to (mode 0700), e.g. deploy/compose/secrets")
-    creds.add_argument("--prefill", type=_non_negative_int, default=1, help="prefill workers: prefill-worker-0 ...")
-    creds.add_argument("--decode", type=_positive_int, default=1, help="decode workers: decode-worker-0 ...")
+    creds.add_argument(
+        "--prefill", type=_non_negative_int, default=4,
+        help="prefill identities, prefill-worker-0 ...: the most prefill workers (compose replicas, StatefulSet pods) at once",
+    )  # fmt: skip
+    creds.add_argument(
+        "--decode", type=_positive_int, default=4,
+        help="decode identities, decode-worker-0 ...: the most decode workers (compose replicas, StatefulSet pods) at once",
+    )  # fmt: skip
     creds.add_argument("--namespace", default="default", help="the mesh's namespace (KVMESH_NAMESPACE)")
     creds.add_argument("--k8s-namespace", default="kvmesh", help="the Kubernetes namespace of the Secrets and services")
     creds.add_argument(

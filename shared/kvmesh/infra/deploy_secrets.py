@@ -3,10 +3,11 @@
 Everything is made fresh: a CA and certificates for nats-server and etcd (their service
 names in compose and Kubernetes, and loopback), the NATS users with their permissions and a
 TLS-only, handshake-first server config, the etcd users and roles (applied by the
-``etcd-auth`` job), and one credentials file per identity: ``router``, ``kv-metadata`` and
-each worker by the name its pod or container has (``prefill-worker-0``, ...,
-``decode-worker-0``, ...). Files are mode 0600 in a 0700 folder; ``secrets.yaml`` holds
-the same as Kubernetes Secret objects, one per consumer, so each pod mounts only its own.
+``etcd-auth`` job), one credentials file per identity: ``router``, ``kv-metadata`` and
+the workers' (``prefill-worker-0``, ..., ``decode-worker-0``, ...: a StatefulSet pod's name,
+or in compose an identity slot a replica claims, ``kvmesh.cluster.identity_slots``), and the
+router's API key file. Files are mode 0600 in a 0700 folder; ``secrets.yaml`` holds the same
+as Kubernetes Secret objects, one per consumer, so each pod mounts only its own.
 
 Every file is mounted at ``MOUNT`` in the containers; the configs name it there.
 """
@@ -40,7 +41,7 @@ def service_hosts(service: str, namespace: str) -> list[str]:
 
 
 def worker_ids(prefill: int, decode: int) -> dict[str, str]:
-    """Worker id -> role: the StatefulSets' pod names (and the compose services' ids)."""
+    """Worker id -> role: the StatefulSets' pod names and the compose replicas' identity slots."""
     ids = {f"prefill-worker-{i}": "prefill" for i in range(prefill)}
     ids.update({f"decode-worker-{i}": "decode" for i in range(decode)})
     return ids
@@ -111,7 +112,8 @@ def _readme(out: Path, workers: dict[str, str]) -> str:
     return "\n".join([
         f"Secrets of one kvmesh deployment, made by `kvmesh credentials --out {out}`.",
         "Compose: docker compose -f deploy/compose/compose.yaml up (KVMESH_SECRETS=<this folder> if not deploy/compose/secrets);",
-        "  the kvmesh containers run as uid 1000: chown 1000 *.json ca.crt first.",
+        f"  the kvmesh containers run as uid 1000: chown 1000 *.json ca.crt {API_KEYS} first; each worker replica claims",
+        "  one identity of its role (--scale decode-worker=N up to the decode identities here).",
         "Kubernetes: kubectl apply -f secrets.yaml && kubectl apply -k deploy/k8s/overlays/cpu (or cuda, ascend);",
         f"  the router asks for the API key in {API_KEYS} (the part after 'default:') as a Bearer token.",
         f"Workers: {json.dumps(workers)}",
