@@ -715,47 +715,118 @@ class ComposeOnLoopback:
         stop_all(reversed(self.processes), 10)
 
 
+async def claim_line(process, timeout: float) -> str:
+    """The worker's first word on its identity: the one it claimed, or that none was free."""
+    return await asyncio.to_thread(
+        process.wait_for_line, lambda text: "claimed identity" in text or "no free identity slot" in text, timeout
+    )
+
+
 @pytest.mark.slow
 async def test_the_compose_configuration_serves_on_loopback_and_refuses_outsiders(secrets_dir, tmp_path, default_model_dir):
+    """As ``docker compose up --scale decode-worker=2`` would run it: two decode replicas from
+    one rendered environment claim two identities and both serve; one more finds no free
+    identity and exits; a killed replica's identity goes to a new replica once its lease has
+    run out; the router answers only requests with its API key."""
     import httpx
     import nats
 
     from kvmesh.cluster.etcd_store import ClusterError, EtcdStore
+    from kvmesh.cluster.identity_slots import NO_FREE_SLOT_EXIT, IdentitySlot
     from kvmesh.infra.local_mesh import ROUTER_READY
+    from kvmesh.protocol import Keys
+    from kvmesh.security.credentials import UserPassword
     from kvmesh.security.tls import client_context
+    from kvmesh.worker.settings import MeshSettings, WorkerSettings
 
     run = ComposeOnLoopback(rendered_compose(secrets_dir), tmp_path, default_model_dir.parent.parent)
+    keys, held, root = Keys("default"), [], None
     try:
         await asyncio.to_thread(run.start_servers)
         ca = str(run.mount("router") / "ca.crt")
+        etcd = [f"127.0.0.1:{run.ports['etcd']}"]
+        root_password = json.loads((secrets_dir / "etcd-users.json").read_text())["root_password"]
+        root = EtcdStore(etcd, timeout=3, tls_ca=ca, credentials=UserPassword("root", root_password))
+        await root.connect()
+        decode_slots = run.mount("decode-worker")
+        # Two of the four decode identities are held (as two more replicas would hold them).
+        mesh = MeshSettings(nats_url="nats://127.0.0.1:1", etcd_endpoints=tuple(etcd), etcd_tls_ca=ca)
+        others = (str(decode_slots / "decode-worker-2.json"), str(decode_slots / "decode-worker-3.json"))
+        for _ in others:
+            held.append(await IdentitySlot.claim(WorkerSettings(role="decode", mesh=mesh, identity_slots=others)))
+            held[-1].keep(on_lost=lambda: None)
         started = {}
-        for name in ("kv-metadata", "prefill-worker", "decode-worker", "router"):
+        for name in ("kv-metadata", "prefill-worker", "router"):
             run.mount(name)
-            started[name] = run.spawn(name, run.argv(name), run.env(name))
+        services = {"kv-metadata": "kv-metadata", "prefill-worker": "prefill-worker", "decode-a": "decode-worker"}
+        services |= {"decode-b": "decode-worker", "router": "router"}
+        for name, service in services.items():  # the replicas: one argv, one environment
+            started[name] = run.spawn(name, run.argv(service), run.env(service))
+        claimed = {}
+        for name in ("decode-a", "decode-b"):
+            claimed[name] = (await claim_line(started[name], 60)).split("claimed identity ")[1].split()[0]
+        assert sorted(claimed.values()) == ["decode-worker-0", "decode-worker-1"], claimed
+        beyond = run.spawn("decode-c", run.argv("decode-worker"), run.env("decode-worker"))  # a fifth replica
+        line = await claim_line(beyond, 60)
+        assert "no free identity slot for this decode worker: 4 of 4 held by live workers" in line, line
+        assert await asyncio.to_thread(beyond.popen.wait, 30) == NO_FREE_SLOT_EXIT
         await asyncio.to_thread(started["kv-metadata"].wait_for_line, lambda text: "kv-metadata kv-metadata ready" in text, 60)
-        for name, worker_id in (("prefill-worker", "prefill-worker-0"), ("decode-worker", "decode-worker-0")):
+        workers = {"prefill-worker": "prefill-worker-0", **claimed}
+        for name, worker_id in workers.items():
             await asyncio.to_thread(started[name].wait_for_line, lambda text, w=worker_id: f"worker {w} ready" in text, 240)
+        records, _ = await root.get_prefix(keys.workers("decode"))
+        assert sorted(kv.key.rsplit("/", 1)[1] for kv in records) == sorted(claimed.values())  # both registered as themselves
         line = await asyncio.to_thread(started["router"].wait_for_line, lambda text: ROUTER_READY.search(text) is not None, 120)
         base_url = ROUTER_READY.search(line).group(1)
+        api_key = (run.mount("router") / "api-keys").read_text().splitlines()[-1].split(":", 1)[1]
+        body = {"model": "SmolLM2-135M-Instruct", "prompt": "The capital of France is", "max_tokens": 4, "temperature": 0}
         async with httpx.AsyncClient(base_url=base_url, timeout=120) as client:
-            for _ in range(100):  # until the router has seen both workers
+            for _ in range(100):  # until the router has seen both workers (/health needs no key)
                 if (await client.get("/health/ready")).status_code == 200:
                     break
                 await asyncio.sleep(0.2)
-            body = {"model": "SmolLM2-135M-Instruct", "prompt": "The capital of France is", "max_tokens": 4, "temperature": 0}
-            response = await client.post("/v1/completions", json=body)
-        assert response.status_code == 200, response.text
-        assert response.json()["choices"][0]["text"]
-        from tests.mesh.meshes import listening
+            refused = await client.post("/v1/completions", json=body)
+            assert refused.status_code == 401 and refused.json()["error"]["message"], refused.text
+            authorized = {"Authorization": f"Bearer {api_key}"}
 
-        for name in ("prefill-worker", "decode-worker"):  # the worker executed itself with the bind guard
-            sockets = listening(started[name].pid)
-            assert sockets and {address for address, _ in sockets} <= {"127.0.0.1", "::ffff:127.0.0.1"}, (name, sockets)
-            assert "bind guard: executing again" in started[name].tail(400), name
-        forbidden = secret_values(secrets_dir)
-        for name, process in started.items():  # nothing secret in any service's argv or environment
-            seen = Path(f"/proc/{process.pid}/cmdline").read_bytes() + Path(f"/proc/{process.pid}/environ").read_bytes()
-            assert not [v for v in forbidden if v.encode() in seen], name
+            async def greedy() -> str:
+                response = await client.post("/v1/completions", json=body, headers=authorized)
+                assert response.status_code == 200, response.text
+                return response.json()["choices"][0]["text"]
+
+            text = await greedy()
+            assert text.strip()
+            from tests.mesh.meshes import listening
+
+            for name in ("prefill-worker", "decode-a", "decode-b"):  # the worker executed itself with the bind guard
+                sockets = listening(started[name].pid)
+                assert sockets and {address for address, _ in sockets} <= {"127.0.0.1", "::ffff:127.0.0.1"}, (name, sockets)
+                assert "bind guard: executing again" in started[name].tail(400), name
+            forbidden = secret_values(secrets_dir)
+            for name, process in started.items():  # nothing secret in any service's argv or environment
+                seen = Path(f"/proc/{process.pid}/cmdline").read_bytes() + Path(f"/proc/{process.pid}/environ").read_bytes()
+                assert not [v for v in forbidden if v.encode() in seen], name
+            # Replica a dies: its identity is held until its lease runs out, then a new replica takes it.
+            dead = claimed["decode-a"]
+            await asyncio.to_thread(started["decode-a"].kill)
+            killed_at = asyncio.get_running_loop().time()
+            assert await root.get(keys.slot("decode", dead)) is not None  # not freed by the death itself
+            while await root.get(keys.worker("decode", dead)) is not None:
+                await asyncio.sleep(0.2)
+            assert await greedy() == text  # served by replica b alone
+            for attempt in range(30):  # as the restart policy starts it again
+                replacement = run.spawn(f"decode-d{attempt}", run.argv("decode-worker"), run.env("decode-worker"))
+                line = await claim_line(replacement, 60)
+                if "claimed identity" in line:
+                    break
+                assert await asyncio.to_thread(replacement.popen.wait, 30) == NO_FREE_SLOT_EXIT
+                await asyncio.sleep(0.5)
+            assert f"claimed identity {dead} " in line and asyncio.get_running_loop().time() - killed_at < 5 + 15, line
+            await asyncio.to_thread(replacement.wait_for_line, lambda text: f"worker {dead} ready" in text, 240)
+            # Replica b stops: it drains, leaves, and frees its identity at once; the new one serves.
+            assert await asyncio.to_thread(started["decode-b"].stop, 60) == 0
+            assert await root.get(keys.slot("decode", claimed["decode-b"])) is None
+            assert await greedy() == text
         nats_url = f"nats://127.0.0.1:{run.ports['nats']}"
         with pytest.raises(nats.errors.Error):  # plaintext
             await nats.connect(nats_url, connect_timeout=3, allow_reconnect=False, max_reconnect_attempts=0)
@@ -765,12 +836,16 @@ async def test_the_compose_configuration_serves_on_loopback_and_refuses_outsider
                 connect_timeout=3, allow_reconnect=False, max_reconnect_attempts=0,
             )  # fmt: skip
         with pytest.raises(ClusterError):  # plaintext etcd
-            async with EtcdStore([f"127.0.0.1:{run.ports['etcd']}"], timeout=3) as store:
+            async with EtcdStore(etcd, timeout=3) as store:
                 await store.get("/kvmesh/default/workers/")
-        async with EtcdStore([f"127.0.0.1:{run.ports['etcd']}"], timeout=3, tls_ca=ca) as store:  # TLS, anonymous
+        async with EtcdStore(etcd, timeout=3, tls_ca=ca) as store:  # TLS, anonymous
             with pytest.raises(ClusterError, match="user name is empty"):
                 await store.get_prefix("/kvmesh/default/workers/")
     finally:
+        for slot in held:
+            await slot.release()
+        if root is not None:
+            await root.close()
         await asyncio.to_thread(run.stop)
 
 
