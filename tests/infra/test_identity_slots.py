@@ -184,3 +184,32 @@ def test_the_worker_flag_takes_a_folder_of_its_roles_files_or_a_list(tmp_path, m
     ]
     with pytest.raises(SystemExit):  # the slot gives the id and credentials
         worker_settings("decode", [*base, "--worker-id", "decode-worker-0"])
+
+
+async def test_etcd_auth_run_again_lets_identities_made_before_slots_claim_theirs(tmp_path):
+    """A deployment's identities from before identity slots: the etcd-auth job, run again with
+    the new users file, grants each its slot key (and still no other's)."""
+    from kvmesh.infra import etcd_auth
+    from kvmesh.security.credentials import UserPassword
+    from kvmesh.security.etcd_roles import worker_grants
+
+    server = await asyncio.to_thread(start_etcd, tmp_path)
+    users_file, own, other = tmp_path / "etcd-users.json", KEYS.slot("decode", "decode-worker-0"), KEYS.slot("decode", "d-1")
+    grants = worker_grants(KEYS, "decode", "decode-worker-0")
+    try:
+        etcd_auth.write_users(
+            users_file, "root-pw", {"decode-worker-0": ("pw", tuple(g for g in grants if "/slots/" not in g.key))}
+        )
+        await asyncio.to_thread(etcd_auth.run, [server.address], users_file, tls_ca=None, wait=5)
+        user = UserPassword("decode-worker-0", "pw")
+        async with EtcdStore([server.address], timeout=3, credentials=user) as store:
+            with pytest.raises(ClusterError, match="permission denied"):
+                await store.create(own, b"{}")
+        etcd_auth.write_users(users_file, "root-pw", {"decode-worker-0": ("pw", grants)})
+        await asyncio.to_thread(etcd_auth.run, [server.address], users_file, tls_ca=None, wait=5)
+        async with EtcdStore([server.address], timeout=3, credentials=user) as store:
+            assert await store.create(own, b"{}")
+            with pytest.raises(ClusterError, match="permission denied"):
+                await store.create(other, b"{}")
+    finally:
+        server.stop()
