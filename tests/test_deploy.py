@@ -546,6 +546,23 @@ def test_compose_workers_scale_each_replica_given_its_roles_identities(secrets_d
         assert service["restart"] == "unless-stopped"  # a replica with no free identity exits and is tried again
 
 
+def test_the_compose_router_needs_an_api_key_and_its_health_check_does_not(secrets_dir):
+    """The compose router ran with no API key: now it reads the generated key file, mounted as
+    a secret (the same file and path as the Kubernetes router's); its health check asks
+    /health/ready, which no key guards (run in the loopback test below)."""
+    from kvmesh.services.router.api_keys import load_api_keys
+
+    config = rendered_compose(secrets_dir)
+    router = config["services"]["router"]
+    targets = {m["target"]: Path(config["secrets"][m["source"]]["file"]) for m in router["secrets"]}
+    assert targets[router["environment"]["KVMESH_API_KEY_FILE"]] == secrets_dir / "api-keys"
+    assert router["environment"]["KVMESH_API_KEY_FILE"] == f"{MOUNT}/api-keys"
+    assert load_api_keys(str(secrets_dir / "api-keys"), env={}) is not None
+    assert "/health/ready" in " ".join(router["healthcheck"]["test"]) and "Authorization" not in json.dumps(router["healthcheck"])
+    others = [n for n, s in config["services"].items() if n != "router" and "api-keys" in {m["source"] for m in s.get("secrets", [])}]
+    assert others == []
+
+
 def test_kubernetes_secrets_are_valid_and_each_pod_mounts_only_its_own(secrets_dir):
     import kubernetes_validate
 
