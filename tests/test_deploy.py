@@ -838,7 +838,8 @@ async def test_the_compose_configuration_serves_on_loopback_and_refuses_outsider
                     break
                 assert await asyncio.to_thread(replacement.popen.wait, 30) == NO_FREE_SLOT_EXIT
                 await asyncio.sleep(0.5)
-            assert f"claimed identity {dead} " in line and asyncio.get_running_loop().time() - killed_at < 5 + 15, line
+            assert f"claimed identity {dead} " in line, line
+            assert asyncio.get_running_loop().time() - killed_at < 5 + 60  # the lease, and a loaded machine's starts
             await asyncio.to_thread(replacement.wait_for_line, lambda text: f"worker {dead} ready" in text, 240)
             # Replica b stops: it drains, leaves, and frees its identity at once; the new one serves.
             assert await asyncio.to_thread(started["decode-b"].stop, 60) == 0
