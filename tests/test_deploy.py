@@ -754,7 +754,8 @@ async def test_the_compose_configuration_serves_on_loopback_and_refuses_outsider
     from kvmesh.protocol import Keys
     from kvmesh.security.credentials import UserPassword
     from kvmesh.security.tls import client_context
-    from kvmesh.worker.settings import MeshSettings, WorkerSettings
+    from kvmesh.settings.mesh import MeshSettings
+    from kvmesh.settings.worker import WorkerSettings
 
     run = ComposeOnLoopback(rendered_compose(secrets_dir), tmp_path, default_model_dir.parent.parent)
     keys, held, root = Keys("default"), [], None

@@ -16,7 +16,8 @@ from kvmesh.infra.credentials import MeshCredentials
 from kvmesh.infra.servers import start_etcd
 from kvmesh.protocol import Keys
 from kvmesh.security.credentials import load_credentials
-from kvmesh.worker.settings import MeshSettings, WorkerSettings, worker_settings
+from kvmesh.settings.mesh import MeshSettings
+from kvmesh.settings.worker import WorkerSettings, worker_settings
 
 NAMESPACE = "slots"
 KEYS = Keys(NAMESPACE)
