@@ -80,6 +80,29 @@ async def test_lease_lost_means_registering_again(store):
     await c.stop()
 
 
+async def test_a_lost_registration_does_not_overwrite_the_records_new_holder(store):
+    """Cut off past its lease while a replica took its identity, a worker used to put its
+    record back over the new holder's, and its revoke at stop then deleted that record."""
+    key = KEYS.worker("decode", "e")
+    old = LeasedKey(store, key, record("e", "decode").encode(), ttl=2)
+    await old.start()
+    await old.stop(revoke=False)  # cut off: nobody refreshes its lease
+    await store.revoke(old.lease_id)  # its lease ended
+    new = LeasedKey(store, key, b"the new holder's record", ttl=2)
+    await new.start()
+    old._task = asyncio.create_task(old._keep_alive())  # back on the network
+    for _ in range(50):
+        if old.lease_id == 0:
+            break
+        await asyncio.sleep(0.1)
+    assert old.lease_id == 0 and old.registrations == 1
+    assert (await store.get(key)).value == b"the new holder's record"  # type: ignore[union-attr]
+    await old.stop()
+    assert (await store.get(key)).value == b"the new holder's record"  # type: ignore[union-attr]
+    await new.stop()
+    assert (await store.get(key)) is None
+
+
 async def test_etcd_restart_is_survived(tmp_path):
     server = await asyncio.to_thread(start_etcd, tmp_path)
     endpoint = server.endpoint

@@ -2,7 +2,10 @@
 
 If the worker dies, nobody refreshes the lease and etcd deletes the record when the TTL
 runs out. If etcd restarts or the worker is cut off for longer than the TTL, the next
-refresh finds the lease gone and the worker registers again under a new one.
+refresh finds the lease gone and the worker registers again under a new one, but only
+where the key is absent: by then a record there is another holder's (a replica that took
+the identity meanwhile, ``kvmesh.cluster.identity_slots``), and overwriting it would let
+this worker's later revoke delete that holder's record.
 """
 
 from __future__ import annotations
@@ -40,7 +43,13 @@ class LeasedKey:
 
     async def _register(self) -> None:
         lease_id = await self.store.grant(self.ttl)
-        await self.store.put(self.key, self.value, lease=lease_id)
+        if self.lease_id is None:  # at start: a record left by this worker's previous process is replaced
+            await self.store.put(self.key, self.value, lease=lease_id)
+        elif not await self.store.create(self.key, self.value, lease=lease_id):
+            await self.store.revoke(lease_id)
+            self.lease_id = 0  # lost, not ours to revoke; tried again at the next refresh
+            logger.warning("%s is held by another registration now; not overwriting it", self.key)
+            return
         self.lease_id = lease_id
         self.registrations += 1
         self.last_confirmed = time.monotonic()
@@ -51,7 +60,7 @@ class LeasedKey:
         while True:
             await asyncio.sleep(interval)
             try:
-                if self.lease_id is None or await self.store.refresh(self.lease_id) <= 0:
+                if not self.lease_id or await self.store.refresh(self.lease_id) <= 0:
                     logger.warning("lease of %s was lost; registering again", self.key)
                     await self._register()
                 else:
@@ -68,7 +77,7 @@ class LeasedKey:
             except asyncio.CancelledError:
                 pass
             self._task = None
-        if revoke and self.lease_id is not None:
+        if revoke and self.lease_id:
             try:
                 await self.store.revoke(self.lease_id)
             except ClusterError as exc:
