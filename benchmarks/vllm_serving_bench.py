@@ -475,9 +475,9 @@ def vllm_env(extra: dict[str, str]) -> dict[str, str]:
 
 
 def default_vllm_python() -> str:
-    from kvmesh.worker.engines import VLLM_PYTHON_ENV
+    from kvmesh.settings.env import VLLM_PYTHON
 
-    return os.environ.get(VLLM_PYTHON_ENV) or str(REPO / ".venv-vllm" / "bin" / "python")
+    return VLLM_PYTHON.raw() or str(REPO / ".venv-vllm" / "bin" / "python")
 
 
 @dataclass

@@ -22,6 +22,8 @@ import re
 from collections.abc import Mapping
 from pathlib import Path
 
+from kvmesh.settings.env import API_KEY
+
 __all__ = ["ANONYMOUS", "DEFAULT_NAME", "ApiKeyError", "ApiKeys", "load_api_keys", "parse_key_file"]
 
 DEFAULT_NAME = "default"
@@ -88,7 +90,7 @@ def load_api_keys(path: str | None, env: Mapping[str, str] = os.environ) -> ApiK
         except OSError as exc:
             raise ApiKeyError(f"cannot read the API key file {path}: {exc.strerror or exc}") from None
         keys = parse_key_file(text, path)
-    single = env.get("KVMESH_API_KEY", "").strip()
+    single = (API_KEY.raw(env) or "").strip()
     if single:
         if DEFAULT_NAME in keys:
             raise ApiKeyError(f"KVMESH_API_KEY and {path} both give the key named {DEFAULT_NAME!r}")

@@ -5,13 +5,13 @@ from __future__ import annotations
 import argparse
 import json
 import logging
-import os
 import sys
 import uuid
 from pathlib import Path
 from typing import Any
 
 from kvmesh import __version__
+from kvmesh.settings import env
 from kvmesh.worker.engines import ENGINES
 
 logger = logging.getLogger("kvmesh")
@@ -172,9 +172,9 @@ def build_parser() -> argparse.ArgumentParser:
     )  # fmt: skip
 
     etcd_auth = commands.add_parser("etcd-auth", help="turn etcd's auth on with a deployment's users (the compose / k8s job)")
-    etcd_auth.add_argument("--users", default=os.environ.get("KVMESH_ETCD_USERS"), help="etcd-users.json (KVMESH_ETCD_USERS)")
-    etcd_auth.add_argument("--etcd", default=os.environ.get("KVMESH_ETCD_ENDPOINTS"), help="host:port (KVMESH_ETCD_ENDPOINTS)")
-    etcd_auth.add_argument("--etcd-tls-ca", default=os.environ.get("KVMESH_ETCD_TLS_CA"), help="CA file (KVMESH_ETCD_TLS_CA)")
+    etcd_auth.add_argument("--users", default=env.ETCD_USERS.raw(), help="etcd-users.json (KVMESH_ETCD_USERS)")
+    etcd_auth.add_argument("--etcd", default=env.ETCD_ENDPOINTS.raw(), help="host:port (KVMESH_ETCD_ENDPOINTS)")
+    etcd_auth.add_argument("--etcd-tls-ca", default=env.ETCD_TLS_CA.raw(), help="CA file (KVMESH_ETCD_TLS_CA)")
     etcd_auth.add_argument("--wait", type=_non_negative_float, default=60.0, help="seconds to wait for etcd to answer")
 
     replay = commands.add_parser("replay", help="replay a Mooncake-format trace (--simulate: simulated prefill workers, no model)")

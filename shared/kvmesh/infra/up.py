@@ -13,7 +13,6 @@ from __future__ import annotations
 import argparse
 import errno
 import json
-import os
 import signal
 import socket
 import sys
@@ -23,6 +22,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 from kvmesh.errors import KvmeshError
+from kvmesh.settings import env
 
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 DEFAULT_MODEL = "SmolLM2-135M-Instruct"  # the loader's name for it (importing the loader takes a while)
@@ -220,7 +220,7 @@ def check_service_args(args: argparse.Namespace) -> None:
             load_scorer_config(args.routing_config)
         except (OSError, ValueError) as exc:
             raise UpUsageError(f"--routing-config: {exc}") from None
-    if (args.auth_metrics or args.auth_docs) and not (args.api_key_file or os.environ.get("KVMESH_API_KEY")):
+    if (args.auth_metrics or args.auth_docs) and not (args.api_key_file or env.API_KEY.raw()):
         raise UpUsageError("--auth-metrics / --auth-docs need API keys: give --api-key-file or KVMESH_API_KEY")
     if args.generation_config not in (None, "auto", "vllm") and not Path(args.generation_config).is_dir():
         raise UpUsageError(f"--generation-config {args.generation_config}: not auto, vllm or a directory")

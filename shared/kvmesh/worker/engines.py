@@ -16,13 +16,14 @@ import sys
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from kvmesh.settings.env import VLLM_PYTHON
+
 if TYPE_CHECKING:
     from kvmesh.worker.engine_api import Engine
     from kvmesh.settings.worker import EngineSettings
 
 ENGINES = ("kvmesh", "vllm")
 DEFAULT_BLOCK_SIZE = {"kvmesh": 16, "vllm": 32}  # tokens per KV block; vLLM on CPU takes multiples of 32
-VLLM_PYTHON_ENV = "KVMESH_VLLM_PYTHON"  # the Python of a virtualenv with vLLM and kvmesh's worker
 
 
 def unavailable(name: str) -> str | None:
@@ -47,11 +48,11 @@ def worker_python(name: str) -> str:
         return sys.executable
     if name != "vllm":
         raise ValueError(unavailable(name))
-    configured = os.environ.get(VLLM_PYTHON_ENV)
+    configured = VLLM_PYTHON.raw()
     candidate = Path(configured) if configured else _repo_vllm_python()
     if candidate is not None and os.access(candidate, os.X_OK):
         return str(candidate)
-    where = f"{VLLM_PYTHON_ENV}={configured} is not an executable" if configured else "no .venv-vllm beside kvmesh"
+    where = f"{VLLM_PYTHON.name}={configured} is not an executable" if configured else "no .venv-vllm beside kvmesh"
     raise ValueError(f"--engine vllm: vLLM is not installed for {sys.executable} and {where}; run `make vllm`")
 
 
