@@ -19,6 +19,9 @@ def test_secrets_are_masked_and_paths_are_not():
         f"http://root:{MASK}@etcd:2379", "http://etcd2:2379",
     )  # fmt: skip
     assert masked("nats_url", "nats://127.0.0.1:4222") == "nats://127.0.0.1:4222"
+    # an etcd endpoint with its user and password and no scheme, as EtcdStore takes it
+    assert masked("etcd_endpoints", ("root:pw@etcd:2379", "etcd2:2379")) == (f"root:{MASK}@etcd:2379", "etcd2:2379")
+    assert masked("served_model_name", "team@models") == "team@models"  # no password in it
     assert masked("api_key", None) is None
     assert masked("max_num_batched_tokens", 1024) == 1024  # tokens, not a token
     assert masked("pin_token", "abc") == MASK

@@ -252,5 +252,9 @@ async def main(argv: list[str] | None = None) -> int:
     runtime = WorkerRuntime(settings)
     await start_service("prefill worker", settings, instance="worker_id", prepare=runtime.prepare)
     worker = PrefillWorker(runtime)
-    await worker.start()
+    try:
+        await worker.start()
+    except BaseException:
+        await runtime.abandon_identity()
+        raise
     return await runtime.serve_until_signalled()

@@ -168,7 +168,7 @@ def request_id_of(data: bytes) -> str:
     for that answer takes it and fails at once, not after its silence timeout."""
     try:
         value = json.loads(data)
-    except ValueError:
+    except (ValueError, RecursionError):  # RecursionError: nested past the interpreter's limit
         return ""
     request_id = value.get("request_id") if isinstance(value, dict) else None
     return request_id if isinstance(request_id, str) and len(request_id) <= MAX_REQUEST_ID_CHARS else ""

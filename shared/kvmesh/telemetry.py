@@ -53,6 +53,11 @@ def masked(name: str, value: object) -> object:
         if parts.password is not None:
             netloc = f"{parts.username}:{MASK}@{parts.hostname}" + (f":{parts.port}" if parts.port else "")
             return urlunsplit(parts._replace(netloc=netloc))
+    if isinstance(value, str) and "://" not in value and "@" in value:  # user:pass@host:port (an etcd endpoint)
+        userinfo, _, address = value.rpartition("@")
+        user, colon, _ = userinfo.partition(":")
+        if colon and "/" not in userinfo:
+            return f"{user}:{MASK}@{address}"
     if isinstance(value, (list, tuple)):
         return type(value)(masked(name, v) for v in value)
     return value

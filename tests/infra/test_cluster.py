@@ -103,6 +103,21 @@ async def test_a_lost_registration_does_not_overwrite_the_records_new_holder(sto
     assert (await store.get(key)) is None
 
 
+async def test_a_claimed_identitys_registration_never_replaces_a_record_there(store):
+    """With identity slots a worker's record key was absent at its claim: one there when it
+    registers is the holder's that took the identity since, and its start fails instead of
+    overwriting it (and deleting it at its revoke)."""
+    key = KEYS.worker("decode", "f")
+    holder = LeasedKey(store, key, b"the holder's record", ttl=2)
+    await holder.start()
+    late = LeasedKey(store, key, record("f", "decode").encode(), ttl=2, replace=False)
+    with pytest.raises(ClusterError, match="registered by another holder"):
+        await late.start()
+    assert (await store.get(key)).value == b"the holder's record"  # type: ignore[union-attr]
+    await late.stop()
+    await holder.stop()
+
+
 async def test_etcd_restart_is_survived(tmp_path):
     server = await asyncio.to_thread(start_etcd, tmp_path)
     endpoint = server.endpoint

@@ -214,3 +214,20 @@ async def test_etcd_auth_run_again_lets_identities_made_before_slots_claim_their
                 await store.create(other, b"{}")
     finally:
         server.stop()
+
+
+async def test_a_worker_whose_start_fails_after_its_claim_frees_the_identity_at_once(mesh, tmp_path, monkeypatch):
+    """A claim followed by a start that fails (here: no model at the path given) used to hold
+    the identity until its lease ran out; the worker's main now frees it before it exits."""
+    from kvmesh.services.decode_worker import main as decode_main
+    from kvmesh.transfer import bind_guard
+
+    server, creds = mesh
+    monkeypatch.setattr(bind_guard, "enforce", lambda *args, **kwargs: "off")  # no re-exec, no preload variables
+    argv = [
+        "--nats-url", "nats://127.0.0.1:1", "--etcd", server.address, "--namespace", NAMESPACE,
+        "--identity-slots", str(creds.directory), "--lease-ttl", "30", "--model", str(tmp_path / "no-model"),
+    ]  # fmt: skip
+    with pytest.raises(Exception):  # noqa: B017 - whatever the engine raises for a missing model
+        await decode_main.main(argv)
+    assert await held_slots(server) == []  # freed now, not in 30 s

@@ -20,13 +20,16 @@ logger = logging.getLogger(__name__)
 
 
 class LeasedKey:
-    def __init__(self, store: EtcdStore, key: str, value: bytes, *, ttl: int) -> None:
+    def __init__(self, store: EtcdStore, key: str, value: bytes, *, ttl: int, replace: bool = True) -> None:
+        """``replace``: at start, a record already there (this worker's previous process's) is
+        replaced; without, it is another holder's and the start fails (``ClusterError``)."""
         if ttl < 1:
             raise ValueError("a lease TTL is at least 1 second")
         self.store = store
         self.key = key
         self.value = value
         self.ttl = ttl
+        self.replace = replace
         self.lease_id: int | None = None
         self.registrations = 0
         self.last_confirmed: float | None = None  # monotonic time etcd last confirmed the lease
@@ -43,10 +46,13 @@ class LeasedKey:
 
     async def _register(self) -> None:
         lease_id = await self.store.grant(self.ttl)
-        if self.lease_id is None:  # at start: a record left by this worker's previous process is replaced
+        starting = self.lease_id is None
+        if starting and self.replace:  # a record left by this worker's previous process is replaced
             await self.store.put(self.key, self.value, lease=lease_id)
         elif not await self.store.create(self.key, self.value, lease=lease_id):
             await self.store.revoke(lease_id)
+            if starting:
+                raise ClusterError(f"{self.key} is registered by another holder")
             self.lease_id = 0  # lost, not ours to revoke; tried again at the next refresh
             logger.warning("%s is held by another registration now; not overwriting it", self.key)
             return

@@ -52,6 +52,7 @@ class WorkerRuntime:
         self.nc: nats.NATS
         self.store: EtcdStore
         self.registration: LeasedKey | None = None
+        self.slot: Any = None  # the IdentitySlot this worker runs as, with identity slots
         self._started_at = time.time()
         self.draining = False
         self.bytes_served = 0  # prefill: bytes of pinned blocks peers pulled
@@ -124,6 +125,12 @@ class WorkerRuntime:
         self.worker_id = self.settings.worker_id
         return self.settings
 
+    async def abandon_identity(self) -> None:
+        """A start that failed after the claim frees the identity now, not at its lease's end."""
+        if self.slot is not None:
+            await self.slot.release()
+            self.slot = None
+
     def record(self) -> WorkerRecord:
         engine = self.engine
         role_subject = self.subjects.prefill if self.settings.role == "prefill" else self.subjects.decode
@@ -149,6 +156,8 @@ class WorkerRuntime:
             self.keys.worker(self.settings.role, self.worker_id),
             self.record().encode(),
             ttl=self.settings.lease_ttl,
+            # a claimed identity had no record: one there now is the holder's that took it since
+            replace=not self.settings.identity_slots,
         )
         await self.registration.start()
         logger.info("%s worker %s ready", self.settings.role, self.worker_id)
