@@ -118,3 +118,27 @@ async def wait_for_a_pin(store: EtcdStore, worker_ids: list[str], timeout: float
                 return worker_id
         await asyncio.sleep(0.02)
     return None
+
+
+# Two tools the tool-calling tests offer the model (official client, LangChain, LiteLLM, vLLM workers)
+WEATHER_TOOL = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "Get the current weather in a city",
+        "parameters": {
+            "type": "object",
+            "properties": {"city": {"type": "string", "maxLength": 20}, "unit": {"enum": ["celsius", "fahrenheit"]}},
+            "required": ["city", "unit"],
+            "additionalProperties": False,
+        },
+    },
+}
+TIME_TOOL = {
+    "type": "function",
+    "function": {
+        "name": "get_time",
+        "description": "Get the current time in a time zone",
+        "parameters": {"type": "object", "properties": {"zone": {"type": "string", "maxLength": 20}}, "required": ["zone"], "additionalProperties": False},
+    },
+}

@@ -26,6 +26,7 @@ import pytest
 
 from kvmesh.infra.local_mesh import LocalMesh
 from tests.mesh.meshes import MODEL, assert_pools_at_baseline
+from tests.mesh.meshes import TIME_TOOL as TIME, WEATHER_TOOL as WEATHER
 
 pytestmark = pytest.mark.slow
 
@@ -214,27 +215,6 @@ async def test_litellm_async_stream(base_url: str, reference: openai.OpenAI) -> 
 DAYS = "List the days of the week, then list them again."
 SEA = "Write a line about the sea."
 LOGPROB_ATOL = 1e-4
-WEATHER = {
-    "type": "function",
-    "function": {
-        "name": "get_weather",
-        "description": "Get the current weather in a city",
-        "parameters": {
-            "type": "object",
-            "properties": {"city": {"type": "string", "maxLength": 20}, "unit": {"enum": ["celsius", "fahrenheit"]}},
-            "required": ["city", "unit"],
-            "additionalProperties": False,
-        },
-    },
-}
-TIME = {
-    "type": "function",
-    "function": {
-        "name": "get_time",
-        "description": "Get the current time in a time zone",
-        "parameters": {"type": "object", "properties": {"zone": {"type": "string", "maxLength": 20}}, "required": ["zone"], "additionalProperties": False},
-    },
-}
 ASK = "What is the weather in Paris right now?"
 TOOL_RESULT = '{"temperature": 21, "sky": "clear"}'
 

@@ -18,30 +18,10 @@ import pytest
 from kvmesh.infra.local_mesh import LocalMesh
 from tests.engine.test_structured import SCHEMAS
 from tests.mesh.meshes import MODEL, assert_pools_at_baseline
+from tests.mesh.meshes import TIME_TOOL as TIME, WEATHER_TOOL as WEATHER
 
 pytestmark = pytest.mark.slow
 
-WEATHER = {
-    "type": "function",
-    "function": {
-        "name": "get_weather",
-        "description": "Get the current weather in a city",
-        "parameters": {
-            "type": "object",
-            "properties": {"city": {"type": "string", "maxLength": 20}, "unit": {"enum": ["celsius", "fahrenheit"]}},
-            "required": ["city", "unit"],
-            "additionalProperties": False,
-        },
-    },
-}
-TIME = {
-    "type": "function",
-    "function": {
-        "name": "get_time",
-        "description": "Get the current time in a time zone",
-        "parameters": {"type": "object", "properties": {"zone": {"type": "string", "maxLength": 20}}, "required": ["zone"], "additionalProperties": False},
-    },
-}
 ASK = [{"role": "user", "content": "What is the weather in Paris right now?"}]
 
 

@@ -43,6 +43,7 @@ from kvmesh.protocol import (
 from kvmesh.worker.engines import DEFAULT_BLOCK_SIZE, worker_python
 from tests.mesh.client import post, send_work, stream, streamed_text, worker_stats
 from tests.mesh.meshes import MODEL, NEW_TOKENS, PROMPTS, assert_pools_at_baseline, make_mesh, wait_for_a_pin
+from tests.mesh.meshes import WEATHER_TOOL
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 
@@ -226,19 +227,6 @@ JSON_SCHEMAS = [
         "additionalProperties": False,
     },
 ]
-WEATHER_TOOL = {
-    "type": "function",
-    "function": {
-        "name": "get_weather",
-        "description": "Get the current weather in a city",
-        "parameters": {
-            "type": "object",
-            "properties": {"city": {"type": "string", "maxLength": 20}, "unit": {"enum": ["celsius", "fahrenheit"]}},
-            "required": ["city", "unit"],
-            "additionalProperties": False,
-        },
-    },
-}
 LOGPROB_TOLERANCE = 2e-3  # float32, the prefill and the decode worker's batches against one process's
 
 

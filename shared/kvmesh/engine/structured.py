@@ -101,6 +101,20 @@ def _lark_string(text: str) -> str:
     return json.dumps(text)
 
 
+def json_schema_of(spec: GuidedDecoding) -> dict[str, Any]:
+    """The schema of a ``json_schema`` spec (``true`` is the empty one); ``GrammarError``
+    when it is not JSON or not an object."""
+    try:
+        schema = json.loads(spec.value)
+    except json.JSONDecodeError as exc:
+        raise GrammarError(f"the JSON schema is not valid JSON: {exc}") from exc
+    if schema is True:
+        schema = {}
+    if not isinstance(schema, dict):
+        raise GrammarError("the JSON schema must be an object")
+    return schema
+
+
 def grammar_of(spec: GuidedDecoding) -> str:
     """The llguidance grammar of ``spec``; raises ``GrammarError`` when it is malformed (not
     yet whether llguidance supports it: ``check_guided``)."""
@@ -108,14 +122,7 @@ def grammar_of(spec: GuidedDecoding) -> str:
     if spec.kind == "json_object":
         return str(llg.LLMatcher.grammar_from_json_schema({"type": "object"}, defaults=JSON_OPTIONS))
     if spec.kind == "json_schema":
-        try:
-            schema = json.loads(spec.value)
-        except json.JSONDecodeError as exc:
-            raise GrammarError(f"the JSON schema is not valid JSON: {exc}") from exc
-        if schema is True:
-            schema = {}
-        if not isinstance(schema, dict):
-            raise GrammarError("the JSON schema must be an object")
+        schema = json_schema_of(spec)
         try:
             return str(llg.LLMatcher.grammar_from_json_schema(schema, defaults=JSON_OPTIONS))
         except ValueError as exc:

@@ -28,7 +28,7 @@ from typing import Any
 
 from kvmesh.engine.logprobs import LOGPROB_FLOOR
 from kvmesh.engine.request import TokenLogprob
-from kvmesh.engine.structured import JSON_OPTIONS, GrammarError, GuidedDecoding
+from kvmesh.engine.structured import JSON_OPTIONS, GrammarError, GuidedDecoding, json_schema_of
 
 __all__ = ["FORCED", "GUIDANCE", "logprobs_of", "prompt_logprobs_of", "structured_outputs_kwargs", "token_logprob"]
 
@@ -85,15 +85,7 @@ def structured_outputs_kwargs(spec: GuidedDecoding) -> dict[str, Any]:
     if spec.kind == "json_object":
         return {"json": _with_json_options({"type": "object"})}
     if spec.kind == "json_schema":
-        try:
-            schema = json.loads(spec.value)
-        except json.JSONDecodeError as exc:
-            raise GrammarError(f"the JSON schema is not valid JSON: {exc}") from exc
-        if schema is True:
-            schema = {}
-        if not isinstance(schema, dict):
-            raise GrammarError("the JSON schema must be an object")
-        return {"json": _with_json_options(schema)}
+        return {"json": _with_json_options(json_schema_of(spec))}
     if spec.kind == "regex":
         return {"regex": spec.value}
     try:
