@@ -71,7 +71,10 @@ class MeshOptions:
     stop_grace: float = 5.0  # seconds each stage of stop() waits after SIGTERM before SIGKILL
 
 
-SERVICE_DEATH_SIGNAL = signal.SIGTERM  # a service whose parent died drains and exits
+# A service whose parent died goes at once: nats-server and etcd go with it, so a drain has
+# nothing left to drain into. (With SIGTERM a decode worker once stayed past 60 s, its drain
+# not even begun, on a quiet machine: a signal a blocked event loop never read.)
+SERVICE_DEATH_SIGNAL = signal.SIGKILL
 SERVER_DEATH_SIGNAL = signal.SIGKILL  # nats-server and etcd have nothing to drain
 
 
