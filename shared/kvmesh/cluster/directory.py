@@ -21,6 +21,7 @@ from pydantic import ValidationError
 
 from kvmesh.cluster.etcd_store import ClusterError, EtcdStore
 from kvmesh.protocol import Keys, WorkerRecord
+from kvmesh.tasks import cancel_and_wait
 
 logger = logging.getLogger(__name__)
 
@@ -45,12 +46,8 @@ class WorkerDirectory:
         self._task = asyncio.create_task(self._follow(revision), name="worker-directory")
 
     async def stop(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            try:
-                await self._task
-            except asyncio.CancelledError:
-                pass
+        await cancel_and_wait(self._task)
+        self._task = None
 
     def alive(self, role: str) -> list[WorkerRecord]:
         return [record for record in self.workers.values() if record.role == role]

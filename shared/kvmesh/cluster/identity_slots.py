@@ -37,6 +37,7 @@ from kvmesh.errors import KvmeshError
 from kvmesh.protocol import Keys
 from kvmesh.security.credentials import CredentialsError, load_credentials
 from kvmesh.settings.worker import WorkerSettings
+from kvmesh.tasks import cancel_and_wait
 
 logger = logging.getLogger(__name__)
 
@@ -147,13 +148,8 @@ class IdentitySlot:
 
     async def release(self) -> None:
         """Free the slot now (the worker has left etcd) and close the connection."""
-        if self._task is not None:
-            self._task.cancel()
-            try:
-                await self._task
-            except asyncio.CancelledError:
-                pass
-            self._task = None
+        await cancel_and_wait(self._task)
+        self._task = None
         try:
             await self.store.revoke(self.lease_id)
         except ClusterError as exc:

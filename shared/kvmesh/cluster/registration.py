@@ -15,6 +15,7 @@ import logging
 import time
 
 from kvmesh.cluster.etcd_store import ClusterError, EtcdStore
+from kvmesh.tasks import cancel_and_wait
 
 logger = logging.getLogger(__name__)
 
@@ -76,13 +77,8 @@ class LeasedKey:
 
     async def stop(self, *, revoke: bool = True) -> None:
         """Stop refreshing; with ``revoke`` the key is deleted now instead of at expiry."""
-        if self._task is not None:
-            self._task.cancel()
-            try:
-                await self._task
-            except asyncio.CancelledError:
-                pass
-            self._task = None
+        await cancel_and_wait(self._task)
+        self._task = None
         if revoke and self.lease_id:
             try:
                 await self.store.revoke(self.lease_id)
