@@ -111,7 +111,10 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--min-tokens", type=int, default=0, help="no EOS or stop string before this many tokens")
     gen.add_argument("--logit-bias", type=_token_bias, action="append", default=[], metavar="TOKEN=BIAS",
                      help="add BIAS to token id TOKEN's logit (repeatable)")
-    gen.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
+    gen.add_argument(
+        "--dtype", choices=["float32", "bfloat16", "auto"], default=env.DTYPE.raw() or "auto",
+        help="auto: bfloat16 where the CPU has native bf16, else float32 (KVMESH_DTYPE)",
+    )  # fmt: skip
     gen.add_argument("--device", default="cpu", help="cpu, cuda or npu")
     gen.add_argument("--json", action="store_true", help='print {"token_ids": [...], "text": "..."}')
 
@@ -128,7 +131,11 @@ def build_parser() -> argparse.ArgumentParser:
     up.add_argument("--port", type=_port, default=8000, help="the router's port (0 picks a free one)")
     up.add_argument("--model", help="model directory or .gguf file (default: SmolLM2-135M-Instruct)")
     up.add_argument("--engine", choices=ENGINES, default="kvmesh", help="what the workers run: kvmesh (its own engine) or vllm (`make vllm`; workers run with .venv-vllm/bin/python)")
-    up.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default="float32", help="the workers' weights and KV cache")
+    up.add_argument(
+        "--dtype", choices=["float32", "bfloat16", "float16", "auto"], default=env.DTYPE.raw() or "auto",
+        help="the workers' weights and KV cache; auto: bfloat16 where the CPU has native bf16 (AVX512-BF16, AMX-BF16), "
+        "else float32 (KVMESH_DTYPE)",
+    )  # fmt: skip
     up.add_argument("--kv-cache-mib", type=_positive_int, default=256, help="KV pool per worker")
     up.add_argument("--block-size", type=_positive_int, help="tokens per KV block (default: 16; 32 with vllm)")
     up.add_argument("--num-threads", type=_positive_int, help="threads per worker (default: the cores split between the workers)")

@@ -1,7 +1,9 @@
-"""What CPU this is, for benchmark results (and, later, defaults chosen by the machine)."""
+"""What CPU this is, for benchmark results and for the defaults chosen by the machine (dtype,
+threads)."""
 
 from __future__ import annotations
 
+import os
 import platform
 from pathlib import Path
 
@@ -38,3 +40,16 @@ def default_dtype(device_type: str = "cpu") -> tuple[str, str]:
         if flag in flags:
             return "bfloat16", f"the CPU has {name} (native bf16)"
     return "float32", "the CPU has no native bf16 (no AVX512-BF16 or AMX-BF16)"
+
+
+def usable_cores() -> int:
+    """The cores this process may run on (its affinity, which a container's cpuset narrows)."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        return os.cpu_count() or 1
+
+
+def threads_per_worker(workers: int) -> int:
+    """Each of ``workers`` engines' share of the usable cores (at least one thread)."""
+    return max(1, usable_cores() // max(1, workers))

@@ -27,6 +27,7 @@ import httpx
 import nats
 import pytest
 
+from kvmesh.machine import default_dtype, threads_per_worker, usable_cores
 from kvmesh.protocol import Subjects, WorkerStats
 from kvmesh.security.tls import client_context
 from tests.mesh.client import post, stream, streamed_text
@@ -60,7 +61,7 @@ def wait_all_gone(pids: list[int], timeout: float) -> list[int]:
 class Up:
     """A running ``kvmesh up``: its output lines as they come, and its ``pids.json``."""
 
-    def __init__(self, workdir: Path, cache_root: Path, *args: str, kv_cache_mib: int = 32) -> None:
+    def __init__(self, workdir: Path, cache_root: Path, *args: str, kv_cache_mib: int = 32, unset: tuple[str, ...] = ()) -> None:
         self.workdir = workdir
         self.lines: list[str] = []  # stdout and stderr, in arrival order
         self.children_seen: set[int] = set()
@@ -71,7 +72,7 @@ class Up:
             stderr=subprocess.PIPE,
             stdin=subprocess.DEVNULL,
             text=True,
-            env={**os.environ, "KVMESH_CACHE_DIR": str(cache_root)},
+            env={**{k: v for k, v in os.environ.items() if k not in unset}, "KVMESH_CACHE_DIR": str(cache_root)},
         )
         self._readers = [threading.Thread(target=self._read, args=(pipe,), daemon=True) for pipe in (self.popen.stdout, self.popen.stderr)]
         for reader in self._readers:
@@ -143,8 +144,8 @@ class Up:
             os.kill(pid, signal.SIGKILL)
 
 
-def start_up(tmp_path: Path, default_model_dir: Path, *args: str, kv_cache_mib: int = 32) -> Up:
-    return Up(tmp_path, default_model_dir.parent.parent, *args, kv_cache_mib=kv_cache_mib)
+def start_up(tmp_path: Path, default_model_dir: Path, *args: str, kv_cache_mib: int = 32, unset: tuple[str, ...] = ()) -> Up:
+    return Up(tmp_path, default_model_dir.parent.parent, *args, kv_cache_mib=kv_cache_mib, unset=unset)
 
 
 # --------------------------------------------------------------------------------- 2 + 2
@@ -373,14 +374,21 @@ def test_a_sigkilled_kvmesh_up_takes_its_children_along(tmp_path, default_model_
 def test_the_services_options_reach_the_services(tmp_path, default_model_dir):
     """One ``kvmesh up`` with router and worker options: the served model name is the API's and
     the workers' (a request naming it is served), CORS is on, and each flag is on the command
-    line of the services it belongs to (the mesh-wide deadline in their environment)."""
+    line of the services it belongs to (the mesh-wide deadline in their environment). With no
+    ``--dtype`` / KVMESH_DTYPE (the suite's float32 removed) and no ``--num-threads``, the
+    machine decides both and ``kvmesh up`` says so."""
     origin = "http://localhost:3000"
     up = start_up(
         tmp_path, default_model_dir, "--prefill", "0", "--decode", "1",
         "--served-model-name", "foo", "--cors-allow-origins", origin, "--max-num-seqs", "4",
-        "--generation-config", "vllm", "--request-deadline", "600",
+        "--generation-config", "vllm", "--request-deadline", "600", unset=("KVMESH_DTYPE",),
     )  # fmt: skip
     try:
+        dtype, why = default_dtype()
+        assert f"kvmesh up: dtype {dtype}: {why} (--dtype or KVMESH_DTYPE to choose)" in up.lines, up.lines
+        threads = threads_per_worker(1)
+        said = f"kvmesh up: {threads} thread(s) per worker: {usable_cores()} usable core(s) split between 1 workers"
+        assert any(line.startswith(said) for line in up.lines), up.lines
         models = httpx.get(f"{up.base_url}/v1/models", timeout=10).json()
         assert [m["id"] for m in models["data"]] == ["foo"]
         body = {"model": "foo", "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 4, "temperature": 0}
@@ -410,6 +418,8 @@ def test_the_services_options_reach_the_services(tmp_path, default_model_dir):
             (router, "--generation-config", "vllm"),
             (worker, "--served-model-name", "foo"),
             (worker, "--max-num-seqs", "4"),
+            (worker, "--dtype", dtype),
+            (worker, "--num-threads", str(threads)),
         ]:
             assert argv[argv.index(flag) + 1] == value, (flag, argv)
         assert "--max-num-seqs" not in router and "--cors-allow-origins" not in worker

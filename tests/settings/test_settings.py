@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pytest
 
+from kvmesh.machine import default_dtype
 from kvmesh.service_main import settings_values, start_service, until_signalled
 from kvmesh.settings import env
 from kvmesh.settings.kv_metadata import kv_metadata_parser, kv_metadata_settings
@@ -123,11 +124,12 @@ def test_worker_settings_from_flags() -> None:
     )  # fmt: skip
     assert (s.role, s.worker_id, s.transfer_port_range, s.health_port) == ("prefill", "w1", (20000, 20001), 9001)
     assert (s.mesh.namespace, s.mesh.request_deadline, s.mesh.etcd_endpoints) == ("ns", 60.0, ("127.0.0.1:2",))
+    auto = default_dtype()[0]  # no --dtype: the machine's choice
     assert s.engine == EngineSettings(
-        max_num_seqs=8, kv_cache_bytes=32 * 2**20, enable_prefix_caching=False, engine_args='{"enforce_eager": true}'
+        max_num_seqs=8, kv_cache_bytes=32 * 2**20, enable_prefix_caching=False, engine_args='{"enforce_eager": true}', dtype=auto
     )
     default = worker_settings("decode", MESH)
-    assert default.engine == EngineSettings() and default.worker_id != worker_settings("decode", MESH).worker_id
+    assert default.engine == EngineSettings(dtype=auto) and default.worker_id != worker_settings("decode", MESH).worker_id
     assert (default.lease_ttl, default.pin_ttl, default.drain_timeout, default.fault_pull_delay) == (5, 30, 60.0, 0.0)
 
 
@@ -145,7 +147,9 @@ def test_worker_settings_from_the_environment(monkeypatch: pytest.MonkeyPatch) -
         "decode-0", 5.0, "0.0.0.0", (21000, 21001), 1.5,
     )  # fmt: skip
     # 0 is "not set" for the block size and the threads: the engine's default, torch's
-    assert s.engine == EngineSettings(max_num_seqs=4, kv_cache_bytes=16 * 2**20, enable_prefix_caching=False, max_model_len=2048)
+    assert s.engine == EngineSettings(
+        max_num_seqs=4, kv_cache_bytes=16 * 2**20, enable_prefix_caching=False, max_model_len=2048, dtype=default_dtype()[0]
+    )
     monkeypatch.setenv("KVMESH_PREFIX_CACHING", "1")
     assert worker_settings("decode", []).engine.enable_prefix_caching
 

@@ -31,6 +31,7 @@ from kvmesh.security.nats_permissions import DEFAULT_REQUEST_DEADLINE
 from kvmesh.infra.processes import ManagedProcess, ProcessStartError, stop_all
 from kvmesh.infra.servers import ETCD_READY, NATS_READY, EtcdServer, NatsServer, start_etcd, start_nats
 from kvmesh.infra.supervisor import RestartPolicy, Supervised, Supervisor
+from kvmesh.machine import threads_per_worker
 from kvmesh.security.tls import LOCAL_HOSTS, MeshTLS
 
 logger = logging.getLogger(__name__)
@@ -321,7 +322,7 @@ class LocalMesh:
         self._count += 1
         worker_id = f"{role}-{self._count}"
         self._roles[worker_id] = role
-        threads = opts.num_threads or max(1, (os.cpu_count() or 2) // max(1, opts.prefill + opts.decode))
+        threads = opts.num_threads or threads_per_worker(opts.prefill + opts.decode)
         from kvmesh.worker.engines import DEFAULT_BLOCK_SIZE, worker_python
 
         argv = [

@@ -247,6 +247,31 @@ def check_engine(engine: str) -> None:
         raise UpUsageError(str(exc)) from None
 
 
+DTYPES = ("float32", "bfloat16", "float16")
+
+
+def choose_machine_defaults(args: argparse.Namespace) -> list[str]:
+    """The dtype and threads the machine decides where the user did not, and a line saying
+    each choice: ``auto`` (the default) is bfloat16 where the CPU computes it natively, else
+    float32; each worker's threads are its share of the cores this process may use."""
+    from kvmesh.machine import default_dtype, threads_per_worker, usable_cores
+
+    said = []
+    if args.dtype == "auto":
+        device = getattr(args, "device", None) or "cpu"
+        args.dtype, why = default_dtype(device.split(":")[0])
+        said.append(f"dtype {args.dtype}: {why} (--dtype or KVMESH_DTYPE to choose)")
+    elif args.dtype not in DTYPES:  # from KVMESH_DTYPE, which argparse does not check
+        raise UpUsageError(f"KVMESH_DTYPE={args.dtype!r}: not one of {', '.join(DTYPES)}, auto")
+    if args.num_threads is None:
+        workers = args.prefill + args.decode
+        said.append(
+            f"{threads_per_worker(workers)} thread(s) per worker: {usable_cores()} usable core(s) "
+            f"split between {workers} workers (--num-threads to choose)"
+        )
+    return said
+
+
 def check_args(args: argparse.Namespace) -> Path:
     """Everything that can be checked without starting anything; returns the workdir."""
     check_engine(args.engine)
@@ -264,7 +289,10 @@ def check_args(args: argparse.Namespace) -> Path:
 
 # -- the run --------------------------------------------------------------------------------
 def run_up(args: argparse.Namespace) -> int:
+    chosen = choose_machine_defaults(args)
     workdir = check_args(args)
+    for line in chosen:
+        progress(line)
     from kvmesh.infra.local_mesh import LocalMesh, MeshOptions
 
     router_args, worker_args, env = service_args(args)

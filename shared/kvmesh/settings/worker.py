@@ -87,7 +87,7 @@ def worker_parser(role: Role) -> SettingsParser:
     option("--served-model-name", env=env.SERVED_MODEL_NAME)
     option("--device", env=env.DEVICE, default="cpu")
     option(
-        "--dtype", env=env.DTYPE, default="float32", choices=["float32", "bfloat16", "float16", "auto"],
+        "--dtype", env=env.DTYPE, default="auto", choices=["float32", "bfloat16", "float16", "auto"],
         help="auto: bfloat16 where the CPU has native bf16 (AVX512-BF16 / AMX), else float32 (KVMESH_DTYPE)",
     )  # fmt: skip
     option("--kv-cache-mib", env=env.KV_CACHE_MIB, type=int, default=512)

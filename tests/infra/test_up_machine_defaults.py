@@ -1,0 +1,71 @@
+"""The machine decides the defaults it can: ``kvmesh up``, ``kvmesh generate`` and the workers
+take ``--dtype auto`` unless told otherwise (bfloat16 where the CPU has native bf16, else
+float32), and ``kvmesh up`` says what it chose and why, the threads per worker included.
+
+The suite itself runs with KVMESH_DTYPE=float32 (tests/conftest.py); these tests remove it, as
+does tests/mesh/test_up.py::test_the_services_options_reach_the_services, where a running
+``kvmesh up`` says its choices and hands them to its worker."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+from kvmesh import machine
+from kvmesh.cli import build_parser
+from kvmesh.infra.up import UpUsageError, choose_machine_defaults
+from kvmesh.settings.worker import worker_settings
+
+MESH = ["--nats-url", "nats://127.0.0.1:1", "--etcd", "127.0.0.1:1"]  # parsed only, never dialled
+NO_BF16 = "avx avx2 avx512f"
+AVX512_BF16 = "avx avx2 avx512_bf16 avx512f"
+
+
+@pytest.fixture
+def no_dtype_env(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("KVMESH_DTYPE", raising=False)
+
+
+def up_args(*argv: str):
+    return build_parser().parse_args(["up", *argv])
+
+
+@pytest.mark.parametrize(
+    "flags, dtype, reason",
+    [(AVX512_BF16, "bfloat16", "the CPU has AVX512-BF16 (native bf16)"), (NO_BF16, "float32", "the CPU has no native bf16")],
+)
+def test_auto_is_the_default_and_follows_the_cpu(no_dtype_env, monkeypatch, flags, dtype, reason) -> None:
+    monkeypatch.setattr(machine, "cpu_flags", lambda: flags)
+    args = up_args()
+    assert args.dtype == "auto"
+    said = choose_machine_defaults(args)
+    assert args.dtype == dtype
+    assert said[0].startswith(f"dtype {dtype}: {reason}")
+    settings = worker_settings("decode", MESH)
+    assert settings.engine.dtype == dtype
+
+
+def test_a_dtype_given_is_kept_and_not_announced(no_dtype_env, monkeypatch) -> None:
+    monkeypatch.setattr(machine, "cpu_flags", lambda: AVX512_BF16)
+    args = up_args("--dtype", "float32", "--num-threads", "1")
+    assert choose_machine_defaults(args) == []
+    assert args.dtype == "float32"
+    monkeypatch.setenv("KVMESH_DTYPE", "float16")
+    args = up_args("--num-threads", "1")
+    assert (choose_machine_defaults(args), args.dtype) == ([], "float16")
+    assert worker_settings("decode", MESH).engine.dtype == "float16"
+
+
+def test_a_bad_dtype_variable_is_one_clear_error(monkeypatch) -> None:
+    monkeypatch.setenv("KVMESH_DTYPE", "float64")
+    with pytest.raises(UpUsageError, match="KVMESH_DTYPE='float64': not one of float32, bfloat16, float16, auto"):
+        choose_machine_defaults(up_args())
+
+
+def test_threads_are_the_usable_cores_split_between_the_workers(monkeypatch) -> None:
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1, 2, 3, 4, 5})
+    assert machine.threads_per_worker(2) == 3
+    assert machine.threads_per_worker(8) == 1
+    said = choose_machine_defaults(up_args("--dtype", "float32", "--prefill", "1", "--decode", "2"))
+    assert said == ["2 thread(s) per worker: 6 usable core(s) split between 3 workers (--num-threads to choose)"]
