@@ -36,8 +36,10 @@ def no_kvmesh_environment(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 def last_error(capsys: pytest.CaptureFixture[str]) -> str:
-    err = capsys.readouterr().err
-    return err.strip().splitlines()[-1]
+    """The one line a bad setting prints (no usage block before it), less its help pointer."""
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert len(lines) == 1, lines
+    return re.sub(r" \(see \S+ --help\)$", "", lines[0])
 
 
 # -- the registry -------------------------------------------------------------------------------

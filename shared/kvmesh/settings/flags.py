@@ -7,7 +7,7 @@ from __future__ import annotations
 import argparse
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, fields
-from typing import Any, TypeVar
+from typing import Any, NoReturn, TypeVar
 
 from kvmesh.settings.env import EnvError, EnvVar
 
@@ -29,6 +29,10 @@ class SettingsParser(argparse.ArgumentParser):
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self._env_options: list[_EnvOption] = []
+
+    def error(self, message: str) -> NoReturn:
+        """One line (``prog: error: ...``) and exit code 2: no usage block before it."""
+        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
 
     def option(
         self,
