@@ -421,6 +421,44 @@ class OtherLoad:
         return round(max(0.0, (busy - ours) / total), 3)
 
 
+def process_label(pid: int) -> str:
+    """What a server's process is, from its command line: the mesh's services by module
+    (``router``, ``decode_worker``, ...), vLLM's by its process title, else the program."""
+    try:
+        argv = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+        title = Path(f"/proc/{pid}/comm").read_text().strip()
+    except OSError:
+        return "gone"
+    args = [a.decode(errors="replace") for a in argv if a]
+    for arg in args:
+        if arg.startswith("kvmesh.services."):
+            return arg.removeprefix("kvmesh.services.")
+    if title.startswith("VLLM::") or any("vllm.entrypoints" in a for a in args):
+        return title if title.startswith("VLLM::") else "vllm api_server"
+    if any("vllm.benchmarks" in a for a in args):
+        return "vllm bench serve"
+    return Path(args[0]).name if args else title
+
+
+def ticks_by_label(pids: Sequence[int]) -> dict[str, int]:
+    """CPU clock ticks (user + system) each kind of process has used, summed by label."""
+    out: dict[str, int] = {}
+    for pid in pids:
+        try:
+            fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        except (OSError, IndexError):
+            continue
+        label = process_label(pid)
+        out[label] = out.get(label, 0) + int(fields[11]) + int(fields[12])
+    return out
+
+
+def cpu_seconds_between(before: dict[str, int], after: dict[str, int]) -> dict[str, float]:
+    """CPU seconds by process label over a phase (labels seen at its end)."""
+    tick = os.sysconf("SC_CLK_TCK")
+    return {label: round((after[label] - before.get(label, 0)) / tick, 2) for label in sorted(after)}
+
+
 def machine_state() -> dict[str, Any]:
     load = os.getloadavg() if hasattr(os, "getloadavg") else None
     return {"load_average": [round(x, 2) for x in load] if load else None, "cpu_busy_3s": cpu_busy(3.0)}
@@ -667,10 +705,17 @@ def bench_serve(server: Server, args: argparse.Namespace, workdir: Path) -> dict
             "--random-input-len", str(args.input_len), "--random-output-len", str(args.output_len), "--ignore-eos",
             "--num-prompts", str(count), "--max-concurrency", str(concurrency), "--seed", "0",
             "--percentile-metrics", "ttft,itl", "--metric-percentiles", "50,99", "--temperature", "0",
-            "--disable-tqdm", "--save-result", "--result-dir", str(workdir), "--result-filename", name,
+            "--disable-tqdm", "--save-result", "--save-detailed", "--result-dir", str(workdir), "--result-filename", name,
         ]  # fmt: skip
         logger.info("%s: vllm bench serve at concurrency %d, %d prompts", server.name, concurrency, count)
+        pids = [server.process.pid, *server.children()]
+        before, client_before = ticks_by_label(pids), os.times()
         done = subprocess.run(command, capture_output=True, text=True, timeout=args.request_timeout * 4 + 600, env=vllm_env({}))
+        cpu = cpu_seconds_between(before, ticks_by_label(pids))
+        client_after = os.times()
+        cpu["vllm bench serve (client)"] = round(
+            client_after.children_user + client_after.children_system - client_before.children_user - client_before.children_system, 2
+        )
         key = f"random-c{concurrency}"
         if done.returncode != 0:
             out[key] = {"error": (done.stderr or done.stdout)[-2000:]}
@@ -682,6 +727,7 @@ def bench_serve(server: Server, args: argparse.Namespace, workdir: Path) -> dict
             "ttft_p50_ms": _round(raw.get("median_ttft_ms")), "ttft_p99_ms": _round(raw.get("p99_ttft_ms")),
             "itl_p50_ms": _round(raw.get("median_itl_ms")), "output_tok_s": _round(raw.get("output_throughput")),
             "output_tokens": raw.get("total_output_tokens"), "seconds": _round(raw.get("duration"), 3),
+            "cpu_seconds": cpu, "errors": sorted({e for e in raw.get("errors") or [] if e})[:5],
         }  # fmt: skip
         logger.info("%s %s (vllm bench serve): %s", server.name, key, out[key])
     return out
