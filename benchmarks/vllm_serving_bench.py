@@ -464,7 +464,7 @@ def machine_state() -> dict[str, Any]:
     return {"load_average": [round(x, 2) for x in load] if load else None, "cpu_busy_3s": cpu_busy(3.0)}
 
 
-def machine_info(vllm_python: str) -> dict[str, Any]:
+def machine_info(vllm_python: str, baseline_python: str | None = None) -> dict[str, Any]:
     from kvmesh.machine import cpu_flags, cpu_model
 
     flags = cpu_flags().split()
@@ -496,6 +496,9 @@ def machine_info(vllm_python: str) -> dict[str, Any]:
         info["kvmesh_commit"] = subprocess.run(["git", "-C", str(REPO), "rev-parse", "--short", "HEAD"], capture_output=True, text=True, timeout=10).stdout.strip()
         dirty = subprocess.run(["git", "-C", str(REPO), "status", "--porcelain", "--untracked-files=no"], capture_output=True, text=True, timeout=10).stdout
         info["kvmesh_tree_dirty"] = bool(dirty.strip())
+        if baseline_python:
+            tree = str(Path(baseline_python).absolute().parents[2])
+            info["baseline_commit"] = subprocess.run(["git", "-C", tree, "rev-parse", "--short", "HEAD"], capture_output=True, text=True, timeout=10).stdout.strip()
     except (OSError, subprocess.TimeoutExpired):
         pass
     return info
@@ -621,13 +624,16 @@ def start_vllm(args: argparse.Namespace, workdir: Path, *, name: str = "vllm", o
     return server
 
 
-def start_kvmesh_up(name: str, args: argparse.Namespace, workdir: Path, extra: Sequence[str]) -> Server:
+def start_kvmesh_up(name: str, args: argparse.Namespace, workdir: Path, extra: Sequence[str], python: str | None = None) -> Server:
+    """``python``: another checkout's virtualenv Python (the baseline of an on/off comparison:
+    that checkout's code runs the mesh), else this one's."""
     from kvmesh.infra.processes import ManagedProcess
 
-    command = [sys.executable, "-m", "kvmesh.cli", "up", "--port", "0", "--kv-cache-mib", str(args.kv_cache_mib),
+    command = [python or sys.executable, "-m", "kvmesh.cli", "up", "--port", "0", "--kv-cache-mib", str(args.kv_cache_mib),
                "--dtype", args.dtype, "--workdir", str(workdir / "mesh"), *extra]  # fmt: skip
     # the workers of .venv-vllm import this tree's kvmesh, as the router does (its editable install may be another checkout's)
-    path = os.pathsep.join([str(REPO / "shared"), *filter(None, [os.environ.get("PYTHONPATH")])])
+    tree = Path(python).absolute().parents[2] if python else REPO
+    path = os.pathsep.join([str(tree / "shared"), *filter(None, [os.environ.get("PYTHONPATH")])])
     env = vllm_env({"KVMESH_VLLM_PYTHON": args.vllm_python, "PYTHONPATH": path})
     started = time.monotonic()
     process = ManagedProcess(name, command, log_path=workdir / f"{name}.log", env=env, parent_death_signal=signal.SIGTERM)
@@ -651,6 +657,9 @@ SERVER_STARTS: dict[str, tuple[str, Callable[[argparse.Namespace, Path], Server]
     "mesh-vllm": ("kvmesh up --engine vllm", lambda a, w: start_kvmesh_up("mesh-vllm", a, w, ["--engine", "vllm"])),
     "mesh-kvmesh": ("kvmesh up", lambda a, w: start_kvmesh_up("mesh-kvmesh", a, w, [])),
     "mesh-prefill0": ("kvmesh up --prefill 0", lambda a, w: start_kvmesh_up("mesh-prefill0", a, w, ["--prefill", "0"])),
+    # the same from the --baseline-python checkout: the "off" side of an on/off comparison
+    "mesh-prefill0-baseline": ("kvmesh up --prefill 0, the baseline checkout",
+                               lambda a, w: start_kvmesh_up("mesh-prefill0-baseline", a, w, ["--prefill", "0"], python=a.baseline_python)),
 }
 
 
@@ -799,7 +808,9 @@ def markdown(payload: dict[str, Any]) -> str:
     lines += [
         f"Command: `{payload['command']}`  ",
         f"Machine: {meta['cpu']}, {meta['cores']} cores ({flags}); vLLM {meta.get('vllm')} (torch {meta.get('torch_vllm_venv')}), "
-        f"kvmesh {meta.get('kvmesh_commit')} (torch {meta.get('torch_kvmesh_venv')}), {payload['config']['dtype']}  ",
+        f"kvmesh {meta.get('kvmesh_commit')} (torch {meta.get('torch_kvmesh_venv')}), {payload['config']['dtype']}"
+        + (f"; `mesh-prefill0-baseline` runs kvmesh {meta['baseline_commit']} (before this change)" if meta.get("baseline_commit") else "")
+        + "  ",
         "Machine, each phase (load average 1/5/15 min before; CPU share busy over 3 s before, idle; CPU share of other "
         "processes while measured): "
         + "; ".join(f"{n}: {p['machine_before']['load_average']}, {_fmt(p['machine_before']['cpu_busy_3s'], 2)}, "
@@ -875,6 +886,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--bench-serve-concurrency", type=lambda s: [int(x) for x in s.split(",")], default=[1, 8, 32])
     p.add_argument("--bench-serve-prompts-c1", type=int, default=8, help="bench-serve prompts at concurrency 1")
     p.add_argument("--bench-serve-prompts", type=int, default=16, help="bench-serve prompts at each other concurrency (at least 2x it)")
+    p.add_argument("--baseline-python", help="the virtualenv Python of another checkout (the code before a change), for the "
+                   "mesh-prefill0-baseline server")
     p.add_argument("--request-timeout", type=float, default=300.0)
     p.add_argument("--ready-timeout", type=float, default=600.0)
     p.add_argument("--quick", action="store_true", help="smoke run: 2 users x 2 rounds of 8 tokens, 2 random requests of 16 tokens")
@@ -887,6 +900,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         unknown = set(args.servers) - set(SERVER_STARTS)
         if unknown:
             p.error(f"--servers: unknown {', '.join(sorted(unknown))}")
+        if "mesh-prefill0-baseline" in args.servers and not args.baseline_python:
+            p.error("--servers mesh-prefill0-baseline needs --baseline-python")
     if args.quick:
         args.users, args.rounds, args.turn_tokens = 2, 2, 8
         args.requests_c1, args.requests, args.output_len = 2, 2, 16
@@ -919,7 +934,7 @@ def main(argv: list[str] | None = None) -> int:
     payload: dict[str, Any] = {
         "command": " ".join([_repo_relative(sys.executable), _repo_relative(__file__), *argv]),
         "date": f"{datetime.now(UTC):%Y-%m-%d %H:%M} UTC",
-        "machine": machine_info(args.vllm_python),
+        "machine": machine_info(args.vllm_python, args.baseline_python),
         "config": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
     }
     payload["report"] = run(args)
