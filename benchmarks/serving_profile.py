@@ -42,7 +42,7 @@ def summarize(raw: str, top: int = 25) -> dict[str, Any]:
         if not stack or not count.isdigit():
             continue
         frames = stack.split(";")
-        thread = frames[0] if frames[0].startswith("thread") or frames[0].startswith("process") else "-"
+        thread = next((f for f in frames if f.startswith("thread")), "-")
         frames = [f for f in frames if not f.startswith("process") and not f.startswith("thread")]
         if not frames:
             continue

@@ -841,6 +841,8 @@ def markdown(payload: dict[str, Any]) -> str:
             met += " (smoke run: no verdict)" if smoke and t["met"] is not None else ""
             measured = "—" if t["measured"] is None else f"{t['measured']:.3f}×"
             lines.append(f"| {t['target']}{who} | {measured} | {met} |")
+    if mode == "bench-serve":
+        lines += cpu_table(report["results"])
     c = payload["config"]
     if mode == "workloads":
         workloads = (
@@ -864,6 +866,23 @@ def markdown(payload: dict[str, Any]) -> str:
         "decode worker, a core each), `mesh-prefill0` `kvmesh up --prefill 0` (one worker). Each ran alone, stopped by PID after.",
     ]
     return "\n".join(lines) + "\n"
+
+
+def cpu_table(results: dict[str, dict[str, dict[str, Any]]]) -> list[str]:
+    """Where the CPU went in each bench-serve row: seconds by process (2 cores: 2 s a second)."""
+    rows = []
+    for server, workloads in results.items():
+        for workload, s in workloads.items():
+            cpu = s.get("cpu_seconds")
+            if not cpu:
+                continue
+            wall = s.get("seconds") or 0
+            parts = ", ".join(f"{label} {seconds:.1f}" for label, seconds in sorted(cpu.items(), key=lambda kv: -kv[1]) if seconds >= 0.05)
+            rows.append(f"| {server} | {workload} | {_fmt(wall)} | {parts} |")
+    if not rows:
+        return []
+    return ["", "CPU seconds by process while each row ran (the client is `vllm bench serve` itself, on the same cores):", "",
+            "| server | workload | wall s | CPU s by process |", "|---|---|---:|---|", *rows]  # fmt: skip
 
 
 # ----------------------------------------------------------------------------- main

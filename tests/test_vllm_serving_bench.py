@@ -193,3 +193,33 @@ def test_markdown_section_names_the_smoke_run_and_the_targets():
     assert "| TTFT p50 at concurrency 1 <= 1.10x vLLM alone | 1.000× | met (smoke run: no verdict) |" in text
     assert "| multi-turn output tokens/s >= 0.8x vLLM alone | 0.900× | met (smoke run: no verdict) |" in text
     assert "[mesh-kvmesh, for comparison] | — | not measured |" in text
+
+
+def test_cpu_by_process_and_its_table():
+    import os
+
+    from benchmarks.vllm_serving_bench import cpu_seconds_between, cpu_table, process_label, ticks_by_label
+
+    tick = os.sysconf("SC_CLK_TCK")
+    assert cpu_seconds_between({"router": tick}, {"router": 3 * tick, "etcd": tick}) == {"etcd": 1.0, "router": 2.0}
+    assert process_label(os.getpid()) in {"python", "python3", "pytest"} or process_label(os.getpid()).startswith("python")
+    assert set(ticks_by_label([os.getpid()])) == {process_label(os.getpid())}
+    results = {"mesh-prefill0": {"random-c32": {"seconds": 50.4, "cpu_seconds": {"router": 2.31, "decode_worker": 74.12, "etcd": 0.01}}}}
+    lines = cpu_table(results)
+    assert lines[-1] == "| mesh-prefill0 | random-c32 | 50.4 | decode_worker 74.1, router 2.3 |"
+    assert cpu_table({"vllm": {"random-c1": {"seconds": 1.0}}}) == []
+
+
+def test_profile_summary_by_thread():
+    from benchmarks.serving_profile import summarize
+
+    raw = (
+        "process 1:\"python\";thread (7): MainThread;run (asyncio/runners.py:44);send (decode_worker/main.py:80) 3\n"
+        "process 1:\"python\";thread (7): MainThread;run (asyncio/runners.py:44) 1\n"
+        "process 1:\"python\";thread (9): kvmesh-engine;step (engine/llm_engine.py:200) 5\n"
+    )
+    out = summarize(raw)
+    assert out["thread (7): MainThread"]["samples"] == 4
+    assert out["thread (7): MainThread"]["own"] == [("send (decode_worker/main.py)", 3), ("run (asyncio/runners.py)", 1)]
+    assert out["thread (7): MainThread"]["inclusive"][0] == ("run (asyncio/runners.py)", 4)
+    assert out["thread (9): kvmesh-engine"]["own"] == [("step (engine/llm_engine.py)", 5)]
