@@ -865,6 +865,8 @@ def markdown(payload: dict[str, Any]) -> str:
         "its OpenMP threads on all the cores, `vllm-1core` the same on one core (one mesh engine's share); `mesh-vllm` is `kvmesh up --engine vllm`, `mesh-kvmesh` `kvmesh up` (1 prefill + 1 "
         "decode worker, a core each), `mesh-prefill0` `kvmesh up --prefill 0` (one worker). Each ran alone, stopped by PID after.",
     ]
+    for note in payload.get("notes") or []:  # what a person made of the run, kept in the results file
+        lines += ["", note]
     return "\n".join(lines) + "\n"
 
 
