@@ -126,9 +126,8 @@ async def next_item(attempt: Attempt, mesh: MeshSettings, waiting_on: str, until
         wait = min(mesh.silence_timeout - silent, attempt.deadline - now)
         if until is not None:
             wait = min(wait, until - now)
-        try:  # asyncio.timeout, not wait_for: no task made for each token's wait
-            async with asyncio.timeout(wait):
-                item = await attempt.events.get()
+        try:
+            item = await asyncio.wait_for(attempt.events.get(), wait)
         except TimeoutError:
             continue  # a heartbeat may have moved last_heard; look again
         if _wanted(attempt, item):
