@@ -21,7 +21,6 @@ from kvmesh.transfer.mooncake_agent import TransferError
 from kvmesh.transfer.runs import coalesce
 from kvmesh.worker.in_flight import InFlight
 from kvmesh.worker.engine_api import EngineDeadError, FinishReason
-from kvmesh.worker.heartbeat import Heartbeat
 from kvmesh.worker.runtime import WorkerRuntime
 from kvmesh.service_main import start_service
 from kvmesh.settings.worker import worker_settings
@@ -75,12 +74,8 @@ class DecodeWorker:
         rid = request.request_id
         seq = 0
 
-        beat: Heartbeat | None = None
-
         async def send(event: TokenEvent) -> None:
             await rt.nc.publish(reply, event.encode(), headers=inject_headers())
-            if beat is not None:
-                beat.spoke()  # the router heard from us: no beat needed this interval
 
         with rt.tracer.start_as_current_span("decode", context=extract_context(headers)) as span:
             span.set_attribute("kvmesh.worker_id", rt.worker_id)

@@ -43,14 +43,7 @@ class Heartbeat:
         self.stage: Stage = stage
         self.engine_stepping = engine_stepping
         self.sent = 0
-        self._spoke_at = float("-inf")  # the loop's clock when the request last said anything else
         self._task: asyncio.Task | None = None
-
-    def spoke(self) -> None:
-        """Something else about the request (a token event) just went to the router: it says
-        as much as a beat would, so the next beat is skipped unless the interval passes
-        without another (at high concurrency most beats were redundant messages)."""
-        self._spoke_at = asyncio.get_running_loop().time()
 
     async def __aenter__(self) -> Heartbeat:
         if self.subject is not None:
@@ -69,13 +62,10 @@ class Heartbeat:
 
     async def _beat(self) -> None:
         assert self.subject is not None
-        loop = asyncio.get_running_loop()
         while True:
             await asyncio.sleep(self.interval)
             if not self.engine_stepping():
                 continue  # a stalled engine goes quiet, and the router gives up on it
-            if loop.time() - self._spoke_at < self.interval:
-                continue  # a token event said it since the last beat
             message = Progress(request_id=self.request_id, worker_id=self.worker_id, stage=self.stage)
             try:
                 await self.nc.publish(self.subject, message.encode())
