@@ -123,22 +123,15 @@ class AsyncEngine:
                 return
 
     def _deliver(self, outputs: list[RequestOutput]) -> None:
-        """Hand a step's outputs to their streams: one wake-up of each event loop per step
-        (not one per output: each is a write to the loop's self-pipe and a switch of the GIL
-        to that loop's thread, in the middle of the engine's step), in order."""
-        by_loop: dict[asyncio.AbstractEventLoop, list[tuple[asyncio.Queue, RequestOutput]]] = {}
         for out in outputs:
             stream = self._streams.get(out.request_id)
             if stream is None:
                 continue
             loop, q = stream
-            by_loop.setdefault(loop, []).append((q, out))
-        for loop, items in by_loop.items():
             try:
-                loop.call_soon_threadsafe(_put_all, items)
+                loop.call_soon_threadsafe(q.put_nowait, out)
             except RuntimeError:  # that event loop is closed: nobody is listening
-                for _, out in items:
-                    self._streams.pop(out.request_id, None)
+                self._streams.pop(out.request_id, None)
 
     def _fail_everything(self) -> None:
         error = EngineDeadError(f"engine stopped: {self._error!r}" if self._error else "engine stopped")
@@ -356,11 +349,6 @@ class AsyncEngine:
 
     async def __aexit__(self, *exc: object) -> None:
         await self.shutdown()
-
-
-def _put_all(items: list[tuple[asyncio.Queue, RequestOutput]]) -> None:
-    for q, out in items:
-        q.put_nowait(out)
 
 
 def _resolve(future: asyncio.Future, error: BaseException | None) -> None:
