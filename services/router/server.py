@@ -33,8 +33,14 @@ SIGNALS = (signal.SIGINT, signal.SIGTERM)
 
 
 def bind(host: str, port: int) -> socket.socket:
-    """A listening socket on ``host``:``port`` (0 picks a free port)."""
-    sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
+    """A listening socket on ``host``:``port`` (0 picks a free port).
+
+    Made with ``IPPROTO_TCP`` named, not 0: asyncio turns Nagle's algorithm off
+    (``TCP_NODELAY``) only on sockets whose ``proto`` says TCP, and the connections accepted
+    here take it from this one. With Nagle on, a stream's first chunk, written just after its
+    headers, waited for the client's delayed ACK of them: about 40 ms of every streamed
+    request's time to first token (docs/benchmarks.md, "Time to first token through the mesh")."""
+    sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM, socket.IPPROTO_TCP)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     sock.bind((host, port))
     return sock
