@@ -624,17 +624,18 @@ def start_vllm(args: argparse.Namespace, workdir: Path, *, name: str = "vllm", o
     return server
 
 
-def start_kvmesh_up(name: str, args: argparse.Namespace, workdir: Path, extra: Sequence[str], python: str | None = None) -> Server:
-    """``python``: another checkout's virtualenv Python (the baseline of an on/off comparison:
-    that checkout's code runs the mesh), else this one's."""
+def start_kvmesh_up(name: str, args: argparse.Namespace, workdir: Path, extra: Sequence[str], tree: Path | None = None) -> Server:
+    """`kvmesh up` from this tree, or from ``tree`` (another checkout, with its own `.venv` and
+    `.venv-vllm`: ``--baseline-tree``, the code before a change, measured in the same run)."""
     from kvmesh.infra.processes import ManagedProcess
 
-    command = [python or sys.executable, "-m", "kvmesh.cli", "up", "--port", "0", "--kv-cache-mib", str(args.kv_cache_mib),
+    python = str(tree / ".venv" / "bin" / "python") if tree else sys.executable
+    vllm_python = str(tree / ".venv-vllm" / "bin" / "python") if tree else args.vllm_python
+    command = [python, "-m", "kvmesh.cli", "up", "--port", "0", "--kv-cache-mib", str(args.kv_cache_mib),
                "--dtype", args.dtype, "--workdir", str(workdir / "mesh"), *extra]  # fmt: skip
     # the workers of .venv-vllm import this tree's kvmesh, as the router does (its editable install may be another checkout's)
-    tree = Path(python).absolute().parents[2] if python else REPO
-    path = os.pathsep.join([str(tree / "shared"), *filter(None, [os.environ.get("PYTHONPATH")])])
-    env = vllm_env({"KVMESH_VLLM_PYTHON": args.vllm_python, "PYTHONPATH": path})
+    path = os.pathsep.join([str((tree or REPO) / "shared"), *filter(None, [os.environ.get("PYTHONPATH")])])
+    env = vllm_env({"KVMESH_VLLM_PYTHON": vllm_python, "PYTHONPATH": path})
     started = time.monotonic()
     process = ManagedProcess(name, command, log_path=workdir / f"{name}.log", env=env, parent_death_signal=signal.SIGTERM)
     server = Server(name, command, process, "", workdir)
@@ -659,8 +660,21 @@ SERVER_STARTS: dict[str, tuple[str, Callable[[argparse.Namespace, Path], Server]
     "mesh-prefill0": ("kvmesh up --prefill 0", lambda a, w: start_kvmesh_up("mesh-prefill0", a, w, ["--prefill", "0"])),
     # the same from the --baseline-python checkout: the "off" side of an on/off comparison
     "mesh-prefill0-baseline": ("kvmesh up --prefill 0, the baseline checkout",
-                               lambda a, w: start_kvmesh_up("mesh-prefill0-baseline", a, w, ["--prefill", "0"], python=a.baseline_python)),
+                               lambda a, w: start_kvmesh_up("mesh-prefill0-baseline", a, w, ["--prefill", "0"], tree=Path(a.baseline_python).absolute().parents[2])),
 }
+
+
+BASELINE = "@base"  # a mesh server's name with this suffix runs from --baseline-tree
+
+
+def server_start(name: str, args: argparse.Namespace) -> tuple[str, Callable[[argparse.Namespace, Path], Server]]:
+    """The label and start of a server by its name (``mesh-vllm@base``: from the baseline tree)."""
+    if not name.endswith(BASELINE):
+        return SERVER_STARTS[name]
+    plain = name[: -len(BASELINE)]
+    extra = {"mesh-vllm": ["--engine", "vllm"], "mesh-kvmesh": [], "mesh-prefill0": ["--prefill", "0"]}[plain]
+    label = f"{SERVER_STARTS[plain][0]}, from {args.baseline_tree}"
+    return label, lambda a, w: start_kvmesh_up(name, a, w, extra, tree=a.baseline_tree)
 
 
 def served_model(base_url: str) -> str:
@@ -755,7 +769,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     phases: dict[str, Any] = {}
     results: dict[str, Any] = {}
     for name in servers:
-        label, start = SERVER_STARTS[name]
+        label, start = server_start(name, args)
         workdir = Path(tempfile.mkdtemp(prefix=f"kvmesh-vllm-bench-{name}-"))
         before = machine_state()
         logger.info("%s: starting `%s` (machine before: %s)", name, label, before)
@@ -776,8 +790,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         logger.info("%s: stopped", name)
     report: dict[str, Any] = {"phases": phases, "results": results}
     if args.mode == "workloads":
-        report["targets"] = evaluate_targets(results)
-        report["kvmesh_engine_against_vllm"] = evaluate_targets(results, mesh="mesh-kvmesh")
+        report["targets"] = evaluate_targets(results, base=args.target_baseline)
+        report["kvmesh_engine_against_vllm"] = evaluate_targets(results, mesh="mesh-kvmesh", base=args.target_baseline)
     else:
         report["targets"] = evaluate_bench_serve_targets(results, args.bench_serve_concurrency)
     return report
@@ -915,10 +929,17 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--json", type=Path, help="write the raw results here, as this mode's entry (docs/benchmarks-vllm.json)")
     p.add_argument("--markdown", type=Path, help="replace (or append) this script's delimited section of this file")
     p.add_argument("--render", type=Path, metavar="JSON", help="run nothing: render --mode's section from a results file written by --json")
+    p.add_argument("--baseline-tree", type=Path, help="another checkout (its own .venv and .venv-vllm): servers named "
+                   "mesh-vllm@base, mesh-kvmesh@base, mesh-prefill0@base run `kvmesh up` from it, in the same run")
+    p.add_argument("--section", help="the markdown section's marker name (default: the mode's own)")
+    p.add_argument("--target-baseline", default="vllm", choices=["vllm", "vllm-1core"], help="the vLLM server the targets compare with")
     args = p.parse_args(argv)
     args.vllm_python = args.vllm_python or default_vllm_python()
     if args.servers:
-        unknown = set(args.servers) - set(SERVER_STARTS)
+        based = {n for n in args.servers if n.endswith(BASELINE) and n[: -len(BASELINE)] in SERVER_STARTS and n.startswith("mesh-")}
+        if based and args.baseline_tree is None:
+            p.error(f"--servers {', '.join(sorted(based))}: these need --baseline-tree")
+        unknown = set(args.servers) - set(SERVER_STARTS) - based
         if unknown:
             p.error(f"--servers: unknown {', '.join(sorted(unknown))}")
         if "mesh-prefill0-baseline" in args.servers and not args.baseline_python:
@@ -946,7 +967,7 @@ def main(argv: list[str] | None = None) -> int:
         print(section)
         if args.markdown:
             document = args.markdown.read_text() if args.markdown.exists() else ""
-            args.markdown.write_text(replace_section(document, section, SECTIONS[args.mode]))
+            args.markdown.write_text(replace_section(document, section, args.section or SECTIONS[args.mode]))
         return 0
     if not os.access(args.vllm_python, os.X_OK):
         logger.error("no vLLM Python at %s (make vllm, or --vllm-python)", args.vllm_python)
@@ -972,7 +993,7 @@ def main(argv: list[str] | None = None) -> int:
         logger.info("wrote %s", args.json)
     if args.markdown:
         document = args.markdown.read_text() if args.markdown.exists() else ""
-        args.markdown.write_text(replace_section(document, section, SECTIONS[args.mode]))
+        args.markdown.write_text(replace_section(document, section, args.section or SECTIONS[args.mode]))
         logger.info("updated %s", args.markdown)
     return 0
 

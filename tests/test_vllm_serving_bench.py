@@ -223,3 +223,17 @@ def test_profile_summary_by_thread():
     assert out["thread (7): MainThread"]["own"] == [("send (decode_worker/main.py)", 3), ("run (asyncio/runners.py)", 1)]
     assert out["thread (7): MainThread"]["inclusive"][0] == ("run (asyncio/runners.py)", 4)
     assert out["thread (9): kvmesh-engine"]["own"] == [("step (engine/llm_engine.py)", 5)]
+
+
+def test_baseline_servers_need_a_baseline_tree_and_run_from_it(tmp_path):
+    from benchmarks.vllm_serving_bench import parse_args, server_start
+
+    with pytest.raises(SystemExit):
+        parse_args(["--vllm-python", "/x", "--servers", "mesh-vllm@base"])
+    with pytest.raises(SystemExit):
+        parse_args(["--vllm-python", "/x", "--baseline-tree", str(tmp_path), "--servers", "vllm@base"])  # not a mesh
+    args = parse_args(["--vllm-python", "/x", "--baseline-tree", str(tmp_path), "--servers", "vllm-1core,mesh-vllm@base,mesh-vllm"])
+    assert args.servers == ["vllm-1core", "mesh-vllm@base", "mesh-vllm"]
+    label, _ = server_start("mesh-vllm@base", args)
+    assert label == f"kvmesh up --engine vllm, from {tmp_path}"
+    assert server_start("mesh-vllm", args)[0] == "kvmesh up --engine vllm"
