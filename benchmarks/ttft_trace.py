@@ -12,7 +12,8 @@ worker's decode of the request); -> the engine's first step (its queue wait); ->
 engine's output back on the worker's event loop (the step itself, vLLM's output path);
 -> the reply leaves (pin, handle, encode); -> `prefill_call` ends (NATS, the router's
 decode of the reply); -> the client's first chunk (SSE out, httpx in). Tracing itself costs
-a little (the exporter's thread); the TTFT with tracing off is measured in the same run.
+a little (each service's exporter thread): compare totals with `vllm_serving_bench.py`, not
+with this script's TTFT.
 """
 
 from __future__ import annotations
