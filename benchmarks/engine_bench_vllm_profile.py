@@ -37,8 +37,19 @@ def kvmesh_engine(args: argparse.Namespace) -> tuple[Any, Any, int]:
 
     engine = LLMEngine(EngineConfig(model=args.model, dtype=args.dtype, kv_cache_bytes=int(args.kv_cache_gib * 2**30),
                                     max_num_seqs=64, max_num_batched_tokens=2048))  # fmt: skip
+    vocab = engine.model_config.vocab_size
+    if args.phase == "prefill":
+        serial = iter(range(10**9))
+
+        def prefill() -> None:  # one whole prefill of --batch fresh prompts, 1 new token each
+            for p in prompts(args.batch, args.prompt_len, vocab, seed=next(serial)):
+                engine.add_request(f"p-{next(serial)}", p, SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True))
+            while engine.has_unfinished():
+                engine.step()
+
+        return engine, prefill, vocab
     total = args.warm_steps + args.steps + 4
-    for i, p in enumerate(prompts(args.batch, args.prompt_len, engine.model_config.vocab_size)):
+    for i, p in enumerate(prompts(args.batch, args.prompt_len, vocab)):
         engine.add_request(f"p-{i}", p, SamplingParams(temperature=0.0, max_tokens=total, ignore_eos=True))
     sched = engine.scheduler
     while sched.waiting or any(r.num_computed_tokens < r.num_prompt_tokens for r in sched.requests.values()):
@@ -61,6 +72,17 @@ def vllm_engine(args: argparse.Namespace) -> tuple[Any, Any, int]:
         max_num_batched_tokens=2048, enable_prefix_caching=True, enforce_eager=True, seed=0, disable_log_stats=True,
     ))  # fmt: skip
     vocab = engine.model_config.get_vocab_size()
+    if args.phase == "prefill":
+        serial = iter(range(10**9))
+        one = SamplingParams(temperature=0.0, max_tokens=1, min_tokens=1, ignore_eos=True, detokenize=False)
+
+        def prefill() -> None:  # one whole prefill of --batch fresh prompts, 1 new token each
+            for p in prompts(args.batch, args.prompt_len, vocab, seed=next(serial)):
+                engine.add_request(f"p-{next(serial)}", {"prompt_token_ids": p}, one)
+            while engine.has_unfinished_requests():
+                engine.step()
+
+        return engine, prefill, vocab
     total = args.warm_steps + args.steps + 4
     params = SamplingParams(temperature=0.0, max_tokens=total, min_tokens=total, ignore_eos=True, detokenize=False)
     for i, p in enumerate(prompts(args.batch, args.prompt_len, vocab)):
@@ -78,6 +100,8 @@ def main(argv: list[str]) -> int:
     p.add_argument("--engine", choices=("kvmesh", "vllm"), required=True)
     p.add_argument("--dtype", default="float32")
     p.add_argument("--model", default=None)
+    p.add_argument("--phase", choices=("decode", "prefill"), default="decode",
+                   help="decode: --steps decode steps of --batch sequences; prefill: --steps whole prefills of --batch prompts")
     p.add_argument("--batch", type=int, default=32)
     p.add_argument("--prompt-len", type=int, default=128)
     p.add_argument("--steps", type=int, default=20)
@@ -107,8 +131,9 @@ def main(argv: list[str]) -> int:
     step_ms = statistics.median(times) * 1e3
     rows = [{"op": e.key, "calls_per_step": e.count / args.steps, "self_ms_per_step": e.self_cpu_time_total / 1e3 / args.steps,
              "share": e.self_cpu_time_total / total_us} for e in events[: args.top]]  # fmt: skip
-    print(f"### {args.engine}, {args.dtype}, batch {args.batch}, ~{args.prompt_len}-token contexts: "
-          f"step {step_ms:.1f} ms (median of {args.steps}, unprofiled); torch {torch.__version__}, "
+    what = "prefill of" if args.phase == "prefill" else "decode step,"
+    print(f"### {args.engine}, {args.dtype}, {what} batch {args.batch}, ~{args.prompt_len}-token contexts: "
+          f"{'prefill' if args.phase == 'prefill' else 'step'} {step_ms:.1f} ms (median of {args.steps}, unprofiled); torch {torch.__version__}, "
           f"{torch.get_num_threads()} threads\n")  # fmt: skip
     print("| op | calls / step | self ms / step | share of profiled self time |\n|---|---:|---:|---:|")
     for r in rows:
