@@ -1147,10 +1147,10 @@ def targets_table(entries: list[dict[str, Any]]) -> str:
     return "\n".join(lines) + "\n"
 
 
-def machine_table(machine: dict[str, Any], entries: list[dict[str, Any]]) -> str:
+def machine_table(machine: dict[str, Any], entries: list[dict[str, Any]], title: str = "machine") -> str:
     n = int(machine["matmul_n"])
     lines = [
-        "### machine",
+        f"### {title}",
         "",
         "| measurement | value |",
         "|---|---:|",
@@ -1244,9 +1244,10 @@ def markdown_report(entries: list[dict[str, Any]]) -> str:
         parts += ["### Targets (issue 12)", "", targets_table(entries)]
     for e in entries:
         parts += [dtype_table(e), metadata_block(e["metadata"], e.get("vllm"))]
-    machine = next((e["machine"] for e in reversed(entries) if e.get("machine")), None)
-    if machine:
-        parts.append(machine_table(machine, entries))
+    for e in entries:  # each run measured its machine: the targets use its own
+        if e.get("machine"):
+            title = "machine" if len(entries) == 1 else f"machine, measured by the {e['dtype']} run"
+            parts.append(machine_table(e["machine"], [e], title))
     return "\n".join(parts)
 
 
