@@ -98,9 +98,44 @@ def vllm_engine(args: argparse.Namespace) -> tuple[Any, Any, int]:
     return engine, engine.step, vocab
 
 
+def linear_rates(args: argparse.Namespace) -> int:
+    """``--engine linear``: one of the model's linears (576 -> 1536 x 2, gate-up) at M = 1, 32 and
+    2,048 rows, through oneDNN prepacked for batch 1 (what kvmesh's ``Linear`` does), prepacked
+    for M rows, and plain ``F.linear``; best of --steps, GFLOP/s."""
+    import torch
+    import torch.nn.functional as F
+
+    torch.set_num_threads(args.threads)
+    dtype = getattr(torch, args.dtype)
+    weight = torch.randn(3072, 576, dtype=dtype) * 0.02
+    print(f"### linear 576 -> 3072, {args.dtype}, {torch.get_num_threads()} threads: GFLOP/s (best of {args.steps})\n")
+    print("| rows | prepacked for batch 1 | prepacked for the rows | F.linear |\n|---:|---:|---:|---:|")
+    for m in (1, 32, 2048):
+        x = torch.randn(m, 576, dtype=dtype)
+        packed_1 = torch.ops.mkldnn._reorder_linear_weight(weight, 1)
+        packed_m = torch.ops.mkldnn._reorder_linear_weight(weight, m)
+        fns = [
+            lambda x=x, w=packed_1: torch.ops.mkldnn._linear_pointwise(x, w, None, "none", [], ""),
+            lambda x=x, w=packed_m: torch.ops.mkldnn._linear_pointwise(x, w, None, "none", [], ""),
+            lambda x=x: F.linear(x, weight),
+        ]
+        rates = []
+        for fn in fns:
+            fn()
+            best = float("inf")
+            for _ in range(args.steps):
+                t0 = time.perf_counter()
+                fn()
+                best = min(best, time.perf_counter() - t0)
+            rates.append(2 * m * 576 * 3072 / best / 1e9)
+        print(f"| {m} | {rates[0]:.1f} | {rates[1]:.1f} | {rates[2]:.1f} |")
+    return 0
+
+
 def main(argv: list[str]) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--engine", choices=("kvmesh", "vllm"), required=True)
+    p.add_argument("--engine", choices=("kvmesh", "vllm", "linear"), required=True,
+                   help="linear: a micro-benchmark of kvmesh's oneDNN linear, not an engine")
     p.add_argument("--dtype", default="float32")
     p.add_argument("--model", default=None)
     p.add_argument("--phase", choices=("decode", "prefill"), default="decode",
@@ -114,6 +149,8 @@ def main(argv: list[str]) -> int:
     p.add_argument("--top", type=int, default=18)
     p.add_argument("--out", type=Path)
     args = p.parse_args(argv)
+    if args.engine == "linear":
+        return linear_rates(args)
     import torch
     from torch.profiler import ProfilerActivity, profile, record_function
 
