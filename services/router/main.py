@@ -41,6 +41,7 @@ async def main(argv: list[str] | None = None) -> None:
         served_name=settings.served_model_name,
         max_attempts=settings.max_attempts,
         routing_config=settings.routing_config,
+        local_prefill_max_tokens=settings.local_prefill_max_tokens,
     )
     defaults = GenerationDefaults.load(settings.generation_config, backend.model_dir)
     logger.info("generation defaults: %s", defaults.describe())

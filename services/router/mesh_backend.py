@@ -17,7 +17,8 @@ import asyncio
 import contextlib
 import logging
 import uuid
-from collections.abc import AsyncGenerator, AsyncIterator, Callable
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass
 
 import nats
 import nats.errors
@@ -66,12 +67,34 @@ from kvmesh.services.router.attempts import (
 from kvmesh.services.router.backend import HealthReport
 from kvmesh.services.router.progress import RequestProgress
 from kvmesh.services.router.streams import Streams, new_key
-from kvmesh.services.router.worker_choice import Choice, Excluded, LayoutPairing, LoadBoard, least_loaded, route_reason
+from kvmesh.services.router.worker_choice import (
+    LOCAL_PREFILL_MAX_TOKENS,
+    Choice,
+    Excluded,
+    LayoutPairing,
+    LoadBoard,
+    kv_aware_decode,
+    least_loaded,
+    local_prefill_reason,
+    route_reason,
+)
 from kvmesh.telemetry import inject_headers, tracer
 from kvmesh.settings.mesh import MeshSettings
 
 logger = logging.getLogger(__name__)
 
+Matches = Callable[[int], Awaitable[dict[str, int]]]  # kv-metadata's answer for the prompt, by block size
+
+
+@dataclass(slots=True)
+class Route:
+    """Where one attempt goes: its decode worker, and the prefill worker (with a peer to
+    lend it a prefix) or none, the decode worker then prefilling the prompt itself."""
+
+    decode: Choice
+    prefill: Choice | None
+    peer: PeerPrefix | None
+    reason: str  # one of ``ROUTE_REASONS``
 
 
 class MeshBackend:
@@ -86,6 +109,7 @@ class MeshBackend:
         routing_config: str | dict | None = None,
         kv_query_timeout: float = 0.05,
         worker_wait: float = 10.0,
+        local_prefill_max_tokens: int = LOCAL_PREFILL_MAX_TOKENS,
     ) -> None:
         self.mesh = mesh
         self.subjects = Subjects(mesh.namespace)
@@ -104,6 +128,8 @@ class MeshBackend:
         self.pairing = LayoutPairing()  # prefill workers only for decode workers that can pull their KV
         self.kv_query_timeout = kv_query_timeout
         self.worker_wait = worker_wait  # seconds a request waits for a decode worker to come back
+        # the longest rest of a prompt a decode worker holding more of its prefix prefills itself (0: never)
+        self.local_prefill_max_tokens = local_prefill_max_tokens
         self._attempts: dict[str, Attempt] = {}  # by attempt id
         self.streams = Streams()  # the same, by the random key of their stream subjects
         self._tracer = tracer("kvmesh.router")
@@ -267,18 +293,16 @@ class MeshBackend:
         session_id: str | None = None,
         resumed: bool = False,
     ) -> AsyncGenerator[TokenEvent, None]:
-        """One try: the first token from a prefill worker, the rest from a decode worker.
-        Yields events whose token ids are new (their text is ignored: the router
-        detokenizes)."""
-        decode = await self._decode_worker(excluded, deadline)
-        routed = await self._choose_prefill(attempt_id, prompt, excluded, session_id, span, decode.worker)
-        prefill, peer = routed if routed is not None else (None, None)
-        if sampling.prompt_logprobs is not None:
-            peer = None  # it computes every prompt position anyway (``kvmesh.engine.logprobs``)
-        self.on_route(route_reason(prefill, peer))
+        """One try: the first token from a prefill worker, the rest from a decode worker
+        (or all of it from a decode worker that prefills the prompt itself). Yields events
+        whose token ids are new (their text is ignored: the router detokenizes)."""
+        route = await self._route(attempt_id, prompt, sampling, excluded, session_id, span, deadline)
+        decode, prefill, peer = route.decode, route.prefill, route.peer
+        self.on_route(route.reason)
         span.set_attribute("kvmesh.decode_worker", decode.worker.worker_id)
         span.set_attribute("kvmesh.decode_choice", decode.reason)
         span.set_attribute("kvmesh.prefill_worker", prefill.worker.worker_id if prefill else "")
+        span.set_attribute("kvmesh.route.reason", route.reason)
         request = DecodeRequest(request_id=attempt_id, prompt_token_ids=prompt, sampling=sampling, resumed=resumed)
         attempt = Attempt(
             attempt_id,
@@ -332,13 +356,59 @@ class MeshBackend:
             if not finished:
                 await self._cancel(attempt_id)
 
-    async def _decode_worker(self, excluded: Excluded, deadline: float) -> Choice:
-        """The least loaded ready decode worker; while there is none (one restarting, say),
-        wait up to ``worker_wait`` seconds for one to join before answering unavailable."""
+    async def _route(
+        self,
+        attempt_id: str,
+        prompt: list[int],
+        sampling: SamplingSpec,
+        excluded: Excluded,
+        session_id: str | None,
+        span: trace.Span,
+        deadline: float,
+    ) -> Route:
+        """The decode worker holding most of the prompt's prefix (by load among equals), a
+        prefill worker for it by the routing config's scores, and then, where that decode
+        worker holds more of the prefix than any prefill worker and what it lacks is short
+        (``local_prefill_max_tokens``), no prefill worker: it prefills the rest itself
+        instead of importing KV it mostly has (a chat's next turn, whose previous answer
+        it generated and cached). One kv-metadata query serves all three choices."""
+        answers: dict[int, dict[str, int]] = {}
+
+        async def matches(block_size: int) -> dict[str, int]:
+            if block_size not in answers:
+                answers[block_size] = await self._prefix_matches(prompt, block_size, span)
+            return answers[block_size]
+
+        decode = await self._decode_worker(excluded, deadline, matches)
+        routed = await self._choose_prefill(attempt_id, prompt, excluded, session_id, span, decode.worker, matches)
+        if routed is None:
+            return Route(decode, None, None, route_reason(None, None))
+        prefill, peer, best_prefill_blocks = routed
+        if sampling.prompt_logprobs is not None:
+            # it computes every prompt position anyway (``kvmesh.engine.logprobs``): no cache helps
+            return Route(decode, prefill, None, route_reason(prefill, None))
+        block_size = decode.worker.kv_layout.block_size if decode.worker.kv_layout else 16
+        why = local_prefill_reason(len(prompt), block_size, decode.cached_blocks, best_prefill_blocks, self.local_prefill_max_tokens)
+        if why is None:
+            return Route(decode, prefill, peer, route_reason(prefill, peer))
+        span.set_attribute("kvmesh.route.local_prefill", why)
+        return Route(Choice(decode.worker, f"{decode.reason}; {why}", decode.cached_blocks), None, None, route_reason(None, None, decode_prefix=True))
+
+    async def _decode_worker(self, excluded: Excluded, deadline: float, matches: Matches | None = None) -> Choice:
+        """The usable decode worker holding most of the prompt's prefix, not much busier
+        than the least loaded one (``kv_aware_decode``; kv-metadata is asked only where
+        there is a choice to make or a prefill to save); while there is none (one
+        restarting, say), wait up to ``worker_wait`` seconds for one to join before
+        answering unavailable."""
         loop = asyncio.get_running_loop()
         give_up = min(deadline, loop.time() + self.worker_wait)
         while True:
             choice = least_loaded(self.directory.alive("decode"), self.board, excluded)
+            if choice is not None and matches is not None and self._kv_aware_decode_pays(excluded):
+                candidates = self.directory.alive("decode")
+                layout = choice.worker.kv_layout
+                found = await matches(layout.block_size if layout else 16)
+                choice = kv_aware_decode(candidates, self.board, excluded, found) or choice
             if choice is not None:
                 return choice
             if excluded.second_chance(self.directory.alive("decode")):
@@ -353,6 +423,16 @@ class MeshBackend:
             except TimeoutError:
                 pass
 
+    def _kv_aware_decode_pays(self, excluded: Excluded) -> bool:
+        """Whether kv-metadata's answer can change the decode choice: more than one usable
+        decode worker, or a usable prefill worker whose work a holder could save."""
+        usable = [w for w in self.directory.alive("decode") if w.worker_id not in excluded and self.board.usable(w.worker_id)]
+        if len(usable) > 1:
+            return True
+        return self.local_prefill_max_tokens > 0 and any(
+            w.worker_id not in excluded and self.board.usable(w.worker_id) for w in self.directory.alive("prefill")
+        )
+
     async def _choose_prefill(
         self,
         attempt_id: str,
@@ -361,10 +441,12 @@ class MeshBackend:
         session_id: str | None,
         span: trace.Span,
         decode: WorkerRecord,
-    ) -> tuple[Choice, PeerPrefix | None] | None:
+        matches_of: Matches | None = None,
+    ) -> tuple[Choice, PeerPrefix | None, int] | None:
         """The prefill worker with the best weighted score (prefix cached there, load,
         session affinity, ...), as the routing config says, among those whose KV layout
-        ``decode`` can pull (None: the decode worker prefills itself). The decision and
+        ``decode`` can pull (None: the decode worker prefills itself), a peer to lend it a
+        prefix, and the most leading prompt blocks any of them holds. The decision and
         every score go on the request's span."""
         pairable, skipped = self.pairing.pairable(self.directory.alive("prefill"), decode)
         if skipped:
@@ -374,7 +456,10 @@ class MeshBackend:
             return None
         layout = next(iter(records.values())).kv_layout
         block_size = layout.block_size if layout else 16
-        matches = await self._prefix_matches(prompt, block_size, span)
+        if matches_of is not None:
+            matches = await matches_of(block_size)
+        else:
+            matches = await self._prefix_matches(prompt, block_size, span)
         candidates = [self._candidate(record, matches.get(worker_id, 0)) for worker_id, record in records.items()]
         route = RouteRequest(attempt_id, num_blocks=len(prompt) // block_size, num_tokens=len(prompt), session_id=session_id)
         decision = self.scorer.choose(route, candidates)
@@ -394,8 +479,11 @@ class MeshBackend:
             peer = PeerPrefix(worker_id=best_peer, num_blocks=matches[best_peer])
             route_span.set_attribute("kvmesh.route.peer", best_peer)
             route_span.set_attribute("kvmesh.route.peer_prefix_blocks", peer.num_blocks)
+        best = max(matches.get(w, 0) for w in records)
+        if decode.worker_id in matches:
+            route_span.set_attribute("kvmesh.route.decode_prefix_blocks", matches[decode.worker_id])
         route_span.end()
-        return Choice(records[decision.worker_id], f"score {decision.total:.1f}, {cached} prefix blocks cached", cached), peer
+        return Choice(records[decision.worker_id], f"score {decision.total:.1f}, {cached} prefix blocks cached", cached), peer, best
 
     def _candidate(self, record: WorkerRecord, cached_prefix_blocks: int) -> Candidate:
         report = self.board.reports.get(record.worker_id)

@@ -1,6 +1,7 @@
 """Choosing a worker: the least loaded live one, by its latest load report and the requests
-this router has sent it since (KV-aware scoring plugins come with the cluster KV cache); and
-which prefill workers a decode worker can pull from at all (``layout_mismatch``)."""
+this router has sent it since; the decode worker holding most of a prompt's prefix
+(``kv_aware_decode``), and whether it prefills the prompt itself (``local_prefill_reason``);
+and which prefill workers a decode worker can pull from at all (``layout_mismatch``)."""
 
 from __future__ import annotations
 
@@ -19,7 +20,7 @@ logger = logging.getLogger(__name__)
 class Choice:
     worker: WorkerRecord
     reason: str
-    cached_blocks: int = 0  # a prefill worker's: leading prompt blocks it holds
+    cached_blocks: int = 0  # leading prompt blocks it holds (kv-metadata's answer)
 
 
 class LoadBoard:
@@ -152,13 +153,76 @@ class LayoutPairing:
         return kept, skipped
 
 
-ROUTE_REASONS = ("prefix_cache", "peer_prefix", "load", "local_prefill")
+# The longest rest of a prompt a decode worker holding more of its prefix than any prefill
+# worker prefills itself (``local_prefill_reason``; 0: never). A chat's follow-up turn adds
+# the previous answer's last partial block, the template and a new message: tens of tokens,
+# well under this. On CPU 256 tokens are under a second of one core's prefill (~470 prompt
+# tokens/s on two: docs/benchmarks.md), about the longest the decode worker's other streams
+# should stall for work a prefill worker could take; a longer rest goes to a prefill worker,
+# which recomputes what the decode worker held more of but leaves its decoding alone.
+LOCAL_PREFILL_MAX_TOKENS = 256
+
+# A decode worker holding more of a prompt's prefix is preferred while it is at most this
+# many requests busier than the least loaded one (or, when that one already runs many, half
+# as many again): affinity must not pile every conversation onto one worker.
+DECODE_LOAD_SLACK = 2
+DECODE_LOAD_RATIO = 0.5
 
 
-def route_reason(prefill: Choice | None, peer: object | None) -> str:
-    """Why an attempt went where it did, in ``ROUTE_REASONS``: no prefill worker (the decode
-    worker prefills), a prefill worker holding part of the prompt's prefix, one that will
-    pull it from a peer, or one chosen on load alone."""
+def kv_aware_decode(
+    candidates: list[WorkerRecord], board: LoadBoard, exclude: Container[str], matches: Mapping[str, int]
+) -> Choice | None:
+    """The usable decode worker holding the longest cached prefix of the prompt
+    (``matches``: leading blocks per worker, from kv-metadata) among those not much busier
+    than the least loaded (``DECODE_LOAD_SLACK``, ``DECODE_LOAD_RATIO``); the least loaded
+    of the holders, at random among equals. No hit: ``least_loaded``."""
+    usable = [w for w in candidates if w.worker_id not in exclude and board.usable(w.worker_id)]
+    if not usable:
+        return None
+    lowest = min(board.load(w.worker_id) for w in usable)
+    bound = lowest + max(DECODE_LOAD_SLACK, lowest * DECODE_LOAD_RATIO)
+    within = [w for w in usable if board.load(w.worker_id) <= bound]
+    most = max(matches.get(w.worker_id, 0) for w in within)
+    if most <= 0:
+        return least_loaded(usable, board, ())
+    holders = [w for w in within if matches.get(w.worker_id, 0) == most]
+    load = min(board.load(w.worker_id) for w in holders)
+    worker = random.choice([w for w in holders if board.load(w.worker_id) == load])
+    reason = f"holds {most} prefix blocks, {load:g} queued (least loaded {lowest:g}) of {len(usable)}"
+    return Choice(worker, reason, most)
+
+
+def local_prefill_reason(
+    prompt_tokens: int, block_size: int, decode_blocks: int, prefill_blocks: int, max_tokens: int
+) -> str | None:
+    """Why the chosen decode worker should prefill the prompt itself rather than have a
+    prefill worker do it and move the KV over (conditional disaggregation, as Dynamo's
+    disaggregated router and vLLM's P/D proxies do), or None: it holds more of the prompt's
+    prefix (``decode_blocks``) than the best prefill worker (``prefill_blocks``, which would
+    recompute the difference; on a tie the prefill worker keeps the work, and the decode
+    worker's core its decoding), and what it lacks is at most ``max_tokens`` tokens (0:
+    never)."""
+    if max_tokens <= 0 or decode_blocks <= prefill_blocks:
+        return None
+    remainder = prompt_tokens - decode_blocks * block_size
+    if remainder > max_tokens:
+        return None
+    return (
+        f"the decode worker holds {decode_blocks} prefix blocks (the best prefill worker {prefill_blocks}); "
+        f"{remainder} tokens to prefill (at most {max_tokens})"
+    )
+
+
+ROUTE_REASONS = ("prefix_cache", "peer_prefix", "load", "local_prefill", "decode_prefix")
+
+
+def route_reason(prefill: Choice | None, peer: object | None, *, decode_prefix: bool = False) -> str:
+    """Why an attempt went where it did, in ``ROUTE_REASONS``: the decode worker prefills
+    because it holds more of the prompt's prefix and the rest is short (``decode_prefix``),
+    or because no prefill worker is usable (``local_prefill``); a prefill worker holding part
+    of the prompt's prefix, one that will pull it from a peer, or one chosen on load alone."""
+    if decode_prefix:
+        return "decode_prefix"
     if prefill is None:
         return "local_prefill"
     if peer is not None:

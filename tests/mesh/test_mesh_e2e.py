@@ -40,7 +40,23 @@ def single_process(default_model_dir):
         engine.tokenizer.apply_chat_template([{"role": "user", "content": "What is the capital of France?"}])
     )
     [chat_out] = engine.generate([chat], SamplingParams(max_tokens=32))
-    return {"texts": [o.text for o in outs], "chat": chat_out.text}
+    # A conversation by token ids: each turn the previous prompt, its answer and a new message
+    # (the last a long one); the greedy answer of each.
+    turns, prompt = [], engine.tokenizer.encode(FOLLOW_UP[0])
+    for message in FOLLOW_UP[1:]:
+        [out] = engine.generate([prompt], SamplingParams(max_tokens=FOLLOW_UP_TOKENS, ignore_eos=True))
+        turns.append({"prompt": prompt, "token_ids": out.new_token_ids, "text": out.text})
+        prompt = prompt + out.new_token_ids + engine.tokenizer.encode(message)
+    return {"texts": [o.text for o in outs], "chat": chat_out.text, "turns": turns}
+
+
+FOLLOW_UP = [
+    "A lighthouse keeper writes to the sea every evening. Here is tonight's letter:",
+    " Thank you. And what did the sea answer?",
+    " Now the keeper's long reply, every word of it. " + "The lamp turns, the gulls sleep, the tide comes in. " * 24,
+    "",
+]
+FOLLOW_UP_TOKENS = 40
 
 
 def completion_body(prompt: str) -> dict:
@@ -133,6 +149,79 @@ async def test_prefix_reuse_is_reported(mesh):
     assert first["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
     assert again["usage"]["prompt_tokens_details"]["cached_tokens"] == (prompt_tokens - 1) // 16 * 16
     assert again["choices"][0]["text"] == first["choices"][0]["text"]
+
+
+async def test_a_follow_up_turn_is_prefilled_on_the_decode_worker_holding_the_answer(mesh, sink, single_process):
+    """Conditional disaggregation: the decode worker generated (and cached) turn 1's answer,
+    so turn 2, whose new tokens are few, is prefilled there and nowhere else (the trace has
+    no prefill span; route reason ``decode_prefix``), with the greedy text of one process and
+    the answer's full blocks counted in ``cached_tokens``; turn 3, with a long new message,
+    goes to the prefill worker again. Nothing is left held."""
+    import nats
+
+    from kvmesh.hashing import hash_to_hex, hash_token_blocks
+    from kvmesh.protocol import KVQuery, KVQueryReply, Subjects
+
+    nc = await nats.connect(mesh.nats.url, connect_timeout=5, **mesh.nats.connect_options())
+
+    async def decode_holds(ids: list[int], blocks: int) -> None:
+        """Wait until kv-metadata has the decode worker's events for ``blocks`` leading blocks."""
+        chain = [hash_to_hex(h) for h in hash_token_blocks(ids, 16, (MODEL,))]
+        for _ in range(50):
+            reply = await nc.request(Subjects("default").kv_query, KVQuery(block_hashes=chain).encode(), timeout=5)
+            if KVQueryReply.decode(reply.data).matches.get("decode-2", 0) >= blocks:
+                return
+            await asyncio.sleep(0.1)
+        raise AssertionError(f"kv-metadata never saw {blocks} blocks on decode-2")
+
+    async def turn(number: int) -> tuple[dict, list]:
+        want = single_process["turns"][number]
+        before = {s.span_id for s in sink.snapshot()}
+        body = {"model": MODEL, "prompt": want["prompt"], "max_tokens": FOLLOW_UP_TOKENS, "temperature": 0, "ignore_eos": True}
+        response = await post(mesh.base_url, "/v1/completions", body)
+        assert response.status_code == 200, response.text
+        answer = response.json()
+        assert answer["choices"][0]["text"] == want["text"]
+        deadline = time.monotonic() + 15
+        while time.monotonic() < deadline:  # this request's spans, once the decode worker's is in
+            spans = [s for s in sink.snapshot() if s.span_id not in before]
+            request = [s for s in spans if s.name == "mesh_request"]
+            if request and any(s.name == "decode" and s.trace_id == request[0].trace_id for s in spans):
+                return answer, [s for s in spans if s.trace_id == request[0].trace_id]
+            await asyncio.sleep(0.2)
+        raise AssertionError("no trace of the turn")
+
+    try:
+        turns = single_process["turns"]
+        first, _ = await turn(0)
+        served_before = (await worker_stats(mesh.nats.url, "default", "prefill-1", **mesh.nats.connect_options())).bytes_served
+        held = (len(turns[0]["prompt"]) + FOLLOW_UP_TOKENS - 1) // 16  # the last answer token is never fed back
+        assert held > len(turns[0]["prompt"]) // 16  # the answer fills blocks of its own
+        await decode_holds(turns[1]["prompt"], held)
+        second, spans = await turn(1)
+        [request] = [s for s in spans if s.name == "mesh_request"]
+        assert request.attributes["kvmesh.route.reason"] == "decode_prefix"
+        assert request.attributes["kvmesh.prefill_worker"] == "" and request.attributes["kvmesh.decode_worker"] == "decode-2"
+        assert "tokens to prefill" in request.attributes["kvmesh.route.local_prefill"]
+        assert not {"prefill_call", "prefill", "kv_transfer"} & {s.name for s in spans}
+        [decode] = [s for s in spans if s.name == "decode"]
+        assert decode.attributes["kvmesh.local_prefill"] is True
+        assert second["usage"]["prompt_tokens"] == len(turns[1]["prompt"])
+        assert second["usage"]["prompt_tokens_details"]["cached_tokens"] == held * 16  # the previous answer's full blocks too
+        prefill = await worker_stats(mesh.nats.url, "default", "prefill-1", **mesh.nats.connect_options())
+        assert prefill.bytes_served == served_before  # no KV moved for it
+        await decode_holds(turns[2]["prompt"], (len(turns[1]["prompt"]) + FOLLOW_UP_TOKENS - 1) // 16)
+        third, spans = await turn(2)  # a long new message: the prefill worker's again
+        assert len(turns[2]["prompt"]) - len(turns[1]["prompt"]) - FOLLOW_UP_TOKENS > 256
+        [request] = [s for s in spans if s.name == "mesh_request"]
+        assert request.attributes["kvmesh.prefill_worker"] == "prefill-1"
+        assert request.attributes["kvmesh.route.reason"] in ("prefix_cache", "load", "peer_prefix")
+        assert {"prefill", "kv_transfer"} <= {s.name for s in spans}
+        for worker_id in ("prefill-1", "decode-2"):
+            stats = await worker_stats(mesh.nats.url, "default", worker_id, **mesh.nats.connect_options())
+            assert (stats.num_in_use, stats.num_held, stats.pins) == (0, 0, 0), stats
+    finally:
+        await nc.close()
 
 
 async def test_decode_workers_prefill_themselves_without_prefill_workers(tmp_path, default_model_dir, single_process):

@@ -57,4 +57,5 @@ def test_route_reasons():
     assert [route_reason(None, None), route_reason(cached, None), route_reason(cold, None), route_reason(cold, object())] == [
         "local_prefill", "prefix_cache", "load", "peer_prefix",
     ]  # fmt: skip
-    assert set(ROUTE_REASONS) == {"local_prefill", "prefix_cache", "load", "peer_prefix"}
+    assert route_reason(None, None, decode_prefix=True) == "decode_prefix"
+    assert set(ROUTE_REASONS) == {"local_prefill", "prefix_cache", "load", "peer_prefix", "decode_prefix"}

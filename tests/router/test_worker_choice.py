@@ -3,10 +3,19 @@ it has restarted since."""
 
 from __future__ import annotations
 
+import asyncio
 import time
 
 from kvmesh.protocol import KVLayoutSpec, LoadReport, WorkerRecord
-from kvmesh.services.router.worker_choice import Excluded, LayoutPairing, LoadBoard, layout_mismatch, least_loaded
+from kvmesh.services.router.worker_choice import (
+    Excluded,
+    LayoutPairing,
+    LoadBoard,
+    kv_aware_decode,
+    layout_mismatch,
+    least_loaded,
+    local_prefill_reason,
+)
 
 
 def record(worker_id: str, started_at: float = 1.0) -> WorkerRecord:
@@ -143,3 +152,87 @@ async def test_the_router_prefills_only_where_the_chosen_decode_worker_can_pull(
     assert routed is not None and routed[0].worker.worker_id == "p-ok"
     workers["prefill"] = workers["prefill"][:1]  # nobody it can pull from: the decode worker prefills itself
     assert await backend._choose_prefill("a-1", list(range(40)), Excluded({}), None, span, workers["decode"][0]) is None
+
+
+def test_the_decode_worker_holding_most_of_the_prefix_is_chosen_unless_much_busier():
+    workers = [record("d1"), record("d2"), record("d3")]
+    board = LoadBoard()
+    for worker_id, running in (("d1", 0), ("d2", 2), ("d3", 1)):
+        board.update(report(worker_id, running))
+    choice = kv_aware_decode(workers, board, (), {"d2": 5, "d3": 3})
+    assert (choice.worker.worker_id, choice.cached_blocks) == ("d2", 5)  # 2 busier than d1: within the slack
+    assert choice.reason == "holds 5 prefix blocks, 2 queued (least loaded 0) of 3"
+    board.update(report("d2", 3))  # 3 busier: passed over for the next best holder
+    assert kv_aware_decode(workers, board, (), {"d2": 5, "d3": 3}).worker.worker_id == "d3"
+    assert kv_aware_decode(workers, board, {"d3"}, {"d2": 5, "d3": 3}).worker.worker_id == "d1"  # excluded: no holder left
+    none = kv_aware_decode(workers, board, (), {})  # no hit anywhere: the least loaded, as before
+    assert (none.worker.worker_id, none.cached_blocks) == ("d1", 0)
+    for worker_id, running in (("d1", 10), ("d2", 14), ("d3", 16)):
+        board.update(report(worker_id, running))  # busy: the slack grows with the load (half of 10)
+    assert kv_aware_decode(workers, board, (), {"d2": 5, "d3": 7}).worker.worker_id == "d2"
+    board.update(report("d2", 10))  # two holders of as much: the less loaded of them
+    assert kv_aware_decode(workers, board, (), {"d1": 5, "d2": 5}).worker.worker_id in {"d1", "d2"}
+    assert kv_aware_decode([], board, (), {"d1": 5}) is None
+
+
+def test_a_decode_worker_prefills_itself_only_what_saves_work_and_is_short():
+    # a follow-up turn: 5 blocks of 16 held by the decode worker, 3 by the best prefill worker
+    why = local_prefill_reason(100, 16, 5, 3, 256)
+    assert why == "the decode worker holds 5 prefix blocks (the best prefill worker 3); 20 tokens to prefill (at most 256)"
+    assert local_prefill_reason(100, 16, 5, 5, 256) is None  # a tie: the prefill worker keeps the work
+    assert local_prefill_reason(100, 16, 0, 0, 256) is None  # nothing cached anywhere
+    assert local_prefill_reason(400, 16, 5, 3, 256) is None  # 320 tokens left: too long for the decode worker
+    assert local_prefill_reason(336, 16, 5, 3, 256) is not None  # 256 left: still its
+    assert local_prefill_reason(100, 16, 5, 3, 0) is None  # 0: off, today's routing
+
+
+async def test_a_follow_up_whose_prefix_the_decode_worker_holds_is_prefilled_there(tiny_model_dir, monkeypatch):
+    """The route of one attempt, from kv-metadata's answer: the decode worker holding the
+    previous answer prefills a short rest itself; a long rest, a tie, prompt logprobs or the
+    setting at 0 go to the prefill worker as before."""
+    from types import SimpleNamespace
+
+    from opentelemetry import trace
+
+    from kvmesh.protocol import SamplingSpec
+    from kvmesh.services.router.mesh_backend import MeshBackend
+    from kvmesh.settings.mesh import MeshSettings
+
+    backend = MeshBackend(MeshSettings("nats://127.0.0.1:1", ("127.0.0.1:1",)), model=str(tiny_model_dir))
+    workers = {
+        "prefill": [worker("p1", "prefill", spec())],
+        "decode": [worker("d1", "decode", spec()), worker("d2", "decode", spec())],
+        "kv-metadata": [],
+    }
+    backend.directory = SimpleNamespace(alive=lambda role: workers[role], workers={})  # type: ignore[assignment]
+    held = {"p1": 4, "d2": 6}  # the prefill worker has the previous prompt, d2 the answer too
+    queries: list[int] = []
+
+    async def prefix_matches(prompt, block_size, span=None):
+        queries.append(block_size)
+        return {w: min(n, len(prompt) // block_size) for w, n in held.items()}
+
+    monkeypatch.setattr(backend, "_prefix_matches", prefix_matches)
+    span = trace.get_tracer("test").start_span("request")
+    sampling = SamplingSpec(max_tokens=4)
+
+    async def route(prompt_len: int, **overrides):
+        deadline = asyncio.get_running_loop().time() + 5
+        spec_ = sampling.model_copy(update=overrides)
+        return await backend._route("a-0", list(range(prompt_len)), spec_, Excluded({}), None, span, deadline)
+
+    follow_up = await route(6 * 16 + 30)  # 30 tokens past what d2 holds
+    assert (follow_up.decode.worker.worker_id, follow_up.prefill, follow_up.reason) == ("d2", None, "decode_prefix")
+    assert "30 tokens to prefill" in follow_up.decode.reason and queries == [16]  # one kv-metadata query for both choices
+    long_rest = await route(6 * 16 + 300)
+    assert (long_rest.decode.worker.worker_id, long_rest.prefill.worker.worker_id, long_rest.reason) == ("d2", "p1", "prefix_cache")
+    with_logprobs = await route(6 * 16 + 30, prompt_logprobs=0)
+    assert with_logprobs.prefill is not None and with_logprobs.reason == "prefix_cache"
+    held["p1"] = 6  # as much on the prefill worker: it keeps the work
+    assert (await route(6 * 16 + 30)).prefill is not None
+    held["p1"] = 4
+    backend.local_prefill_max_tokens = 0  # off: today's routing
+    off = await route(6 * 16 + 30)
+    assert off.prefill.worker.worker_id == "p1" and off.reason == "prefix_cache"
+    workers["prefill"] = []  # no prefill worker at all: the decode worker prefills, as before
+    assert (await route(40)).reason == "local_prefill"

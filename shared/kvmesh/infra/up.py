@@ -99,6 +99,12 @@ SERVICE_OPTIONS = (
         {"type": _file_or_setting("auto", "vllm")},
     ),  # fmt: skip
     ServiceOption("--max-attempts", "router", "tries per request (default: 3)", POSITIVE_INT),
+    ServiceOption(
+        "--local-prefill-max-tokens", "router",
+        "a decode worker holding more of a prompt's prefix than any prefill worker prefills it itself when at most this "
+        "many tokens are not cached there (default: 256; 0: never)",
+        {"type": _positive(int, zero=True)},
+    ),  # fmt: skip
     ServiceOption("--max-body-bytes", "router", "larger request bodies get a 413 (default: 4 MiB)", POSITIVE_INT),
     ServiceOption("--body-timeout", "router", "seconds a request body may take (default: 10)", POSITIVE_FLOAT),
     ServiceOption("--max-header-bytes", "router", "a larger request head gets a 431 (default: 32 KiB)", POSITIVE_INT),

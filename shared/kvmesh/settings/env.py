@@ -132,6 +132,10 @@ RATE_LIMIT_STORE = _var("KVMESH_RATE_LIMIT_STORE", str, (ROUTER,), "where token 
 CORS_ALLOW_ORIGINS = _var("KVMESH_CORS_ALLOW_ORIGINS", str, (ROUTER,), "comma-separated origins (or *) that may call the API")
 GENERATION_CONFIG = _var("KVMESH_GENERATION_CONFIG", str, (ROUTER,), "sampling defaults: auto, vllm or a directory")
 ROUTING_CONFIG = _var("KVMESH_ROUTING_CONFIG", str, (ROUTER,), "JSON or YAML file of scoring plugins and weights")
+LOCAL_PREFILL_MAX_TOKENS = _var(
+    "KVMESH_LOCAL_PREFILL_MAX_TOKENS", int, (ROUTER,),
+    "the longest rest of a prompt a decode worker holding more of its prefix than any prefill worker prefills itself (0: never)",
+)  # fmt: skip
 MAX_BODY_BYTES = _var("KVMESH_MAX_BODY_BYTES", int, (ROUTER,), "larger request bodies get a 413")
 BODY_TIMEOUT = _var("KVMESH_BODY_TIMEOUT", float, (ROUTER,), "seconds a request body may take to arrive")
 MAX_HEADER_BYTES = _var("KVMESH_MAX_HEADER_BYTES", int, (ROUTER,), "a larger request head gets a 431")

@@ -14,6 +14,7 @@ from typing import NoReturn
 from kvmesh.services.router.api_keys import ApiKeyError, ApiKeys, load_api_keys
 from kvmesh.services.router.limits import Limits
 from kvmesh.services.router.rate_limits import RateLimitConfig, RateLimitConfigError, load_rate_limits
+from kvmesh.services.router.worker_choice import LOCAL_PREFILL_MAX_TOKENS
 from kvmesh.settings import env
 from kvmesh.settings.flags import SettingsParser, from_args, switch
 from kvmesh.settings.mesh import MeshSettings, add_mesh_args, mesh_settings
@@ -38,6 +39,7 @@ class RouterSettings:
     generation_config: str = "auto"  # auto, vllm or a directory with a generation_config.json
     max_attempts: int = 3  # tries per request
     routing_config: str | None = None  # file of scoring plugins and weights; None: the default
+    local_prefill_max_tokens: int = LOCAL_PREFILL_MAX_TOKENS  # conditional disaggregation (``worker_choice``); 0: off
     limits: Limits = field(default_factory=Limits)
     # What the two files above hold, loaded (and checked) at start; never logged.
     api_keys: ApiKeys | None = field(default=None, metadata=NOT_LOGGED)
@@ -47,6 +49,20 @@ class RouterSettings:
 class _NoApiKeyFlag(argparse.Action):
     def __call__(self, parser: argparse.ArgumentParser, *args: object, **kwargs: object) -> NoReturn:
         parser.exit(2, f"{parser.prog}: error: {NO_KEY_IN_ARGV}\n")  # one line, no usage
+
+
+class _Negative(ValueError, argparse.ArgumentTypeError):
+    """Said as is by argparse (a flag) and by the registry's reader (a variable)."""
+
+
+def _not_negative(value: str) -> int:
+    try:
+        number = int(value)
+    except ValueError:
+        raise _Negative(f"invalid int value: {value!r}") from None
+    if number < 0:
+        raise _Negative(f"must be 0 or more, got {value!r}")
+    return number
 
 
 def _origins(value: str) -> tuple[str, ...]:
@@ -94,6 +110,11 @@ def router_parser() -> SettingsParser:
     option(
         "--routing-config", env=env.ROUTING_CONFIG,
         help="JSON or YAML file of scoring plugins and weights (default: prefix x2, load x1, session x1)",
+    )  # fmt: skip
+    option(
+        "--local-prefill-max-tokens", env=env.LOCAL_PREFILL_MAX_TOKENS, type=_not_negative, default=LOCAL_PREFILL_MAX_TOKENS,
+        help="a decode worker that holds more of a prompt's prefix than any prefill worker prefills the prompt itself "
+        "when at most this many of its tokens are not cached there (a chat's next turn); 0: never (default: %(default)s)",
     )  # fmt: skip
     defaults = Limits()
     limits = parser.add_argument_group("request limits")
