@@ -76,6 +76,7 @@ def reference(vllm_python, default_model_dir, prompt_ids) -> dict:
     requests = [{"prompt_token_ids": ids, "max_tokens": NEW_TOKENS, "ignore_eos": True} for ids in prompt_ids["completions"]]
     requests.append({"prompt_token_ids": prompt_ids["chat"], "max_tokens": CHAT_TOKENS, "ignore_eos": False})
     extra = options_reference_requests(default_model_dir)  # logprobs and structured output, after those
+    extra += follow_up_reference_requests(default_model_dir, first=len(requests) + len(extra))
     requests.extend(r for _, r in extra)
     job = {"model": str(default_model_dir), "block_size": BLOCK, "requests": requests}
     done = subprocess.run(
@@ -86,6 +87,26 @@ def reference(vllm_python, default_model_dir, prompt_ids) -> dict:
     outputs = json.loads(done.stdout.strip().splitlines()[-1])["outputs"]
     outputs, options = outputs[: len(outputs) - len(extra)], outputs[len(outputs) - len(extra) :]
     return {"completions": outputs[:-1], "chat": outputs[-1], **{name: out for (name, _), out in zip(extra, options)}}
+
+
+FOLLOW_UP = [
+    "A lighthouse keeper writes to the sea every evening. Here is tonight's letter, in full:",
+    " Thank you. And what did the sea answer?",
+    " Now the keeper's long reply, every word of it. " + "The lamp turns, the gulls sleep, the tide comes in. " * 24,
+]
+FOLLOW_UP_TOKENS = 2 * BLOCK
+
+
+def follow_up_reference_requests(model_dir: Path, *, first: int) -> list[tuple[str, dict]]:
+    """A conversation by token ids, one turn a group (after every other): each turn the
+    previous prompt, its answer and a new message, the last one long (``vllm_reference``'s
+    ``after``); ``first``: the index of the first of them among the reference's requests."""
+    tokenizer = Tokenizer.from_dir(model_dir)
+    base = {"max_tokens": FOLLOW_UP_TOKENS, "ignore_eos": True}
+    turns = [("turn-0", {**base, "prompt_token_ids": tokenizer.encode(FOLLOW_UP[0], add_special_tokens=True), "group": 10})]
+    for number, message in enumerate(FOLLOW_UP[1:], start=1):
+        turns.append((f"turn-{number}", {**base, "after": first + number - 1, "then": tokenizer.encode(message), "group": 10 + number}))
+    return turns
 
 
 def _env() -> dict[str, str]:
@@ -430,6 +451,56 @@ async def test_vllm_workers_metrics_come_from_vllms_stats(mesh):
     assert delta("decode", "kvmesh:prefix_cache_queries", "_total") == 0
     usage = value(during[0], "kvmesh:kv_cache_usage_perc")
     assert 0 < usage <= 1 and value(during[0], "kvmesh:num_requests_running") == 1
+
+
+async def test_a_follow_up_turn_is_prefilled_on_the_vllm_decode_worker_holding_the_answer(mesh, reference, default_model_dir):
+    """Conditional disaggregation on vLLM workers: the decode worker generated (and vLLM
+    cached) turn 1's answer, so turn 2, whose new tokens are few, is prefilled there (route
+    reason ``decode_prefix`` in the router's metrics, no KV served by the prefill worker),
+    with one vLLM process's greedy text and the answer's full blocks in ``cached_tokens``;
+    turn 3, with a long new message, goes to the prefill worker again. Nothing is left held."""
+    from tests.mesh.test_metrics import scrape, value
+
+    router = f"{mesh.base_url}/metrics"
+    turns = [reference[f"turn-{n}"] for n in range(3)]
+    prompts = [follow_up_reference_requests(default_model_dir, first=0)[0][1]["prompt_token_ids"]]
+    prompts += [t["prompt_token_ids"] for t in turns[1:]]
+
+    async def turn(number: int) -> tuple[dict, float]:
+        before = await scrape(router)
+        body = {"model": MODEL, "prompt": prompts[number], "max_tokens": FOLLOW_UP_TOKENS, "temperature": 0, "ignore_eos": True}
+        response = await post(mesh.base_url, "/v1/completions", body)
+        assert response.status_code == 200, response.text
+        answer = response.json()
+        assert answer["choices"][0]["text"] == turns[number]["text"]
+        after = await scrape(router)
+        local = value(after, "kvmesh:router_routing_decisions", "_total", reason="decode_prefix")
+        return answer, local - value(before, "kvmesh:router_routing_decisions", "_total", reason="decode_prefix")
+
+    async def decode_holds(ids: list[int], blocks: int) -> None:
+        chain = [hash_to_hex(h) for h in hash_token_blocks(ids, BLOCK, (MODEL,))]
+        for _ in range(50):
+            if (await cached_blocks(mesh, chain)).get("decode-2", 0) >= blocks:
+                return
+            await asyncio.sleep(0.1)
+        raise AssertionError(f"kv-metadata never saw {blocks} blocks on decode-2")
+
+    _, local = await turn(0)
+    assert local == 0
+    served = (await worker_stats(mesh.nats.url, "default", "prefill-1")).bytes_served
+    held = (len(prompts[0]) + FOLLOW_UP_TOKENS - 1) // BLOCK  # vLLM never computes the last answer token's KV
+    assert held > len(prompts[0]) // BLOCK  # the answer fills blocks of its own
+    await decode_holds(prompts[1], held)
+    second, local = await turn(1)
+    assert local == 1
+    assert second["usage"]["prompt_tokens_details"]["cached_tokens"] == held * BLOCK  # the previous answer's full blocks too
+    assert (await worker_stats(mesh.nats.url, "default", "prefill-1")).bytes_served == served  # no KV moved for it
+    await decode_holds(prompts[2], (len(prompts[1]) + FOLLOW_UP_TOKENS - 1) // BLOCK)
+    assert len(prompts[2]) - len(prompts[1]) - FOLLOW_UP_TOKENS > 256
+    _, local = await turn(2)  # a long new message: the prefill worker's again
+    assert local == 0
+    assert (await worker_stats(mesh.nats.url, "default", "prefill-1")).bytes_served > served
+    await assert_pools_at_baseline(mesh, ["prefill-1", "decode-2"])
 
 
 async def test_a_vllm_decode_worker_killed_mid_stream_resumes_on_the_other(tmp_path, default_model_dir, vllm_python, reference):

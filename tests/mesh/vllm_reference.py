@@ -8,6 +8,9 @@ may also name ``logprobs``, ``prompt_logprobs`` (its output then has them as vLL
 per position ``[[token id, logprob, rank], ...]`` in vLLM's order, the prompt's first None),
 ``structured_outputs`` (``StructuredOutputsParams``' arguments; the guidance backend, as
 kvmesh's workers use) and ``group``: the groups are generated one after the other, in order.
+A request with ``after`` (the index of one in an earlier group) and ``then`` (token ids) has
+for its prompt that one's prompt, its output's tokens and ``then`` (a conversation's next
+turn); its output names its ``prompt_token_ids``.
 """
 
 from __future__ import annotations
@@ -33,11 +36,17 @@ def main() -> None:
     result: list = [None] * len(requests)
     for group in sorted({r.get("group", 0) for r in requests}):
         todo = [i for i, r in enumerate(requests) if r.get("group", 0) == group]
+        for i in todo:
+            if "after" in requests[i]:
+                before = requests[requests[i]["after"]]
+                requests[i]["prompt_token_ids"] = before["prompt_token_ids"] + result[requests[i]["after"]]["token_ids"] + requests[i]["then"]
         prompts = [TokensPrompt(prompt_token_ids=requests[i]["prompt_token_ids"]) for i in todo]
         params = [_params(requests[i], SamplingParams, StructuredOutputsParams) for i in todo]
         for i, o in zip(todo, llm.generate(prompts, params, use_tqdm=False)):
             c = o.outputs[0]
             result[i] = {"token_ids": list(c.token_ids), "text": c.text, "finish_reason": c.finish_reason}
+            if "after" in requests[i]:
+                result[i]["prompt_token_ids"] = requests[i]["prompt_token_ids"]
             if c.logprobs is not None:
                 result[i]["logprobs"] = [_position(p) for p in c.logprobs]
             if o.prompt_logprobs is not None:
