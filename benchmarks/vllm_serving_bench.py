@@ -661,7 +661,12 @@ SERVER_STARTS: dict[str, tuple[str, Callable[[argparse.Namespace, Path], Server]
     # the same from the --baseline-python checkout: the "off" side of an on/off comparison
     "mesh-prefill0-baseline": ("kvmesh up --prefill 0, the baseline checkout",
                                lambda a, w: start_kvmesh_up("mesh-prefill0-baseline", a, w, ["--prefill", "0"], tree=Path(a.baseline_python).absolute().parents[2])),
-}
+    # conditional disaggregation off (every prompt to the prefill worker): the routing before it
+    "mesh-vllm-local0": ("kvmesh up --engine vllm --local-prefill-max-tokens 0",
+                         lambda a, w: start_kvmesh_up("mesh-vllm-local0", a, w, ["--engine", "vllm", "--local-prefill-max-tokens", "0"])),
+    "mesh-kvmesh-local0": ("kvmesh up --local-prefill-max-tokens 0",
+                           lambda a, w: start_kvmesh_up("mesh-kvmesh-local0", a, w, ["--local-prefill-max-tokens", "0"])),
+}  # fmt: skip
 
 
 BASELINE = "@base"  # a mesh server's name with this suffix runs from --baseline-tree
@@ -810,6 +815,7 @@ def markdown(payload: dict[str, Any]) -> str:
     meta, report = payload["machine"], payload["report"]
     mode = payload["config"]["mode"]
     title = "vLLM alone, `kvmesh up --engine vllm` and `kvmesh up`" if mode == "workloads" else "`vllm bench serve`: vLLM, `kvmesh up --prefill 0`, `kvmesh up`"
+    title = payload["config"].get("title") or title
     smoke = payload["config"].get("quick")
     lines = [
         f"## Serving: {title} ({payload['date']})" + (" — SMOKE RUN" if smoke else ""),
@@ -915,7 +921,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--turn-tokens", type=int, default=50)
     p.add_argument("--input-len", type=int, default=128)
     p.add_argument("--output-len", type=int, default=128)
-    p.add_argument("--concurrency", type=lambda s: [int(x) for x in s.split(",")], default=[1, 8])
+    p.add_argument("--concurrency", type=lambda s: [int(x) for x in s.split(",") if x], default=[1, 8], help="'': no random workload")
     p.add_argument("--requests-c1", type=int, default=16, help="random requests at concurrency 1")
     p.add_argument("--requests", type=int, default=32, help="random requests at each other concurrency")
     p.add_argument("--bench-serve-concurrency", type=lambda s: [int(x) for x in s.split(",")], default=[1, 8, 32])
@@ -933,6 +939,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
                    "mesh-vllm@base, mesh-kvmesh@base, mesh-prefill0@base run `kvmesh up` from it, in the same run")
     p.add_argument("--section", help="the markdown section's marker name (default: the mode's own)")
     p.add_argument("--target-baseline", default="vllm", choices=["vllm", "vllm-1core"], help="the vLLM server the targets compare with")
+    p.add_argument("--title", help="the markdown section's title (default: the mode's)")
     args = p.parse_args(argv)
     args.vllm_python = args.vllm_python or default_vllm_python()
     if args.servers:
