@@ -396,8 +396,8 @@ class MeshBackend:
 
     async def _decode_worker(self, excluded: Excluded, deadline: float, matches: Matches | None = None) -> Choice:
         """The usable decode worker holding most of the prompt's prefix, not much busier
-        than the least loaded one (``kv_aware_decode``; kv-metadata is asked only where
-        there is a choice to make or a prefill to save); while there is none (one
+        than the least loaded one (``kv_aware_decode``) where that can matter
+        (``_kv_aware_decode_pays``), else the least loaded; while there is none (one
         restarting, say), wait up to ``worker_wait`` seconds for one to join before
         answering unavailable."""
         loop = asyncio.get_running_loop()
@@ -424,14 +424,16 @@ class MeshBackend:
                 pass
 
     def _kv_aware_decode_pays(self, excluded: Excluded) -> bool:
-        """Whether kv-metadata's answer can change the decode choice: more than one usable
-        decode worker, or a usable prefill worker whose work a holder could save."""
-        usable = [w for w in self.directory.alive("decode") if w.worker_id not in excluded and self.board.usable(w.worker_id)]
-        if len(usable) > 1:
-            return True
-        return self.local_prefill_max_tokens > 0 and any(
-            w.worker_id not in excluded and self.board.usable(w.worker_id) for w in self.directory.alive("prefill")
-        )
+        """Whether the decode worker's cached prefix can matter: with no usable prefill
+        worker every decode worker prefills itself, so its cache counts where there is a
+        choice; with one, only where a holder may prefill in its stead (conditional
+        disaggregation on). Otherwise the choice is by load, and kv-metadata is not asked."""
+        def usable(role: str) -> list[WorkerRecord]:
+            return [w for w in self.directory.alive(role) if w.worker_id not in excluded and self.board.usable(w.worker_id)]
+
+        if not usable("prefill"):
+            return len(usable("decode")) > 1
+        return self.local_prefill_max_tokens > 0
 
     async def _choose_prefill(
         self,

@@ -234,5 +234,7 @@ async def test_a_follow_up_whose_prefix_the_decode_worker_holds_is_prefilled_the
     backend.local_prefill_max_tokens = 0  # off: today's routing
     off = await route(6 * 16 + 30)
     assert off.prefill.worker.worker_id == "p1" and off.reason == "prefix_cache"
-    workers["prefill"] = []  # no prefill worker at all: the decode worker prefills, as before
-    assert (await route(40)).reason == "local_prefill"
+    assert off.decode.reason.startswith("least loaded")  # and the decode worker by load, as before
+    workers["prefill"] = []  # no prefill worker at all: each decode worker prefills, its cache counts
+    alone = await route(6 * 16 + 30)
+    assert (alone.decode.worker.worker_id, alone.decode.cached_blocks, alone.reason) == ("d2", 6, "local_prefill")
