@@ -4,6 +4,12 @@ On the reference machine batch-1 decode runs 1.30x (bfloat16) and 1.63x (float32
 with prepacked weights than with ``F.linear`` on the plain tensor (benchmarks/engine_ablation.py,
 docs/benchmarks.md). Elsewhere (CUDA, NPU, or a torch build without oneDNN) it is plain
 ``F.linear``.
+
+A weight is packed once, for a number of input rows oneDNN lays it out for
+(``PACK_ROWS``), and then serves every batch. float32 packed for 32 rows ran 1.2-1.9x the
+rate of packed for 1 at 8 and 32 rows and no slower at 1 or 1,024 (the engine: batch-1 decode
+1.19x, a 32-sequence decode step 1.18x faster); bfloat16 is as fast either way, a little
+faster at 1 row packed for 1 (docs/benchmarks.md, "oneDNN weight packing").
 """
 
 from __future__ import annotations
@@ -16,6 +22,9 @@ import torch.nn.functional as F
 logger = logging.getLogger(__name__)
 
 _PACKABLE = (torch.float32, torch.bfloat16)
+
+# The input rows each dtype's weights are packed for (benchmarks/engine_ablation.py measures it).
+PACK_ROWS = {torch.float32: 32, torch.bfloat16: 1}
 
 
 def can_prepack(weight: torch.Tensor) -> bool:
@@ -33,7 +42,7 @@ class Linear:
         self._packed: torch.Tensor | None = None
         if prepack and can_prepack(weight):
             try:
-                self._packed = torch.ops.mkldnn._reorder_linear_weight(weight, 1)
+                self._packed = torch.ops.mkldnn._reorder_linear_weight(weight, PACK_ROWS[weight.dtype])
             except (RuntimeError, AttributeError) as exc:  # an older or unusual torch build
                 logger.warning("oneDNN weight prepacking unavailable (%s); using F.linear", exc)
 
