@@ -25,81 +25,19 @@ import logging
 import os
 import sys
 import tempfile
-import threading
 import time
 from dataclasses import dataclass, field
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
 
 import httpx
-from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest, ExportTraceServiceResponse
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import vllm_serving_bench as vsb  # noqa: E402
 
+from kvmesh.testing.otlp_sink import OTLPSink, ReceivedSpan  # noqa: E402
+
 logger = logging.getLogger("ttft_trace")
-
-
-@dataclass(slots=True)
-class Span:
-    service: str
-    name: str
-    trace_id: str
-    start: int  # unix ns
-    end: int
-    attributes: dict[str, Any]
-    events: list[tuple[str, int]] = field(default_factory=list)
-
-
-class TimedSink:
-    """An OTLP/HTTP trace receiver that keeps each span's times and events."""
-
-    def __init__(self) -> None:
-        self.spans: list[Span] = []
-        self._lock = threading.Lock()
-        sink = self
-
-        class Handler(BaseHTTPRequestHandler):
-            def do_POST(self) -> None:  # noqa: N802 - http.server's naming
-                request = ExportTraceServiceRequest()
-                request.ParseFromString(self.rfile.read(int(self.headers.get("Content-Length", 0))))
-                sink._add(request)
-                payload = ExportTraceServiceResponse().SerializeToString()
-                self.send_response(200)
-                self.send_header("Content-Type", "application/x-protobuf")
-                self.send_header("Content-Length", str(len(payload)))
-                self.end_headers()
-                self.wfile.write(payload)
-
-            def log_message(self, format: str, *args: object) -> None:
-                pass
-
-        self._server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        threading.Thread(target=self._server.serve_forever, name="otlp-sink", daemon=True).start()
-
-    @property
-    def endpoint(self) -> str:
-        return f"http://127.0.0.1:{self._server.server_port}"
-
-    def _add(self, request: ExportTraceServiceRequest) -> None:
-        got = []
-        for rs in request.resource_spans:
-            service = next((kv.value.string_value for kv in rs.resource.attributes if kv.key == "service.name"), "")
-            for ss in rs.scope_spans:
-                for s in ss.spans:
-                    attrs = {kv.key: getattr(kv.value, kv.value.WhichOneof("value") or "string_value") for kv in s.attributes}
-                    events = [(e.name, e.time_unix_nano) for e in s.events]
-                    got.append(Span(service, s.name, s.trace_id.hex(), s.start_time_unix_nano, s.end_time_unix_nano, attrs, events))
-        with self._lock:
-            self.spans.extend(got)
-
-    def snapshot(self) -> list[Span]:
-        with self._lock:
-            return list(self.spans)
-
-    def close(self) -> None:
-        self._server.shutdown()
 
 
 @dataclass(slots=True)
@@ -145,9 +83,9 @@ STAGES = [
 ]
 
 
-def breakdown(sent: list[Sent], spans: list[Span]) -> dict[str, Any]:
+def breakdown(sent: list[Sent], spans: list[ReceivedSpan]) -> dict[str, Any]:
     """Per request, each stage's ms; then p50 of each over the requests."""
-    by_trace: dict[str, list[Span]] = {}
+    by_trace: dict[str, list[ReceivedSpan]] = {}
     for s in spans:
         by_trace.setdefault(s.trace_id, []).append(s)
     requests = [s for s in spans if s.name == "mesh_request"]
@@ -208,7 +146,7 @@ def main(argv: list[str] | None = None) -> int:
     from kvmesh.engine.loader.default_model import resolve_model
 
     vocab = int(json.loads((resolve_model(None) / "config.json").read_text())["vocab_size"])
-    sink = TimedSink()
+    sink = OTLPSink()
     os.environ |= {"OTEL_EXPORTER_OTLP_ENDPOINT": sink.endpoint, "OTEL_BSP_SCHEDULE_DELAY": "200"}
     for pair in filter(None, args.extra_env.split(",")):
         key, _, value = pair.partition("=")

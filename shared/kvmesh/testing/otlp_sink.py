@@ -1,9 +1,10 @@
-"""A minimal OTLP/HTTP trace receiver for tests: services export real OTLP protobuf to it."""
+"""A minimal OTLP/HTTP trace receiver for tests and benchmarks: services export real OTLP
+protobuf to it; each span keeps its attributes, its start and end and its events' times."""
 
 from __future__ import annotations
 
 import threading
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import (
@@ -20,6 +21,9 @@ class ReceivedSpan:
     span_id: str
     parent_span_id: str
     attributes: dict
+    start: int = 0  # unix ns
+    end: int = 0
+    events: tuple[tuple[str, int], ...] = field(default=())  # (name, unix ns)
 
 
 def _value(any_value) -> object:
@@ -74,6 +78,9 @@ class OTLPSink:
                             span_id=span.span_id.hex(),
                             parent_span_id=span.parent_span_id.hex(),
                             attributes={kv.key: _value(kv.value) for kv in span.attributes},
+                            start=span.start_time_unix_nano,
+                            end=span.end_time_unix_nano,
+                            events=tuple((event.name, event.time_unix_nano) for event in span.events),
                         )
                     )
         with self._lock:
