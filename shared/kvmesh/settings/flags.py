@@ -32,7 +32,7 @@ class SettingsParser(argparse.ArgumentParser):
 
     def error(self, message: str) -> NoReturn:
         """One line (``prog: error: ...``) and exit code 2: no usage block before it."""
-        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+        self.exit(2, f"{self.prog}: error: {message}\n")
 
     def option(
         self,
