@@ -83,6 +83,12 @@ async def test_a_cancel_before_or_during_a_peer_borrow_leaves_no_pin(mesh):
             await nc.publish(S.cancel, CancelRequest(request_id=rid).encode())
             [response] = await answer
             assert isinstance(response, PrefillResponse)
+            if response.error is None and number > 0:
+                # A borrow quicker than the sleep finished before the cancel came (the next test
+                # cancels deterministically during one): the router releases such a pin itself.
+                assert response.kv is not None, response
+                await nc.publish(S.release("prefill-1"), ReleaseRequest(request_id=rid, pin_token=response.kv.pin_token).encode())
+                continue
             assert response.error is not None and response.error.code == "cancelled", response
         await assert_pools_at_baseline(mesh, ["prefill-1", "prefill-2"])
     finally:

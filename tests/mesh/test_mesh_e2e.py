@@ -182,10 +182,11 @@ async def test_a_follow_up_turn_is_prefilled_on_the_decode_worker_holding_the_an
         assert response.status_code == 200, response.text
         answer = response.json()
         assert answer["choices"][0]["text"] == want["text"]
+        rid = answer["id"].removeprefix("cmpl-")  # the router's request id (an earlier test's spans may come late)
         deadline = time.monotonic() + 15
         while time.monotonic() < deadline:  # this request's spans, once the decode worker's is in
             spans = [s for s in sink.snapshot() if s.span_id not in before]
-            request = [s for s in spans if s.name == "mesh_request"]
+            request = [s for s in spans if s.name == "mesh_request" and s.attributes.get("kvmesh.request_id") == rid]
             if request and any(s.name == "decode" and s.trace_id == request[0].trace_id for s in spans):
                 return answer, [s for s in spans if s.trace_id == request[0].trace_id]
             await asyncio.sleep(0.2)
@@ -200,7 +201,7 @@ async def test_a_follow_up_turn_is_prefilled_on_the_decode_worker_holding_the_an
         await decode_holds(turns[1]["prompt"], held)
         second, spans = await turn(1)
         [request] = [s for s in spans if s.name == "mesh_request"]
-        assert request.attributes["kvmesh.route.reason"] == "decode_prefix"
+        assert request.attributes["kvmesh.route.reason"] == "decode_prefix", request.attributes
         assert request.attributes["kvmesh.prefill_worker"] == "" and request.attributes["kvmesh.decode_worker"] == "decode-2"
         assert "tokens to prefill" in request.attributes["kvmesh.route.local_prefill"]
         assert not {"prefill_call", "prefill", "kv_transfer"} & {s.name for s in spans}
