@@ -42,6 +42,7 @@ async def main(argv: list[str] | None = None) -> None:
         max_attempts=settings.max_attempts,
         routing_config=settings.routing_config,
         local_prefill_max_tokens=settings.local_prefill_max_tokens,
+        kv_query_timeout=settings.kv_query_timeout,
     )
     defaults = GenerationDefaults.load(settings.generation_config, backend.model_dir)
     logger.info("generation defaults: %s", defaults.describe())

@@ -238,6 +238,7 @@ def test_router_settings_from_the_environment_and_flags_beating_it(monkeypatch: 
         ("KVMESH_ROUTER_PORT", "http", "KVMESH_ROUTER_PORT='http': invalid int value: 'http'"),
         ("KVMESH_RATE_LIMIT_STORE", "redis", "KVMESH_RATE_LIMIT_STORE='redis': invalid choice: 'redis' (choose from 'local', 'nats')"),
         ("KVMESH_MAX_HEADER_BYTES", "10", "max_header_bytes must be >= 1024, got 10"),
+        ("KVMESH_KV_QUERY_TIMEOUT", "0", "KVMESH_KV_QUERY_TIMEOUT='0': must be more than 0, got '0'"),
         ("KVMESH_AUTH_METRICS", "1", "--auth-metrics / --auth-docs need API keys: give --api-key-file or KVMESH_API_KEY"),
         ("KVMESH_API_KEY_FILE", "/nowhere/keys", "cannot read the API key file /nowhere/keys"),
     ],
@@ -344,3 +345,10 @@ async def test_what_a_service_prepares_first_gives_the_settings_it_logs_and_runs
     assert got.service_id == "kvm-after" and order == ["prepared"]
     lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("kv-metadata settings: ")]
     assert len(lines) == 1 and "service_id=kvm-after" in lines[0] and "kvm-before" not in lines[0]
+
+
+def test_the_kv_query_timeout_is_a_router_setting(monkeypatch: pytest.MonkeyPatch) -> None:
+    assert router_settings(MESH).kv_query_timeout == 0.05
+    monkeypatch.setenv("KVMESH_KV_QUERY_TIMEOUT", "0.25")
+    assert router_settings(MESH).kv_query_timeout == 0.25
+    assert router_settings([*MESH, "--kv-query-timeout", "1"]).kv_query_timeout == 1.0

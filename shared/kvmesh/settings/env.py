@@ -136,6 +136,10 @@ LOCAL_PREFILL_MAX_TOKENS = _var(
     "KVMESH_LOCAL_PREFILL_MAX_TOKENS", int, (ROUTER,),
     "the longest rest of a prompt a decode worker holding more of its prefix than any prefill worker prefills itself (0: never)",
 )  # fmt: skip
+KV_QUERY_TIMEOUT = _var(
+    "KVMESH_KV_QUERY_TIMEOUT", float, (ROUTER,),
+    "seconds the router waits for kv-metadata's prefix answer before routing a request by load alone",
+)  # fmt: skip
 MAX_BODY_BYTES = _var("KVMESH_MAX_BODY_BYTES", int, (ROUTER,), "larger request bodies get a 413")
 BODY_TIMEOUT = _var("KVMESH_BODY_TIMEOUT", float, (ROUTER,), "seconds a request body may take to arrive")
 MAX_HEADER_BYTES = _var("KVMESH_MAX_HEADER_BYTES", int, (ROUTER,), "a larger request head gets a 431")

@@ -40,6 +40,7 @@ class RouterSettings:
     max_attempts: int = 3  # tries per request
     routing_config: str | None = None  # file of scoring plugins and weights; None: the default
     local_prefill_max_tokens: int = LOCAL_PREFILL_MAX_TOKENS  # conditional disaggregation (``worker_choice``); 0: off
+    kv_query_timeout: float = 0.05  # seconds for kv-metadata's prefix answer; past it, the request is routed by load
     limits: Limits = field(default_factory=Limits)
     # What the two files above hold, loaded (and checked) at start; never logged.
     api_keys: ApiKeys | None = field(default=None, metadata=NOT_LOGGED)
@@ -62,6 +63,16 @@ def _not_negative(value: str) -> int:
         raise _Negative(f"invalid int value: {value!r}") from None
     if number < 0:
         raise _Negative(f"must be 0 or more, got {value!r}")
+    return number
+
+
+def _positive_seconds(value: str) -> float:
+    try:
+        number = float(value)
+    except ValueError:
+        raise _Negative(f"invalid float value: {value!r}") from None
+    if not number > 0:
+        raise _Negative(f"must be more than 0, got {value!r}")
     return number
 
 
@@ -115,6 +126,11 @@ def router_parser() -> SettingsParser:
         "--local-prefill-max-tokens", env=env.LOCAL_PREFILL_MAX_TOKENS, type=_not_negative, default=LOCAL_PREFILL_MAX_TOKENS,
         help="a decode worker that holds more of a prompt's prefix than any prefill worker prefills the prompt itself "
         "when at most this many of its tokens are not cached there (a chat's next turn); 0: never (default: %(default)s)",
+    )  # fmt: skip
+    option(
+        "--kv-query-timeout", env=env.KV_QUERY_TIMEOUT, type=_positive_seconds, default=0.05,
+        help="seconds the router waits for kv-metadata's answer of which workers hold a prompt's prefix; past it the "
+        "request is routed by load alone (default: %(default)s)",
     )  # fmt: skip
     defaults = Limits()
     limits = parser.add_argument_group("request limits")
