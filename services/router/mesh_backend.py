@@ -394,7 +394,7 @@ class MeshBackend:
         span.set_attribute("kvmesh.route.local_prefill", why)
         return Route(Choice(decode.worker, f"{decode.reason}; {why}", decode.cached_blocks), None, None, route_reason(None, None, decode_prefix=True))
 
-    async def _decode_worker(self, excluded: Excluded, deadline: float, matches: Matches | None = None) -> Choice:
+    async def _decode_worker(self, excluded: Excluded, deadline: float, matches: Matches) -> Choice:
         """The usable decode worker holding most of the prompt's prefix, not much busier
         than the least loaded one (``kv_aware_decode``) where that can matter
         (``_kv_aware_decode_pays``), else the least loaded; while there is none (one
@@ -404,7 +404,7 @@ class MeshBackend:
         give_up = min(deadline, loop.time() + self.worker_wait)
         while True:
             choice = least_loaded(self.directory.alive("decode"), self.board, excluded)
-            if choice is not None and matches is not None and self._kv_aware_decode_pays(excluded):
+            if choice is not None and self._kv_aware_decode_pays(excluded):
                 candidates = self.directory.alive("decode")
                 layout = choice.worker.kv_layout
                 found = await matches(layout.block_size if layout else 16)
@@ -443,7 +443,7 @@ class MeshBackend:
         session_id: str | None,
         span: trace.Span,
         decode: WorkerRecord,
-        matches_of: Matches | None = None,
+        matches_of: Matches,
     ) -> tuple[Choice, PeerPrefix | None, int] | None:
         """The prefill worker with the best weighted score (prefix cached there, load,
         session affinity, ...), as the routing config says, among those whose KV layout
@@ -458,10 +458,7 @@ class MeshBackend:
             return None
         layout = next(iter(records.values())).kv_layout
         block_size = layout.block_size if layout else 16
-        if matches_of is not None:
-            matches = await matches_of(block_size)
-        else:
-            matches = await self._prefix_matches(prompt, block_size, span)
+        matches = await matches_of(block_size)
         candidates = [self._candidate(record, matches.get(worker_id, 0)) for worker_id, record in records.items()]
         route = RouteRequest(attempt_id, num_blocks=len(prompt) // block_size, num_tokens=len(prompt), session_id=session_id)
         decision = self.scorer.choose(route, candidates)

@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from kvmesh import __version__
+from kvmesh.machine import DTYPE_CHOICES
 from kvmesh.settings import env
 from kvmesh.worker.engines import ENGINES
 
@@ -112,7 +113,7 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--logit-bias", type=_token_bias, action="append", default=[], metavar="TOKEN=BIAS",
                      help="add BIAS to token id TOKEN's logit (repeatable)")
     gen.add_argument(
-        "--dtype", choices=["float32", "bfloat16", "auto"], default=env.DTYPE.raw() or "auto",
+        "--dtype", choices=DTYPE_CHOICES, default=env.DTYPE.raw() or "auto",
         help="auto: bfloat16 where the CPU has native bf16, else float32 (KVMESH_DTYPE)",
     )  # fmt: skip
     gen.add_argument("--device", default="cpu", help="cpu, cuda or npu")
@@ -132,7 +133,7 @@ def build_parser() -> argparse.ArgumentParser:
     up.add_argument("--model", help="model directory or .gguf file (default: SmolLM2-135M-Instruct)")
     up.add_argument("--engine", choices=ENGINES, default="kvmesh", help="what the workers run: kvmesh (its own engine) or vllm (`make vllm`; workers run with .venv-vllm/bin/python)")
     up.add_argument(
-        "--dtype", choices=["float32", "bfloat16", "float16", "auto"], default=env.DTYPE.raw() or "auto",
+        "--dtype", choices=DTYPE_CHOICES, default=env.DTYPE.raw() or "auto",
         help="the workers' weights and KV cache; auto: bfloat16 where the CPU has native bf16 (AVX512-BF16, AMX-BF16), "
         "else float32 (KVMESH_DTYPE)",
     )  # fmt: skip
@@ -392,6 +393,9 @@ def _etcd_auth(args: argparse.Namespace) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    if getattr(args, "dtype", "auto") not in DTYPE_CHOICES:  # KVMESH_DTYPE's: argparse checks only what it parsed
+        sys.stderr.write(f"kvmesh {args.command}: error: KVMESH_DTYPE={args.dtype!r}: not one of {', '.join(DTYPE_CHOICES)}\n")
+        return 2
     logging.basicConfig(
         level=logging.DEBUG if args.verbose else logging.INFO,
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",

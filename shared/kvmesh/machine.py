@@ -7,6 +7,9 @@ import os
 import platform
 from pathlib import Path
 
+# What ``--dtype`` takes everywhere: the engines' dtypes, and ``auto`` (``default_dtype`` picks).
+DTYPE_CHOICES = ("float32", "bfloat16", "float16", "auto")
+
 
 def _cpuinfo() -> str:
     try:

@@ -9,12 +9,14 @@ does tests/mesh/test_up.py::test_the_services_options_reach_the_services, where 
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
 
 import pytest
 
 from kvmesh import machine
 from kvmesh.cli import build_parser
-from kvmesh.infra.up import UpUsageError, choose_machine_defaults
+from kvmesh.infra.up import choose_machine_defaults
 from kvmesh.settings.worker import worker_settings
 
 MESH = ["--nats-url", "nats://127.0.0.1:1", "--etcd", "127.0.0.1:1"]  # parsed only, never dialled
@@ -57,15 +59,19 @@ def test_a_dtype_given_is_kept_and_not_announced(no_dtype_env, monkeypatch) -> N
     assert worker_settings("decode", MESH).engine.dtype == "float16"
 
 
-def test_a_bad_dtype_variable_is_one_clear_error(monkeypatch) -> None:
-    monkeypatch.setenv("KVMESH_DTYPE", "float64")
-    with pytest.raises(UpUsageError, match="KVMESH_DTYPE='float64': not one of float32, bfloat16, float16, auto"):
-        choose_machine_defaults(up_args())
+@pytest.mark.parametrize("command", [["up"], ["generate", "--prompt", "x"]])
+def test_a_bad_dtype_variable_is_one_clear_error(command: list[str]) -> None:
+    env = {**os.environ, "KVMESH_DTYPE": "float64"}
+    done = subprocess.run([sys.executable, "-m", "kvmesh.cli", *command], capture_output=True, text=True, timeout=60, env=env)
+    assert (done.returncode, done.stdout) == (2, "")
+    assert done.stderr == f"kvmesh {command[0]}: error: KVMESH_DTYPE='float64': not one of float32, bfloat16, float16, auto\n"
 
 
 def test_threads_are_the_usable_cores_split_between_the_workers(monkeypatch) -> None:
     monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1, 2, 3, 4, 5})
     assert machine.threads_per_worker(2) == 3
     assert machine.threads_per_worker(8) == 1
-    said = choose_machine_defaults(up_args("--dtype", "float32", "--prefill", "1", "--decode", "2"))
+    args = up_args("--dtype", "float32", "--prefill", "1", "--decode", "2")
+    said = choose_machine_defaults(args)
     assert said == ["2 thread(s) per worker: 6 usable core(s) split between 3 workers (--num-threads to choose)"]
+    assert args.num_threads == 2  # what the workers are started with

@@ -148,10 +148,14 @@ async def test_the_router_prefills_only_where_the_chosen_decode_worker_can_pull(
     }
     backend.directory = SimpleNamespace(alive=lambda role: workers[role], workers={})  # type: ignore[assignment]
     span = trace.get_tracer("test").start_span("request")
-    routed = await backend._choose_prefill("a-0", list(range(40)), Excluded({}), None, span, workers["decode"][0])
+
+    async def no_matches(block_size: int) -> dict[str, int]:
+        return {}
+
+    routed = await backend._choose_prefill("a-0", list(range(40)), Excluded({}), None, span, workers["decode"][0], no_matches)
     assert routed is not None and routed[0].worker.worker_id == "p-ok"
     workers["prefill"] = workers["prefill"][:1]  # nobody it can pull from: the decode worker prefills itself
-    assert await backend._choose_prefill("a-1", list(range(40)), Excluded({}), None, span, workers["decode"][0]) is None
+    assert await backend._choose_prefill("a-1", list(range(40)), Excluded({}), None, span, workers["decode"][0], no_matches) is None
 
 
 def test_the_decode_worker_holding_most_of_the_prefix_is_chosen_unless_much_busier():

@@ -253,9 +253,6 @@ def check_engine(engine: str) -> None:
         raise UpUsageError(str(exc)) from None
 
 
-DTYPES = ("float32", "bfloat16", "float16")
-
-
 def choose_machine_defaults(args: argparse.Namespace) -> list[str]:
     """The dtype and threads the machine decides where the user did not, and a line saying
     each choice: ``auto`` (the default) is bfloat16 where the CPU computes it natively, else
@@ -267,12 +264,11 @@ def choose_machine_defaults(args: argparse.Namespace) -> list[str]:
         device = getattr(args, "device", None) or "cpu"
         args.dtype, why = default_dtype(device.split(":")[0])
         said.append(f"dtype {args.dtype}: {why} (--dtype or KVMESH_DTYPE to choose)")
-    elif args.dtype not in DTYPES:  # from KVMESH_DTYPE, which argparse does not check
-        raise UpUsageError(f"KVMESH_DTYPE={args.dtype!r}: not one of {', '.join(DTYPES)}, auto")
-    if args.num_threads is None:
+    if args.num_threads is None:  # chosen here, once: the workers are started with it
         workers = args.prefill + args.decode
+        args.num_threads = threads_per_worker(workers)
         said.append(
-            f"{threads_per_worker(workers)} thread(s) per worker: {usable_cores()} usable core(s) "
+            f"{args.num_threads} thread(s) per worker: {usable_cores()} usable core(s) "
             f"split between {workers} workers (--num-threads to choose)"
         )
     return said

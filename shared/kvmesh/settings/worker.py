@@ -10,7 +10,7 @@ import socket
 import uuid
 from dataclasses import dataclass, field
 
-from kvmesh.machine import default_dtype
+from kvmesh.machine import DTYPE_CHOICES, default_dtype
 from kvmesh.protocol import Role
 from kvmesh.settings import env
 from kvmesh.settings.env import EnvError
@@ -87,7 +87,7 @@ def worker_parser(role: Role) -> SettingsParser:
     option("--served-model-name", env=env.SERVED_MODEL_NAME)
     option("--device", env=env.DEVICE, default="cpu")
     option(
-        "--dtype", env=env.DTYPE, default="auto", choices=["float32", "bfloat16", "float16", "auto"],
+        "--dtype", env=env.DTYPE, default="auto", choices=DTYPE_CHOICES,
         help="auto: bfloat16 where the CPU has native bf16 (AVX512-BF16 / AMX), else float32 (KVMESH_DTYPE)",
     )  # fmt: skip
     option("--kv-cache-mib", env=env.KV_CACHE_MIB, type=int, default=512)
