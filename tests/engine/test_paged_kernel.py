@@ -98,12 +98,13 @@ def test_rope_store_is_bit_identical_to_the_pytorch_path(dtype: torch.dtype) -> 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_engine_greedy_tokens_with_the_kernels_on_and_off(tiny_model_dir, dtype: str) -> None:
     """Batched, ragged greedy decoding through the engine with the compiled ops forced on and
-    off: float32 tokens identical; bfloat16 the defaults (kernel on) run and finish."""
+    off: float32 tokens identical; bfloat16 the defaults (kernel on) run and finish. Both dtypes
+    run the kernel by default."""
     from kvmesh.engine.llm_engine import EngineConfig, LLMEngine
     from kvmesh.engine.request import SamplingParams
 
     engine = LLMEngine(EngineConfig(model=str(tiny_model_dir), dtype=dtype, block_size=4, num_blocks=128, enable_prefix_caching=False))
-    assert engine.model.fused_rope and engine.model.paged_kernel == (dtype != "float32")
+    assert engine.model.fused_rope and engine.model.paged_kernel
     prompts = [[5 + i for i in range(n)] for n in (3, 9, 14)]
     params = SamplingParams(max_tokens=12, ignore_eos=True)
     runs = []
@@ -113,3 +114,35 @@ def test_engine_greedy_tokens_with_the_kernels_on_and_off(tiny_model_dir, dtype:
     assert all(len(tokens) == 12 for tokens in runs[0])
     if dtype == "float32":
         assert runs[0] == runs[1]
+
+
+_AVX2_CHECK = """
+import sys, torch
+torch.ops.load_library(sys.argv[1])
+from tests.engine.test_paged_kernel import _case
+from kvmesh.engine.model.attention import DecodeBatch, _decode_attention
+worst = 0.0
+for lens, dim in (([1], 64), ([1, 4, 5, 13, 16], 64), ([3, 9], 128), ([3, 9], 40)):
+    q, k_cache, v_cache, gathered, kernel = _case(torch.float32, lens, dim)
+    got = torch.ops.kvmesh.paged_decode(q, k_cache, v_cache, kernel.block_tables, kernel.context_lens, dim**-0.5)
+    exact = _decode_attention(q.double(), k_cache.double(), v_cache.double(),
+                              DecodeBatch(gathered.block_tables, gathered.bias.double()), dim**-0.5)
+    worst = max(worst, (got.double() - exact).abs().max().item())
+print(worst)
+"""
+
+
+@pytest.mark.skipif("avx2" not in paged_kernel._cpu_flags().split(), reason="x86-64 with AVX2 only")
+def test_the_avx2_build_matches_float64(tmp_path) -> None:
+    """The kernel as an AVX2 machine without AVX-512 builds it (8-float vectors, the AVX
+    horizontal sum), loaded in a process of its own, against float64."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    built = paged_kernel.build(tmp_path, march="x86-64-v3")
+    assert built is not None, paged_kernel.last_failure
+    root = Path(__file__).resolve().parents[2]
+    result = subprocess.run([sys.executable, "-c", _AVX2_CHECK, str(built)], capture_output=True, text=True, cwd=root, timeout=300)
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert float(result.stdout.strip()) < 1e-6

@@ -26,7 +26,7 @@ logger = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("csrc") / "paged_decode.cpp"
 DISABLE_ENV = "KVMESH_PAGED_KERNEL"
-FLAGS = ["-O3", "-march=native", "-fno-math-errno", "-fopenmp", "-shared", "-fPIC", "-std=c++17"]
+FLAGS = ["-O3", "-fno-math-errno", "-fopenmp", "-shared", "-fPIC", "-std=c++17", "-Wno-psabi"]
 
 _state: bool | None = None  # None: not tried yet
 last_failure = ""
@@ -46,19 +46,20 @@ def compiler() -> str | None:
     return os.environ.get("CXX") or shutil.which("c++") or shutil.which("g++") or shutil.which("clang++")
 
 
-def library_path(cache: Path | None = None) -> Path:
+def library_path(cache: Path | None = None, march: str = "native") -> Path:
     from kvmesh.engine.loader.default_model import cache_dir
 
-    key = hashlib.sha256(
-        SOURCE.read_bytes() + torch.__version__.encode() + " ".join(FLAGS).encode() + _cpu_flags().encode()
-    ).hexdigest()[:16]
+    flags = " ".join([*FLAGS, f"-march={march}"])
+    key = hashlib.sha256(SOURCE.read_bytes() + torch.__version__.encode() + flags.encode() + _cpu_flags().encode()).hexdigest()[:16]
     return (cache or cache_dir()) / f"paged_decode-{key}.so"
 
 
-def build(cache: Path | None = None) -> Path | None:
-    """The compiled kernel, built now if needed (atomically); None when it cannot be."""
+def build(cache: Path | None = None, march: str = "native") -> Path | None:
+    """The compiled kernel, built now if needed (atomically); None when it cannot be.
+    ``march``: the instruction set it is compiled for (the tests also build ``x86-64-v3``,
+    AVX2 without AVX-512, to check that path on a machine that has more)."""
     global last_failure
-    path = library_path(cache)
+    path = library_path(cache, march)
     if path.exists():
         return path
     cxx = compiler()
@@ -73,7 +74,7 @@ def build(cache: Path | None = None) -> Path | None:
     last_failure = build_shared_library(
         path,
         lambda output: [
-            cxx, *FLAGS, f"-D_GLIBCXX_USE_CXX11_ABI={abi}", *includes, str(SOURCE), "-o", output,
+            cxx, *FLAGS, f"-march={march}", f"-D_GLIBCXX_USE_CXX11_ABI={abi}", *includes, str(SOURCE), "-o", output,
             *[f"-L{d}" for d in libdirs], *[f"-Wl,-rpath,{d}" for d in libdirs], "-lc10", "-ltorch_cpu",
         ],  # fmt: skip
         timeout=600,

@@ -111,6 +111,112 @@ void run(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cac
   });
 }
 
+// float32 in the CPU's widest vectors (GCC vector extensions: 16 floats, a zmm, on AVX-512; 8,
+// a ymm, elsewhere). As run_bf16: the group's query heads share each K/V row load and their
+// accumulators stay in registers, where the generic loop above reads a K/V row once per query
+// head and keeps one scalar reduction per dot product.
+#if defined(__AVX512F__)
+constexpr int64_t kLanes = 16;
+#else
+constexpr int64_t kLanes = 8;
+#endif
+typedef float fvec __attribute__((vector_size(kLanes * sizeof(float))));
+
+inline fvec loadv(const float* p) {
+  fvec v;
+  std::memcpy(&v, p, sizeof(v));
+  return v;
+}
+
+inline float hsum(fvec v) {
+#if defined(__AVX512F__)
+  return _mm512_reduce_add_ps(reinterpret_cast<__m512>(v));
+#elif defined(__AVX__)
+  const __m256 wide = reinterpret_cast<__m256>(v);
+  __m128 x = _mm_add_ps(_mm256_castps256_ps128(wide), _mm256_extractf128_ps(wide, 1));
+  x = _mm_add_ps(x, _mm_movehl_ps(x, x));
+  x = _mm_add_ss(x, _mm_movehdup_ps(x));
+  return _mm_cvtss_f32(x);
+#else
+  float s = 0.f;
+  for (int64_t i = 0; i < kLanes; ++i) s += v[i];
+  return s;
+#endif
+}
+
+template <int64_t D>
+void run_f32(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache, const at::Tensor& tables,
+             const at::Tensor& lens, double scale, at::Tensor& out) {
+  static_assert(D % kLanes == 0, "D: a multiple of the vector width");
+  constexpr int64_t kMaxGroup = 8, kVecs = D / kLanes;
+  const int64_t num_seqs = q.size(0), heads = q.size(1);
+  const int64_t block_size = k_cache.size(1), kv_heads = k_cache.size(2);
+  const int64_t group = heads / kv_heads, width = tables.size(1);
+  const int64_t kb = k_cache.stride(0), kt = k_cache.stride(1), kh = k_cache.stride(2);
+  const int64_t vb = v_cache.stride(0), vt = v_cache.stride(1), vh = v_cache.stride(2);
+  const int64_t qs = q.stride(0), qh = q.stride(1);
+  const float* qp = q.const_data_ptr<float>();
+  const float* kp = k_cache.const_data_ptr<float>();
+  const float* vp = v_cache.const_data_ptr<float>();
+  const int64_t* tp = tables.const_data_ptr<int64_t>();
+  const int64_t* lp = lens.const_data_ptr<int64_t>();
+  float* op = out.data_ptr<float>();
+  const float fscale = static_cast<float>(scale);
+
+  at::parallel_for(0, num_seqs * kv_heads, grain(width * block_size, group, D), [&](int64_t begin, int64_t end) {
+    std::vector<float> scores;
+    for (int64_t task = begin; task < end; ++task) {
+      const int64_t s = task / kv_heads, h = task % kv_heads;
+      const int64_t len = lp[s];
+      const int64_t* table = tp + s * width;
+      scores.resize(group * len);
+      fvec qv[kMaxGroup][kVecs];
+      for (int64_t g = 0; g < group; ++g)
+        for (int64_t c = 0; c < kVecs; ++c) qv[g][c] = loadv(qp + s * qs + (h * group + g) * qh + c * kLanes) * fscale;
+      for (int64_t pos = 0; pos < len; ++pos) {
+        const float* krow = kp + table[pos / block_size] * kb + (pos % block_size) * kt + h * kh;
+        fvec kv[kVecs];
+        for (int64_t c = 0; c < kVecs; ++c) kv[c] = loadv(krow + c * kLanes);
+        for (int64_t g = 0; g < group; ++g) {
+          fvec acc = qv[g][0] * kv[0];
+          for (int64_t c = 1; c < kVecs; ++c) acc += qv[g][c] * kv[c];
+          scores[g * len + pos] = hsum(acc);
+        }
+      }
+      float inv[kMaxGroup];
+      for (int64_t g = 0; g < group; ++g) {
+        float* row = scores.data() + g * len;
+        float peak = -std::numeric_limits<float>::infinity();
+        for (int64_t i = 0; i < len; ++i) peak = row[i] > peak ? row[i] : peak;
+        float total = 0.f;
+#pragma omp simd reduction(+ : total)
+        for (int64_t i = 0; i < len; ++i) {
+          row[i] = std::exp(row[i] - peak);
+          total += row[i];
+        }
+        inv[g] = 1.f / total;
+      }
+      fvec acc[kMaxGroup][kVecs] = {};
+      for (int64_t pos = 0; pos < len; ++pos) {
+        const float* vrow = vp + table[pos / block_size] * vb + (pos % block_size) * vt + h * vh;
+        fvec vv[kVecs];
+        for (int64_t c = 0; c < kVecs; ++c) vv[c] = loadv(vrow + c * kLanes);
+        for (int64_t g = 0; g < group; ++g) {
+          const float w = scores[g * len + pos];
+          for (int64_t c = 0; c < kVecs; ++c) acc[g][c] += w * vv[c];
+        }
+      }
+      for (int64_t g = 0; g < group; ++g) {
+        float* dst = op + (s * heads + h * group + g) * D;
+        for (int64_t c = 0; c < kVecs; ++c) {
+          const fvec res = acc[g][c] * inv[g];
+          std::memcpy(dst + c * kLanes, &res, sizeof(res));
+        }
+      }
+    }
+  });
+}
+
 #if defined(__AVX512F__) && defined(__AVX512BF16__)
 // bfloat16 with AVX512-BF16: q.k by vdpbf16ps (bf16 products are exact in float32, summed in
 // float32), V widened to float32 in registers; the group's query heads share each K/V load.
@@ -206,6 +312,12 @@ void dispatch_dim(const at::Tensor& q, const at::Tensor& k_cache, const at::Tens
     }
   }
 #endif
+  if constexpr (std::is_same_v<T, float>) {
+    if (q.size(1) / k_cache.size(2) <= 8) {
+      if (q.size(2) == 64) return run_f32<64>(q, k_cache, v_cache, tables, lens, scale, out);
+      if (q.size(2) == 128) return run_f32<128>(q, k_cache, v_cache, tables, lens, scale, out);
+    }
+  }
   switch (q.size(2)) {
     case 64: run<T, 64>(q, k_cache, v_cache, tables, lens, scale, out); break;
     case 128: run<T, 128>(q, k_cache, v_cache, tables, lens, scale, out); break;
