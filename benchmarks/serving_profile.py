@@ -80,6 +80,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--py-spy", default=shutil.which("py-spy") or str(Path(sys.executable).parent / "py-spy"))
     p.add_argument("--out", type=Path, required=True)
     p.add_argument("--extra", default="", help="more `kvmesh up` flags, space-separated")
+    p.add_argument("--idle", action="store_true", help="py-spy samples idle threads too (where a thread waits: the GIL, a lock, a queue)")
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     args.out.mkdir(parents=True, exist_ok=True)
@@ -117,7 +118,8 @@ def main(argv: list[str] | None = None) -> int:
             if label in pids:
                 out = args.out / f"{label}.raw"
                 spies[label] = (out, subprocess.Popen([args.py_spy, "record", "--pid", str(pids[label]), "--duration", str(int(args.seconds)),
-                                                       "--rate", str(args.rate), "--format", "raw", "--threads", "--nonblocking", "-o", str(out)],
+                                                       "--rate", str(args.rate), "--format", "raw", "--threads", "--nonblocking", "-o", str(out),
+                                                       *(["--idle"] if args.idle else [])],
                                                       stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True))  # fmt: skip
         for label, (_out, spy) in spies.items():
             _, err = spy.communicate(timeout=args.seconds + 60)
