@@ -69,8 +69,8 @@ def greedy_tokens(engine: LLMEngine, batch: list[list[int]], kernel: bool, new_t
     return [tokens[f"g{int(kernel)}-{i}"] for i in range(len(batch))]
 
 
-def measure(dtype: str, batches: list[int], prompt_len: int, steps: int, rounds: int, threads: int) -> dict:
-    engine = LLMEngine(EngineConfig(dtype=dtype, kv_cache_bytes=1536 * 2**20, max_num_seqs=64,
+def measure(dtype: str, batches: list[int], prompt_len: int, steps: int, rounds: int, threads: int, model: str | None = None) -> dict:
+    engine = LLMEngine(EngineConfig(model=model, dtype=dtype, kv_cache_bytes=1536 * 2**20, max_num_seqs=64,
                                     max_num_batched_tokens=2048, num_threads=threads, enable_prefix_caching=False))  # fmt: skip
     vocab = engine.model_config.vocab_size
     rows = []
