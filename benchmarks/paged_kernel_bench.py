@@ -69,7 +69,9 @@ def greedy_tokens(engine: LLMEngine, batch: list[list[int]], kernel: bool, new_t
     return [tokens[f"g{int(kernel)}-{i}"] for i in range(len(batch))]
 
 
-def measure(dtype: str, batches: list[int], prompt_len: int, steps: int, rounds: int, threads: int, model: str | None = None) -> dict:
+def measure(
+    dtype: str, batches: list[int], prompt_len: int, steps: int, rounds: int, threads: int, model: str | None = None
+) -> dict:
     engine = LLMEngine(EngineConfig(model=model, dtype=dtype, kv_cache_bytes=1536 * 2**20, max_num_seqs=64,
                                     max_num_batched_tokens=2048, num_threads=threads, enable_prefix_caching=False))  # fmt: skip
     vocab = engine.model_config.vocab_size
@@ -87,7 +89,10 @@ def measure(dtype: str, batches: list[int], prompt_len: int, steps: int, rounds:
             drain(engine)
         rows.append({"batch": batch, "context": prompt_len, "on_ms": statistics.median(on), "off_ms": statistics.median(off),
                      "on_rounds": on, "off_rounds": off})  # fmt: skip
-        print(f"{dtype} batch {batch}: kernel {statistics.median(on):.1f} ms, gather {statistics.median(off):.1f} ms", file=sys.stderr)
+        print(
+            f"{dtype} batch {batch}: kernel {statistics.median(on):.1f} ms, gather {statistics.median(off):.1f} ms",
+            file=sys.stderr,
+        )
     check = prompts(8, 40, vocab, seed=99)
     same = greedy_tokens(engine, check, True, 48) == greedy_tokens(engine, check, False, 48)
     return {"dtype": dtype, "rows": rows, "greedy_equal": same}
