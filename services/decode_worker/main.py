@@ -14,12 +14,13 @@ from nats.aio.msg import Msg
 from pydantic import ValidationError
 
 from kvmesh.errors import ErrorCode, MeshError
-from kvmesh.protocol import QUEUE_GROUP, DecodeAck, DecodeRequest, ErrorInfo, LogprobSpec, ReleaseReply, ReleaseRequest, Stage, TokenEvent, request_id_of
+from kvmesh.protocol import QUEUE_GROUP, DecodeAck, DecodeRequest, ErrorInfo, LogprobSpec, ReleaseRequest, Stage, TokenEvent, request_id_of
 from kvmesh.services.decode_worker.handle_check import check_handle, producer_layout
 from kvmesh.telemetry import extract_context, inject_headers, record_queue_wait
 from kvmesh.transfer.mooncake_agent import TransferError
 from kvmesh.transfer.runs import coalesce
 from kvmesh.worker.in_flight import InFlight
+from kvmesh.worker.pin_release import CONFIRM_RELEASE_AFTER, release_confirmed
 from kvmesh.worker.engine_api import EngineDeadError, FinishReason
 from kvmesh.worker.runtime import WorkerRuntime
 from kvmesh.service_main import start_service
@@ -29,9 +30,6 @@ logger = logging.getLogger(__name__)
 
 IMPORT_RETRY_INTERVAL = 0.05  # seconds between tries for blocks while the pool is full
 RESUMED_IMPORT_WAIT = 1.0  # seconds a retried request waits for room here before trying elsewhere
-# A pull that ends this many seconds after its request came waits for the producer to say its
-# pin was still held (else its lease may have run out and its blocks been reused: kv_lost, retried)
-CONFIRM_RELEASE_AFTER = 1.0
 
 
 class DecodeWorker:
@@ -210,14 +208,9 @@ class DecodeWorker:
         (its blocks may be another request's by now: retried; the caller frees ours)."""
         rt = self.runtime
         release = ReleaseRequest(request_id=request_id, pin_token=pin_token, bytes_pulled=bytes_pulled, seconds_pulled=seconds_pulled, ok=True)
-        try:
-            reply = await rt.nc.request(rt.subjects.release(producer), release.encode(), timeout=min(2.0, rt.timeout))
-            released = ReleaseReply.decode(reply.data).released
-        except Exception as exc:  # noqa: BLE001 - no answer: the producer is gone, or says nothing usable
-            raise MeshError(ErrorCode.KV_LOST, f"{producer} did not confirm the pin of {request_id}: {exc!r}") from exc
-        if not released:
-            raise MeshError(ErrorCode.KV_LOST, f"the pin of {request_id} on {producer} was gone before the pull ended")
-
+        held, why = await release_confirmed(rt.nc, rt.subjects.release(producer), release, min(2.0, rt.timeout))
+        if not held:
+            raise MeshError(ErrorCode.KV_LOST, f"{producer}, {request_id}: {why}")
 
     async def _allocate_import(self, request_id: str, num_tokens: int, *, resumed: bool = False) -> list[int]:
         """Blocks for an import. A new request is admitted only while every running one

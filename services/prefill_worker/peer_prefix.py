@@ -8,6 +8,7 @@ pool, so a forged reply cannot point this worker's transfer engine anywhere else
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 from dataclasses import dataclass
@@ -16,6 +17,7 @@ from kvmesh.hashing import hash_to_hex
 from kvmesh.protocol import KVLendReply, KVLendRequest, PeerPrefix, ReleaseRequest, WorkerRecord
 from kvmesh.transfer.mooncake_agent import TransferError
 from kvmesh.transfer.runs import coalesce
+from kvmesh.worker.pin_release import CONFIRM_RELEASE_AFTER, release_confirmed
 from kvmesh.worker.runtime import WorkerRuntime
 
 logger = logging.getLogger(__name__)
@@ -66,6 +68,7 @@ async def borrow_prefix(rt: WorkerRuntime, cost: CostModel, request_id: str, pro
         return 0
     handle = borrow_handle(request_id)
     wanted = hashes[local:usable]
+    asked = time.monotonic()  # the loan's pin is made after this
     try:
         reply_msg = await rt.nc.request(
             rt.subjects.kv_lend(peer.worker_id, rt.worker_id),
@@ -80,7 +83,7 @@ async def borrow_prefix(rt: WorkerRuntime, cost: CostModel, request_id: str, pro
         if reply.error is not None:
             logger.info("peer %s refused to lend (%s); computing the prefix", peer.worker_id, reply.error.message)
         return 0
-    ok, pulled_bytes, pulled_seconds = False, 0, 0.0
+    ok, confirmed, pulled_bytes, pulled_seconds = False, False, 0, 0.0
     try:
         problem = lend_reply_problem(reply, rt.directory.workers.get(peer.worker_id) if rt.directory else None, len(wanted))
         if problem is not None:
@@ -92,6 +95,8 @@ async def borrow_prefix(rt: WorkerRuntime, cost: CostModel, request_id: str, pro
         local_ids = await engine.allocate_import(handle, len(reply.block_ids) * block_size)
         if local_ids is None:
             return 0
+        if rt.settings.fault_pull_delay:  # tests: a pull that ends after the loan's pin may have expired
+            await asyncio.sleep(rt.settings.fault_pull_delay)
         started = time.perf_counter()
         try:
             stats = await rt.agent.read_layout_async(
@@ -101,9 +106,23 @@ async def borrow_prefix(rt: WorkerRuntime, cost: CostModel, request_id: str, pro
             await engine.release_import(handle)
             logger.warning("pulling the prefix from %s failed: %s", peer.worker_id, exc)
             return 0
+        pull_seconds = time.perf_counter() - started
         got = len(reply.block_ids)
+        if time.monotonic() - asked >= CONFIRM_RELEASE_AFTER:
+            # Late: the loan's pin may have run out while the blocks were read, and the lender
+            # given them to another request. Cached here they would be wrong for every prompt
+            # that starts this way, so they are used only if the lender says the pin held.
+            confirmed = True
+            release = ReleaseRequest(
+                request_id=reply.loan_id, pin_token=reply.pin_token, bytes_pulled=stats.bytes, seconds_pulled=stats.seconds
+            )
+            held, why = await release_confirmed(rt.nc, rt.subjects.release(peer.worker_id), release, min(2.0, rt.timeout))
+            if not held:
+                await engine.release_import(handle)
+                logger.warning("not using the prefix pulled from %s for %s (%s); computing it", peer.worker_id, request_id, why)
+                return 0
         await engine.cache_imported_blocks(handle, wanted[:got], hashes[local - 1] if local else None)
-        cost.observe_pull(stats.bytes, time.perf_counter() - started)
+        cost.observe_pull(stats.bytes, pull_seconds)
         ok, pulled_bytes, pulled_seconds = True, stats.bytes, stats.seconds
         rt.transferred("in", stats.bytes, stats.seconds)
         span.set_attribute("kvmesh.pulled_blocks", got)
@@ -111,10 +130,15 @@ async def borrow_prefix(rt: WorkerRuntime, cost: CostModel, request_id: str, pro
         span.set_attribute("kvmesh.pull_seconds", stats.seconds)
         return got
     finally:
-        release = ReleaseRequest(
-            request_id=reply.loan_id, pin_token=reply.pin_token, bytes_pulled=pulled_bytes, seconds_pulled=pulled_seconds, ok=ok
-        )
-        await rt.nc.publish(rt.subjects.release(peer.worker_id), release.encode())
+        if not confirmed:
+            release = ReleaseRequest(
+                request_id=reply.loan_id,
+                pin_token=reply.pin_token,
+                bytes_pulled=pulled_bytes,
+                seconds_pulled=pulled_seconds,
+                ok=ok,
+            )
+            await rt.nc.publish(rt.subjects.release(peer.worker_id), release.encode())
 
 
 def borrow_handle(request_id: str) -> str:

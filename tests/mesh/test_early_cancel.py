@@ -118,3 +118,43 @@ async def test_a_cancel_while_the_peer_is_asked_to_lend_stops_the_prefill(mesh):
         await assert_pools_at_baseline(mesh, ["prefill-1"])
     finally:
         await nc.close()
+
+
+async def test_a_prefix_whose_loan_expired_during_the_pull_is_not_used(mesh):
+    """The borrower's pull waits 3 s (the fault delay); meanwhile the loan's pin goes (its
+    etcd key deleted, as a lease that ran out). The lender may have reused those blocks, so the
+    borrower, hearing that the pin was gone, drops what it read and computes the prefix:
+    nothing borrowed counts as cached, nothing of it is kept, and the answer is the one
+    computed without a peer."""
+    from kvmesh.cluster.etcd_store import EtcdStore
+    from kvmesh.protocol import Keys
+
+    nc = await nats.connect(mesh.nats.url, connect_timeout=5, **mesh.nats.connect_options())
+    try:
+        prompt = list(range(3000, 3100))  # 6 full blocks for prefill-2 to lend
+        sampling = SamplingSpec(max_tokens=4)
+
+        async def prefill(worker: str, rid: str, peer: PeerPrefix | None = None) -> PrefillResponse:
+            request = PrefillRequest(request_id=rid, prompt_token_ids=prompt, sampling=sampling, peer=peer)
+            [answer] = await send_work(nc, S.prefill(worker), request.encode(), S.stream("test", rid, "prefill"))
+            assert isinstance(answer, PrefillResponse) and answer.error is None and answer.kv is not None, answer
+            await nc.publish(S.release(worker), ReleaseRequest(request_id=rid, pin_token=answer.kv.pin_token).encode())
+            return answer
+
+        lent = await prefill("prefill-2", "lender-warm")
+        async with EtcdStore([mesh.etcd.endpoint], **mesh.etcd.store_options()) as store:
+            borrowing = asyncio.create_task(prefill("prefill-1", "late-borrow", PeerPrefix(worker_id="prefill-2", num_blocks=6)))
+            loan_key = Keys("default").pin("prefill-2", "lend:prefill-1:late-borrow")
+            for _ in range(50):  # written beside the lend reply; the pull waits 3 s after it
+                if await store.get(loan_key) is not None:
+                    break
+                await asyncio.sleep(0.05)
+            assert await store.delete(loan_key)
+            borrowed = await asyncio.wait_for(borrowing, 30)
+        assert borrowed.num_cached_tokens == 0  # computed here, not taken from the expired loan
+        assert borrowed.first_token_id == lent.first_token_id
+        assert "pin of lend:prefill-1:late-borrow released: lease expired" in mesh.workers["prefill-2"].tail(200)
+        assert "not using the prefix pulled from prefill-2 for late-borrow (the pin was gone" in mesh.workers["prefill-1"].tail(200)
+        await assert_pools_at_baseline(mesh, ["prefill-1", "prefill-2"])
+    finally:
+        await nc.close()
