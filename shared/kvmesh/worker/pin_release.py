@@ -9,11 +9,7 @@ not be used."""
 
 from __future__ import annotations
 
-import logging
-
 from kvmesh.protocol import ReleaseReply, ReleaseRequest
-
-logger = logging.getLogger(__name__)
 
 # A pull that ends this many seconds after its pin was made confirms the release.
 CONFIRM_RELEASE_AFTER = 1.0

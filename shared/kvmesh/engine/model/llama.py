@@ -88,8 +88,8 @@ class LlamaModel:
         self.scale = config.head_dim**-0.5
         compiled = device.type == "cpu" and paged_kernel.available()
         # Decode attention through the compiled kernel, K/V read in place (model/paged_kernel.py),
-        # for every dtype: a decode step of 32 sequences 1.35x (float32) and 1.49x (bfloat16)
-        # faster than gathering the blocks, batch 1 even (docs/benchmarks.md, "The compiled
+        # for every dtype: a decode step 1.25-1.34x (float32) and 1.28-1.38x (bfloat16) faster
+        # than gathering the blocks at batch 1, 8 and 32 (docs/benchmarks.md, "The compiled
         # decode attention for float32").
         self.paged_kernel = compiled
         # Rotary and the K/V store fused into one compiled op (same library), bit-identical.

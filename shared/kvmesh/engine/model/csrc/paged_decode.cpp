@@ -41,45 +41,83 @@ inline int64_t grain(int64_t tokens, int64_t group, int64_t dim) {
   return per_task >= 200000 ? 1 : 200000 / (per_task > 0 ? per_task : 1);
 }
 
+// One call's sizes and where its rows lie: q (B, heads, dim), the layer's strided K/V views,
+// the block tables and context lengths. P is the element type the kernel loads (uint16_t for
+// bfloat16 bits), O the output's.
+template <typename P, typename O>
+struct Paged {
+  int64_t num_seqs, heads, kv_heads, group, block_size, width;
+  float scale;
+  const P *qp, *kp, *vp;
+  const int64_t *tp, *lp;
+  O* op;
+  int64_t qs, qh, kb, kt, kh, vb, vt, vh;
+
+  Paged(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& tables, const at::Tensor& lens,
+        double scale_, at::Tensor& out)
+      : num_seqs(q.size(0)), heads(q.size(1)), kv_heads(k.size(2)), group(q.size(1) / k.size(2)), block_size(k.size(1)),
+        width(tables.size(1)), scale(static_cast<float>(scale_)), qp(static_cast<const P*>(q.const_data_ptr())),
+        kp(static_cast<const P*>(k.const_data_ptr())), vp(static_cast<const P*>(v.const_data_ptr())),
+        tp(tables.const_data_ptr<int64_t>()), lp(lens.const_data_ptr<int64_t>()), op(static_cast<O*>(out.data_ptr())),
+        qs(q.stride(0)), qh(q.stride(1)), kb(k.stride(0)), kt(k.stride(1)), kh(k.stride(2)), vb(v.stride(0)),
+        vt(v.stride(1)), vh(v.stride(2)) {}
+
+  const int64_t* table(int64_t s) const { return tp + s * width; }
+  const P* query(int64_t s, int64_t head) const { return qp + s * qs + head * qh; }
+  const P* key(const int64_t* table, int64_t pos, int64_t h) const {
+    return kp + table[pos / block_size] * kb + (pos % block_size) * kt + h * kh;
+  }
+  const P* value(const int64_t* table, int64_t pos, int64_t h) const {
+    return vp + table[pos / block_size] * vb + (pos % block_size) * vt + h * vh;
+  }
+  O* output(int64_t s, int64_t head, int64_t dim) const { return op + (s * heads + head) * dim; }
+  // Tasks (sequence, KV head) per thread for a context of the tables' full width.
+  int64_t grain_for(int64_t dim) const { return grain(width * block_size, group, dim); }
+};
+
+// Softmax in place over each of ``group`` rows of ``len`` scores; inv[g]: 1 / row g's sum.
+inline void softmax_rows(float* scores, int64_t group, int64_t len, float* inv) {
+  for (int64_t g = 0; g < group; ++g) {
+    float* row = scores + g * len;
+    float peak = -std::numeric_limits<float>::infinity();
+    for (int64_t i = 0; i < len; ++i) peak = row[i] > peak ? row[i] : peak;
+    float total = 0.f;
+#pragma omp simd reduction(+ : total)
+    for (int64_t i = 0; i < len; ++i) {
+      row[i] = std::exp(row[i] - peak);  // vectorized (libmvec) with -fno-math-errno
+      total += row[i];
+    }
+    inv[g] = 1.f / total;
+  }
+}
+
 // D > 0: the head dim known at compile time (loops unrolled, accumulators in registers).
 template <typename T, int64_t D>
 void run(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache, const at::Tensor& tables,
          const at::Tensor& lens, double scale, at::Tensor& out) {
-  const int64_t num_seqs = q.size(0), heads = q.size(1), dim = D > 0 ? D : q.size(2);
-  const int64_t block_size = k_cache.size(1), kv_heads = k_cache.size(2);
-  const int64_t group = heads / kv_heads, width = tables.size(1);
-  const int64_t kb = k_cache.stride(0), kt = k_cache.stride(1), kh = k_cache.stride(2);
-  const int64_t vb = v_cache.stride(0), vt = v_cache.stride(1), vh = v_cache.stride(2);
-  const int64_t qs = q.stride(0), qh = q.stride(1);
-  const T* qp = q.const_data_ptr<T>();
-  const T* kp = k_cache.const_data_ptr<T>();
-  const T* vp = v_cache.const_data_ptr<T>();
-  const int64_t* tp = tables.const_data_ptr<int64_t>();
-  const int64_t* lp = lens.const_data_ptr<int64_t>();
-  T* op = out.data_ptr<T>();
-  const float fscale = static_cast<float>(scale);
+  const Paged<T, T> a(q, k_cache, v_cache, tables, lens, scale, out);
+  const int64_t dim = D > 0 ? D : q.size(2);
 
-  at::parallel_for(0, num_seqs * kv_heads, grain(width * block_size, group, dim), [&](int64_t begin, int64_t end) {
+  at::parallel_for(0, a.num_seqs * a.kv_heads, a.grain_for(dim), [&](int64_t begin, int64_t end) {
     std::vector<float> scores;
     std::vector<const T*> krows, vrows;
     alignas(64) float qf[kMaxDim];
     alignas(64) float acc[kMaxDim];
     for (int64_t task = begin; task < end; ++task) {
-      const int64_t s = task / kv_heads, h = task % kv_heads;
-      const int64_t len = lp[s];
-      const int64_t* table = tp + s * width;
+      const int64_t s = task / a.kv_heads, h = task % a.kv_heads;
+      const int64_t len = a.lp[s];
+      const int64_t* table = a.table(s);
       scores.resize(len);
       krows.resize(len);
       vrows.resize(len);
       for (int64_t pos = 0; pos < len; ++pos) {
-        const int64_t block = table[pos / block_size], off = pos % block_size;
-        krows[pos] = kp + block * kb + off * kt + h * kh;
-        vrows[pos] = vp + block * vb + off * vt + h * vh;
+        krows[pos] = a.key(table, pos, h);
+        vrows[pos] = a.value(table, pos, h);
       }
-      for (int64_t g = 0; g < group; ++g) {
-        const int64_t head = h * group + g;
-        const T* src = qp + s * qs + head * qh;
-        for (int64_t d = 0; d < dim; ++d) qf[d] = to_float(src[d]) * fscale;
+      for (int64_t g = 0; g < a.group; ++g) {
+        const int64_t head = h * a.group + g;
+        const T* src = a.query(s, head);
+        for (int64_t d = 0; d < dim; ++d) qf[d] = to_float(src[d]) * a.scale;
         float peak = -std::numeric_limits<float>::infinity();
         for (int64_t pos = 0; pos < len; ++pos) {
           const T* krow = krows[pos];
@@ -104,7 +142,7 @@ void run(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cac
           for (int64_t d = 0; d < dim; ++d) acc[d] += w * to_float(vrow[d]);
         }
         const float inv = 1.f / total;
-        T* dst = op + (s * heads + head) * dim;
+        T* dst = a.output(s, head, dim);
         for (int64_t d = 0; d < dim; ++d) dst[d] = static_cast<T>(acc[d] * inv);
       }
     }
@@ -149,32 +187,21 @@ void run_f32(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v
              const at::Tensor& lens, double scale, at::Tensor& out) {
   static_assert(D % kLanes == 0, "D: a multiple of the vector width");
   constexpr int64_t kMaxGroup = 8, kVecs = D / kLanes;
-  const int64_t num_seqs = q.size(0), heads = q.size(1);
-  const int64_t block_size = k_cache.size(1), kv_heads = k_cache.size(2);
-  const int64_t group = heads / kv_heads, width = tables.size(1);
-  const int64_t kb = k_cache.stride(0), kt = k_cache.stride(1), kh = k_cache.stride(2);
-  const int64_t vb = v_cache.stride(0), vt = v_cache.stride(1), vh = v_cache.stride(2);
-  const int64_t qs = q.stride(0), qh = q.stride(1);
-  const float* qp = q.const_data_ptr<float>();
-  const float* kp = k_cache.const_data_ptr<float>();
-  const float* vp = v_cache.const_data_ptr<float>();
-  const int64_t* tp = tables.const_data_ptr<int64_t>();
-  const int64_t* lp = lens.const_data_ptr<int64_t>();
-  float* op = out.data_ptr<float>();
-  const float fscale = static_cast<float>(scale);
+  const Paged<float, float> a(q, k_cache, v_cache, tables, lens, scale, out);
+  const int64_t group = a.group;
 
-  at::parallel_for(0, num_seqs * kv_heads, grain(width * block_size, group, D), [&](int64_t begin, int64_t end) {
+  at::parallel_for(0, a.num_seqs * a.kv_heads, a.grain_for(D), [&](int64_t begin, int64_t end) {
     std::vector<float> scores;
     for (int64_t task = begin; task < end; ++task) {
-      const int64_t s = task / kv_heads, h = task % kv_heads;
-      const int64_t len = lp[s];
-      const int64_t* table = tp + s * width;
+      const int64_t s = task / a.kv_heads, h = task % a.kv_heads;
+      const int64_t len = a.lp[s];
+      const int64_t* table = a.table(s);
       scores.resize(group * len);
       fvec qv[kMaxGroup][kVecs];
       for (int64_t g = 0; g < group; ++g)
-        for (int64_t c = 0; c < kVecs; ++c) qv[g][c] = loadv(qp + s * qs + (h * group + g) * qh + c * kLanes) * fscale;
+        for (int64_t c = 0; c < kVecs; ++c) qv[g][c] = loadv(a.query(s, h * group + g) + c * kLanes) * a.scale;
       for (int64_t pos = 0; pos < len; ++pos) {
-        const float* krow = kp + table[pos / block_size] * kb + (pos % block_size) * kt + h * kh;
+        const float* krow = a.key(table, pos, h);
         fvec kv[kVecs];
         for (int64_t c = 0; c < kVecs; ++c) kv[c] = loadv(krow + c * kLanes);
         for (int64_t g = 0; g < group; ++g) {
@@ -184,21 +211,10 @@ void run_f32(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v
         }
       }
       float inv[kMaxGroup];
-      for (int64_t g = 0; g < group; ++g) {
-        float* row = scores.data() + g * len;
-        float peak = -std::numeric_limits<float>::infinity();
-        for (int64_t i = 0; i < len; ++i) peak = row[i] > peak ? row[i] : peak;
-        float total = 0.f;
-#pragma omp simd reduction(+ : total)
-        for (int64_t i = 0; i < len; ++i) {
-          row[i] = std::exp(row[i] - peak);
-          total += row[i];
-        }
-        inv[g] = 1.f / total;
-      }
+      softmax_rows(scores.data(), group, len, inv);
       fvec acc[kMaxGroup][kVecs] = {};
       for (int64_t pos = 0; pos < len; ++pos) {
-        const float* vrow = vp + table[pos / block_size] * vb + (pos % block_size) * vt + h * vh;
+        const float* vrow = a.value(table, pos, h);
         fvec vv[kVecs];
         for (int64_t c = 0; c < kVecs; ++c) vv[c] = loadv(vrow + c * kLanes);
         for (int64_t g = 0; g < group; ++g) {
@@ -207,7 +223,7 @@ void run_f32(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v
         }
       }
       for (int64_t g = 0; g < group; ++g) {
-        float* dst = op + (s * heads + h * group + g) * D;
+        float* dst = a.output(s, h * group + g, D);
         for (int64_t c = 0; c < kVecs; ++c) {
           const fvec res = acc[g][c] * inv[g];
           std::memcpy(dst + c * kLanes, &res, sizeof(res));
@@ -225,59 +241,36 @@ void run_bf16(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& 
               const at::Tensor& lens, double scale, at::Tensor& out) {
   static_assert(D % 32 == 0, "D: a multiple of 32");
   constexpr int64_t kMaxGroup = 8, kVecs = D / 16;
-  const int64_t num_seqs = q.size(0), heads = q.size(1);
-  const int64_t block_size = k_cache.size(1), kv_heads = k_cache.size(2);
-  const int64_t group = heads / kv_heads, width = tables.size(1);
-  const int64_t kb = k_cache.stride(0), kt = k_cache.stride(1), kh = k_cache.stride(2);
-  const int64_t vb = v_cache.stride(0), vt = v_cache.stride(1), vh = v_cache.stride(2);
-  const int64_t qs = q.stride(0), qh = q.stride(1);
-  const auto* qp = reinterpret_cast<const uint16_t*>(q.const_data_ptr<c10::BFloat16>());
-  const auto* kp = reinterpret_cast<const uint16_t*>(k_cache.const_data_ptr<c10::BFloat16>());
-  const auto* vp = reinterpret_cast<const uint16_t*>(v_cache.const_data_ptr<c10::BFloat16>());
-  const int64_t* tp = tables.const_data_ptr<int64_t>();
-  const int64_t* lp = lens.const_data_ptr<int64_t>();
-  c10::BFloat16* op = out.data_ptr<c10::BFloat16>();
-  const float fscale = static_cast<float>(scale);
+  const Paged<uint16_t, c10::BFloat16> a(q, k_cache, v_cache, tables, lens, scale, out);  // bf16 as its bits
+  const int64_t group = a.group;
 
-  at::parallel_for(0, num_seqs * kv_heads, grain(width * block_size, group, D), [&](int64_t begin, int64_t end) {
+  at::parallel_for(0, a.num_seqs * a.kv_heads, a.grain_for(D), [&](int64_t begin, int64_t end) {
     std::vector<float> scores;
     for (int64_t task = begin; task < end; ++task) {
-      const int64_t s = task / kv_heads, h = task % kv_heads;
-      const int64_t len = lp[s];
-      const int64_t* table = tp + s * width;
+      const int64_t s = task / a.kv_heads, h = task % a.kv_heads;
+      const int64_t len = a.lp[s];
+      const int64_t* table = a.table(s);
       scores.resize(group * len);
       __m512i qv[kMaxGroup][D / 32];
       for (int64_t g = 0; g < group; ++g)
-        for (int64_t c = 0; c < D / 32; ++c)
-          qv[g][c] = _mm512_loadu_si512(qp + s * qs + (h * group + g) * qh + c * 32);
+        for (int64_t c = 0; c < D / 32; ++c) qv[g][c] = _mm512_loadu_si512(a.query(s, h * group + g) + c * 32);
       for (int64_t pos = 0; pos < len; ++pos) {
-        const uint16_t* krow = kp + table[pos / block_size] * kb + (pos % block_size) * kt + h * kh;
+        const uint16_t* krow = a.key(table, pos, h);
         __m512i kv[D / 32];
         for (int64_t c = 0; c < D / 32; ++c) kv[c] = _mm512_loadu_si512(krow + c * 32);
         for (int64_t g = 0; g < group; ++g) {
           __m512 acc = _mm512_setzero_ps();
           for (int64_t c = 0; c < D / 32; ++c) acc = _mm512_dpbf16_ps(acc, (__m512bh)qv[g][c], (__m512bh)kv[c]);
-          scores[g * len + pos] = _mm512_reduce_add_ps(acc) * fscale;
+          scores[g * len + pos] = _mm512_reduce_add_ps(acc) * a.scale;
         }
       }
       float inv[kMaxGroup];
-      for (int64_t g = 0; g < group; ++g) {
-        float* row = scores.data() + g * len;
-        float peak = -std::numeric_limits<float>::infinity();
-        for (int64_t i = 0; i < len; ++i) peak = row[i] > peak ? row[i] : peak;
-        float total = 0.f;
-#pragma omp simd reduction(+ : total)
-        for (int64_t i = 0; i < len; ++i) {
-          row[i] = std::exp(row[i] - peak);
-          total += row[i];
-        }
-        inv[g] = 1.f / total;
-      }
+      softmax_rows(scores.data(), group, len, inv);
       __m512 acc[kMaxGroup][kVecs];
       for (int64_t g = 0; g < group; ++g)
         for (int64_t c = 0; c < kVecs; ++c) acc[g][c] = _mm512_setzero_ps();
       for (int64_t pos = 0; pos < len; ++pos) {
-        const uint16_t* vrow = vp + table[pos / block_size] * vb + (pos % block_size) * vt + h * vh;
+        const uint16_t* vrow = a.value(table, pos, h);
         __m512 vv[kVecs];
         for (int64_t c = 0; c < kVecs; ++c) {
           __m512i wide = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(vrow + c * 16)));
@@ -292,7 +285,7 @@ void run_bf16(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& 
         alignas(64) float tmp[D];
         const __m512 scale_out = _mm512_set1_ps(inv[g]);
         for (int64_t c = 0; c < kVecs; ++c) _mm512_store_ps(tmp + c * 16, _mm512_mul_ps(acc[g][c], scale_out));
-        c10::BFloat16* dst = op + (s * heads + h * group + g) * D;
+        c10::BFloat16* dst = a.output(s, h * group + g, D);
         for (int64_t d = 0; d < D; ++d) dst[d] = static_cast<c10::BFloat16>(tmp[d]);
       }
     }
