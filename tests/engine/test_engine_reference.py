@@ -173,3 +173,58 @@ def test_cascade_decode_logits_match_plain(model_dir, prompts):
     assert cascade_meta.decode.shared_prefix is not None
     cascade = _decode_attention(q, k_cache, v_cache, cascade_meta.decode, 0.125)
     torch.testing.assert_close(cascade, plain, atol=1e-5, rtol=1e-5)
+
+
+def _shared_prefix_batch(engine: LLMEngine, prompts: list[list[int]]) -> list[list[int]]:
+    """Four prompts on one cached prefix: three begin their own tokens where the prefix
+    ends, one after more cached blocks of its own."""
+    prefix = prompts[5] + prompts[1]
+    engine.generate([prefix], SamplingParams(max_tokens=1))
+    engine.generate([prefix + prompts[0]], SamplingParams(max_tokens=1))
+    return [prefix + prompts[0] + prompts[2]] + [prefix + p for p in prompts[1:4]]
+
+
+def test_prefill_chunks_on_a_cached_prefix_read_it_once(model_dir, reference, prompts, monkeypatch):
+    """Prompts on one cached prefix, prefilled in the same step, attend to it as one group
+    (SharedPrefill); their tokens still equal the reference, for a chunk beginning where the
+    prefix ends and for one beginning after more cached blocks of its own."""
+    from kvmesh.engine.model import attention
+
+    groups = []
+    original = attention._shared_prefill_attention
+    monkeypatch.setattr(attention, "_shared_prefill_attention", lambda *a: groups.append(a[5]) or original(*a))
+    engine = make_engine(model_dir)
+    engine.runner.cascade_min_blocks = 2
+    batch = _shared_prefix_batch(engine, prompts)
+    outs = engine.generate(batch, GREEDY)
+    assert [len(group.spans) for group in groups] == [4] * engine.model_config.num_layers
+    spans = groups[0].spans
+    assert sum(span.block_table is not None for span in spans) == 1, "one chunk begins after its own cached blocks"
+    assert [o.new_token_ids for o in outs] == [reference_greedy(reference, p, NEW_TOKENS) for p in batch]
+    assert engine.kv_manager.pool.num_free_blocks == engine.kv_manager.pool.num_blocks  # all freed or cached
+
+
+def test_shared_prefill_attention_matches_plain(model_dir, prompts):
+    """The grouped prefill attention and the per-chunk one compute the same values (float32)."""
+    from kvmesh.engine.model.attention import paged_attention, write_kv
+
+    engine = make_engine(model_dir)
+    engine.runner.cascade_min_blocks = 2
+    for index, prompt in enumerate(_shared_prefix_batch(engine, prompts)):
+        engine.add_request(f"s{index}", prompt, SamplingParams(max_tokens=1))
+    out = engine.scheduler.schedule()
+    _, _, grouped, _, _ = engine.runner.prepare(out)
+    assert len(grouped.shared_prefills) == 1 and not grouped.prefills
+    engine.runner.shared_prefill = False
+    _, _, plain, _, _ = engine.runner.prepare(out)
+    assert not plain.shared_prefills and len(plain.prefills) == 4
+    cfg = engine.model_config
+    k_cache, v_cache = engine.kv_pool.layer_views(0)
+    torch.manual_seed(0)
+    tokens = out.num_tokens
+    q = torch.randn(tokens, cfg.num_heads, cfg.head_dim)
+    k, v = torch.randn(2, tokens, cfg.num_kv_heads, cfg.head_dim)
+    write_kv(k_cache, v_cache, k, v, plain)
+    want = paged_attention(q, k, v, k_cache, v_cache, plain, 0.125)
+    got = paged_attention(q, k, v, k_cache, v_cache, grouped, 0.125)
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)

@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 from kvmesh.engine.kv_cache import KVCachePool
 from kvmesh.engine.kv_cache_manager import KVCacheManager, cdiv
 from kvmesh.engine.logprobs import PromptSpan, record_prompt_logprobs, record_sample_logprobs
-from kvmesh.engine.model.attention import AttentionMetadata, DecodeBatch, PrefillSpan
+from kvmesh.engine.model import attention
+from kvmesh.engine.model.attention import AttentionMetadata, DecodeBatch, PrefillSpan, SharedPrefill
 from kvmesh.engine.model.llama import LlamaModel
 from kvmesh.engine.request import Request
 from kvmesh.engine.sampler import sample_rows
@@ -25,6 +28,16 @@ def shared_prefix_blocks(tables: list[list[int]], context_lens: list[int], block
     return count
 
 
+@dataclass(slots=True)
+class _Chunk:
+    """A prefill chunk that begins after cached (or earlier-computed) context."""
+
+    flat_start: int
+    start_pos: int
+    end_pos: int
+    table: list[int]  # its blocks up to end_pos
+
+
 class ModelRunner:
     def __init__(
         self,
@@ -35,8 +48,11 @@ class ModelRunner:
         cascade_min_blocks: int = 8,
     ) -> None:
         """``cascade_min_blocks``: decode batches whose sequences share at least this many
-        leading blocks read them once for the whole batch (cascade attention)."""
+        leading blocks read them once for the whole batch (cascade attention); so do two or
+        more prefill chunks of one step whose cached contexts do (``SharedPrefill``), while
+        ``shared_prefill`` is on (CPU only: it needs flash attention's log-sum-exp)."""
         self.cascade_min_blocks = cascade_min_blocks
+        self.shared_prefill = model.device.type == "cpu"
         self.model = model
         self.kv_pool = kv_pool
         self.kv_manager = kv_manager
@@ -75,6 +91,7 @@ class ModelRunner:
         decode = self._decode_batch(tables, context_lens) if decodes else None
 
         spans: list[PrefillSpan] = []
+        continued: list[_Chunk] = []  # chunks after cached context: candidates for a SharedPrefill
         for item in prefills:
             req = item.request
             start_pos, count = req.num_computed_tokens, item.num_new_tokens
@@ -86,16 +103,16 @@ class ModelRunner:
             positions.extend(span_positions)
             slot_blocks.extend(blocks[p // bs] for p in span_positions)
             slot_offsets.extend(p % bs for p in span_positions)
-            table = mask = None
             if start_pos > 0:
-                table = self._tensor(blocks[: cdiv(end_pos, bs)])
-                keys = torch.arange(end_pos, device=self.device)
-                queries = torch.arange(start_pos, end_pos, device=self.device)
-                mask = (keys.unsqueeze(0) <= queries.unsqueeze(1)).view(1, 1, count, end_pos)
-            spans.append(PrefillSpan(flat_start, count, end_pos, table, mask))
+                continued.append(_Chunk(flat_start, start_pos, end_pos, blocks[: cdiv(end_pos, bs)]))
+            else:
+                spans.append(PrefillSpan(flat_start, count, end_pos, None, None))
             if item.samples:
                 sample_rows.append(flat_start + count - 1)
                 sample_reqs.append(req)
+        groups = self._shared_prefills(continued)
+        grouped = {span.start for group in groups for span in group.spans}
+        spans.extend(self._span(chunk, 0) for chunk in continued if chunk.flat_start not in grouped)
 
         meta = AttentionMetadata(
             slot_blocks=self._tensor(slot_blocks),
@@ -103,10 +120,51 @@ class ModelRunner:
             num_decode=len(decodes),
             decode=decode,
             prefills=spans,
+            shared_prefills=groups,
         )
         # The flat order is decodes first, then prefills: sampled tokens follow that order.
         out.scheduled = decodes + prefills
         return self._tensor(input_ids), self._tensor(positions), meta, sample_rows, sample_reqs
+
+    def _span(self, chunk: _Chunk, skip_blocks: int) -> PrefillSpan:
+        """The span of a chunk after cached context, attending to its context from block
+        ``skip_blocks`` on (the blocks before are a ``SharedPrefill``'s prefix). A span that
+        attends to just its own new tokens gets no block table: a causal square."""
+        bs = self.block_size
+        first = skip_blocks * bs
+        count = chunk.end_pos - chunk.start_pos
+        if chunk.start_pos == first:
+            return PrefillSpan(chunk.flat_start, count, count, None, None)
+        keys = torch.arange(first, chunk.end_pos, device=self.device)
+        queries = torch.arange(chunk.start_pos, chunk.end_pos, device=self.device)
+        visible = (keys.unsqueeze(0) <= queries.unsqueeze(1)).view(1, 1, count, -1)
+        mask: torch.Tensor = visible
+        if skip_blocks:  # flash attention's mask is additive, in the queries' dtype
+            mask = torch.zeros(visible.shape, dtype=self.model.dtype, device=self.device)
+            mask = mask.masked_fill_(~visible, float("-inf"))
+        table = self._tensor(chunk.table[skip_blocks:])
+        return PrefillSpan(chunk.flat_start, count, chunk.end_pos - first, table, mask)
+
+    def _shared_prefills(self, chunks: list[_Chunk]) -> list[SharedPrefill]:
+        """Groups of two or more chunks whose cached contexts begin with the same blocks
+        (at least ``cascade_min_blocks`` of them, all before each chunk's first query)."""
+        if not self.shared_prefill or attention.flash_attention_with_lse is None or len(chunks) < 2:
+            return []
+        by_first: dict[int, list[_Chunk]] = {}
+        for chunk in chunks:
+            by_first.setdefault(chunk.table[0], []).append(chunk)
+        groups = []
+        for members in by_first.values():
+            if len(members) < 2:
+                continue
+            # the +1: a chunk's prefix may end exactly where its queries begin
+            shared = shared_prefix_blocks([c.table for c in members], [c.start_pos + 1 for c in members], self.block_size)
+            if shared < self.cascade_min_blocks:
+                continue
+            spans = [self._span(chunk, shared) for chunk in members]
+            total = sum(span.length for span in spans)
+            groups.append(SharedPrefill(self._tensor(members[0].table[:shared]), spans, total))
+        return groups
 
     def _decode_batch(self, tables: list[list[int]], context_lens: list[int]) -> DecodeBatch:
         bs = self.block_size

@@ -8,7 +8,7 @@ reads finished data.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
@@ -23,6 +23,27 @@ class PrefillSpan:
     context_len: int  # tokens the chunk attends to, itself included
     block_table: torch.Tensor | None  # None: no earlier context, attend to the chunk itself
     mask: torch.Tensor | None  # (1, 1, length, context_len) when block_table is set
+
+
+@dataclass(slots=True)
+class SharedPrefill:
+    """Prefill chunks whose contexts all begin with the same cached blocks (many prompts
+    on one system prompt or document, prefilled in the same step).
+
+    Every query of every chunk attends to those blocks in one unmasked flash attention, so
+    they are read once for the group, not once per chunk; then each chunk attends to its
+    own tokens after them, and the two parts merge by their log-sum-exp. Each span's
+    ``block_table``, ``context_len`` and ``mask`` cover only the tokens after the prefix;
+    ``block_table`` None: those are exactly the chunk's own new tokens (a causal square).
+    """
+
+    prefix: torch.Tensor  # (P,) block ids every span's context begins with, all before every span's queries
+    spans: list[PrefillSpan]
+    num_tokens: int  # the spans' queries, in all
+
+
+# Flash attention that also returns each query's log-sum-exp (CPU); None: groups are not formed.
+flash_attention_with_lse = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
 
 
 @dataclass(slots=True)
@@ -47,6 +68,7 @@ class AttentionMetadata:
     num_decode: int  # the first num_decode tokens decode, one token per sequence
     decode: DecodeBatch | None
     prefills: list[PrefillSpan]
+    shared_prefills: list[SharedPrefill] = field(default_factory=list)
 
 
 def write_kv(
@@ -67,6 +89,15 @@ def _gather(cache: torch.Tensor, block_table: torch.Tensor) -> torch.Tensor:
     _, block_size, kv_heads, dim = gathered.shape
     tokens = gathered.view(*block_table.shape[:-1], block_table.shape[-1] * block_size, kv_heads, dim)
     return tokens.transpose(-3, -2).contiguous()
+
+
+def _gather_view(cache: torch.Tensor, block_table: torch.Tensor) -> torch.Tensor:
+    """Like ``_gather`` but (kv_heads, n*block_size, dim) as a strided view of the copied
+    blocks, not made contiguous: flash attention reads it as it is, and the copy that
+    transposing would take costs as much as the gather (float32)."""
+    gathered = torch.index_select(cache, 0, block_table)  # (n, block_size, kv_heads, dim)
+    _, block_size, kv_heads, dim = gathered.shape
+    return gathered.view(-1, kv_heads, dim).transpose(0, 1)
 
 
 def _decode_attention(
@@ -103,23 +134,47 @@ def _decode_attention(
         probs = torch.softmax(scores, dim=-1).to(values.dtype)
         return torch.matmul(probs, values).view(num_seqs, heads, dim)
 
-    # Cascade: every query of the batch against the shared prefix in one matmul per KV head,
-    # then one softmax over [prefix, own tokens] without concatenating them.
+    dtype = values.dtype
+    stacked = grouped.transpose(0, 1).reshape(kv_heads, num_seqs * group, dim)
+    if flash_attention_with_lse is not None and q.device.type == "cpu":
+        # Cascade: every query of the batch against the shared prefix in one flash attention
+        # per KV head, merged with the attention to its own tokens by log-sum-exp.
+        prefix_out, prefix_lse = flash_attention_with_lse(
+            stacked.unsqueeze(0),
+            _gather_view(k_cache, batch.shared_prefix).unsqueeze(0),
+            _gather_view(v_cache, batch.shared_prefix).unsqueeze(0),
+            scale=scale,
+        )
+        prefix_out = prefix_out.view(kv_heads, num_seqs, group, dim).transpose(0, 1)  # (B, kv_heads, group, dim)
+        prefix_lse = prefix_lse.view(kv_heads, num_seqs, group, 1).transpose(0, 1)
+        own_lse = torch.logsumexp(scores, dim=-1, keepdim=True)
+        own_out = torch.matmul(torch.exp(scores - own_lse).to(dtype), values)
+        return _merge(prefix_out, prefix_lse, own_out, own_lse).to(dtype).reshape(num_seqs, heads, dim)
+
+    # Cascade elsewhere: the prefix in one matmul per KV head, then one softmax over
+    # [prefix, own tokens] without concatenating them.
     prefix_keys = _gather(k_cache, batch.shared_prefix)  # (kv_heads, P, dim)
     prefix_values = _gather(v_cache, batch.shared_prefix)
-    stacked = grouped.transpose(0, 1).reshape(kv_heads, num_seqs * group, dim)
     prefix_scores = torch.matmul(stacked, prefix_keys.transpose(-1, -2)).float() * scale  # (kv_heads, B*group, P)
     prefix_scores = prefix_scores.view(kv_heads, num_seqs, group, -1).transpose(0, 1)  # (B, kv_heads, group, P)
     peak = torch.maximum(prefix_scores.amax(-1, keepdim=True), scores.amax(-1, keepdim=True))
     prefix_weights = torch.exp(prefix_scores - peak)
     own_weights = torch.exp(scores - peak)
     total = prefix_weights.sum(-1, keepdim=True) + own_weights.sum(-1, keepdim=True)
-    dtype = values.dtype
     stacked_weights = prefix_weights.transpose(0, 1).reshape(kv_heads, num_seqs * group, -1).to(dtype)
     prefix_out = torch.matmul(stacked_weights, prefix_values).view(kv_heads, num_seqs, group, dim).transpose(0, 1)
     own_out = torch.matmul(own_weights.to(dtype), values)
     out = (prefix_out.float() + own_out.float()) / total
     return out.to(dtype).reshape(num_seqs, heads, dim)
+
+
+def _merge(out_a: torch.Tensor, lse_a: torch.Tensor, out_b: torch.Tensor, lse_b: torch.Tensor) -> torch.Tensor:
+    """Attention over keys A and B from each part's normalized output and log-sum-exp (the
+    lse broadcast over the last dim of the outputs), in float32."""
+    peak = torch.maximum(lse_a, lse_b)
+    weight_a = torch.exp(lse_a - peak)
+    weight_b = torch.exp(lse_b - peak)
+    return (out_a.float() * weight_a + out_b.float() * weight_b) / (weight_a + weight_b)
 
 
 def paged_attention(
@@ -135,13 +190,15 @@ def paged_attention(
     """Attention of the flat batch; q (T, heads, dim), k/v (T, kv_heads, dim) -> (T, heads, dim).
     ``kernel``: decode attention through the compiled kernel (see ``_decode_attention``)."""
     num_decode = meta.num_decode
-    if not meta.prefills:
+    if not meta.prefills and not meta.shared_prefills:
         assert meta.decode is not None
         return _decode_attention(q, k_cache, v_cache, meta.decode, scale, kernel)
     out = torch.empty_like(q)
     if num_decode:
         assert meta.decode is not None
         out[:num_decode] = _decode_attention(q[:num_decode], k_cache, v_cache, meta.decode, scale, kernel)
+    for group in meta.shared_prefills:
+        _shared_prefill_attention(q, k, v, k_cache, v_cache, group, scale, out)
     for span in meta.prefills:
         end = span.start + span.length
         queries = q[span.start : end].transpose(0, 1).unsqueeze(0)  # (1, heads, L, dim)
@@ -159,3 +216,55 @@ def paged_attention(
             )
         out[span.start : end] = attended.squeeze(0).transpose(0, 1)
     return out
+
+
+def _shared_prefill_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    group: SharedPrefill,
+    scale: float,
+    out: torch.Tensor,
+) -> None:
+    """Attention of a ``SharedPrefill`` group, written into its rows of ``out``.
+
+    The prefix part stacks the query heads that share a KV head as rows (no K/V repeat)."""
+    assert flash_attention_with_lse is not None
+    num_rows, heads, dim = group.num_tokens, q.shape[1], q.shape[2]
+    kv_heads = k_cache.shape[2]
+    per_kv = heads // kv_heads
+    rows = torch.cat([q[span.start : span.start + span.length] for span in group.spans])  # (N, heads, dim)
+    stacked = rows.view(num_rows, kv_heads, per_kv, dim).transpose(0, 1).reshape(1, kv_heads, num_rows * per_kv, dim)
+    prefix_keys = _gather_view(k_cache, group.prefix).unsqueeze(0)  # (1, kv_heads, P, dim)
+    prefix_values = _gather_view(v_cache, group.prefix).unsqueeze(0)
+    prefix_out, prefix_lse = flash_attention_with_lse(stacked, prefix_keys, prefix_values, scale=scale)
+    prefix_out = prefix_out.view(kv_heads, num_rows, per_kv, dim).transpose(0, 1).reshape(num_rows, heads, dim)
+    prefix_lse = prefix_lse.view(kv_heads, num_rows, per_kv).transpose(0, 1).reshape(num_rows, heads)
+
+    own_out = torch.empty_like(prefix_out)
+    own_lse = torch.empty_like(prefix_lse)
+    row = 0
+    for span in group.spans:
+        end = span.start + span.length
+        queries = q[span.start : end].transpose(0, 1).unsqueeze(0)  # (1, heads, L, dim)
+        if span.block_table is None:
+            keys, values = k[span.start : end].transpose(0, 1), v[span.start : end].transpose(0, 1)
+        else:
+            keys = _gather_view(k_cache, span.block_table)[:, : span.context_len]
+            values = _gather_view(v_cache, span.block_table)[:, : span.context_len]
+        keys = keys.repeat_interleave(per_kv, dim=0).unsqueeze(0)  # (1, heads, S, dim)
+        values = values.repeat_interleave(per_kv, dim=0).unsqueeze(0)
+        attended, lse = flash_attention_with_lse(
+            queries, keys, values, is_causal=span.mask is None, attn_mask=span.mask, scale=scale
+        )
+        own_out[row : row + span.length] = attended.squeeze(0).transpose(0, 1)
+        own_lse[row : row + span.length] = lse.squeeze(0).transpose(0, 1)
+        row += span.length
+
+    merged = _merge(prefix_out, prefix_lse.unsqueeze(-1), own_out, own_lse.unsqueeze(-1)).to(q.dtype)
+    row = 0
+    for span in group.spans:
+        out[span.start : span.start + span.length] = merged[row : row + span.length]
+        row += span.length
