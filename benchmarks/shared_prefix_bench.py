@@ -15,7 +15,8 @@ flipped in alternating rounds (the order flips every round), median of each side
    contiguous copy. Timed: the median decode step. (Off also turns 1 off: the grouped
    prefill needs the same flash attention.)
 
-Greedy tokens of both sides are compared.
+Greedy tokens of both sides are compared (float32: identical; bfloat16 rounds the two
+parts' outputs before merging them, so near-ties may flip).
 
     .venv/bin/python benchmarks/shared_prefix_bench.py --json docs/benchmarks-shared-prefix.json
 """
@@ -122,17 +123,18 @@ def measure(dtype: str, shape: Shape, rounds: int, threads: int, model: str | No
                 "rounds": [{"wall_s": t.wall_s, "prefill_ms": t.prefill_ms, "decode_step_ms": t.decode_step_ms}
                            for t in sides[on]],  # fmt: skip
             }
-        summary["greedy_equal"] = same
+        summary["greedy_identical_requests"] = same
         result["switches"][name] = summary
         print(f"{dtype} {name}: on {summary['on']['wall_s']:.2f}s (prefill {summary['on']['prefill_ms']:.0f} ms, "
               f"decode step {summary['on']['decode_step_ms']:.1f} ms), off {summary['off']['wall_s']:.2f}s "
               f"({summary['off']['prefill_ms']:.0f} ms, {summary['off']['decode_step_ms']:.1f} ms), "
-              f"greedy equal: {same}", file=sys.stderr)  # fmt: skip
+              f"greedy tokens identical for {same} of {shape.requests} requests", file=sys.stderr)  # fmt: skip
     return result
 
 
-def run_round_pair_equal(engine: LLMEngine, shape: Shape, name: str) -> bool:
-    """The same prompts (same seed) with the switch on and off give the same greedy tokens."""
+def run_round_pair_equal(engine: LLMEngine, shape: Shape, name: str) -> int:
+    """How many of the same prompts (same seed) get the same greedy tokens with the switch
+    on and off."""
     outs = []
     for on in (True, False):
         assert engine.kv_manager.pool.reset_prefix_cache()  # both sides prefill the prefix, then hit it
@@ -143,7 +145,7 @@ def run_round_pair_equal(engine: LLMEngine, shape: Shape, name: str) -> bool:
         else:
             with flash_cascade(on):
                 outs.append(run_round(engine, shape, seed=999, tag=f"eq-{name}-{on}").outputs)
-    return outs[0] == outs[1]
+    return sum(a == b for a, b in zip(outs[0], outs[1]))
 
 
 def main() -> int:

@@ -24,5 +24,5 @@ def test_measure_times_both_sides_of_each_switch_and_compares_tokens(tiny_model_
             assert len(summary[side]["rounds"]) == 2
             assert summary[side]["wall_s"] > 0 and summary[side]["decode_step_ms"] > 0
             assert summary[side]["prefill_ms"] > 0
-        assert summary["greedy_equal"] is True
+        assert summary["greedy_identical_requests"] == 3  # float32: the same tokens on and off
     assert attention.flash_attention_with_lse is not None  # the switch is put back
