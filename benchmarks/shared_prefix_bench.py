@@ -10,10 +10,11 @@ flipped in alternating rounds (the order flips every round), median of each side
    their queries, ``SharedPrefill``) instead of one masked attention each over a gathered
    copy of prefix + own tokens. Timed: the prefill steps, and the whole workload.
 2. ``flash cascade decode`` (``attention.flash_attention_with_lse``): the decode steps of
-   the batch read the shared prefix in one flash attention per KV head and merge it with
-   their own tokens by log-sum-exp, instead of a matmul and a hand-written softmax over a
-   contiguous copy. Timed: the median decode step. (Off also turns 1 off: the grouped
-   prefill needs the same flash attention.)
+   the batch read the shared prefix in one flash attention per KV head and merge it by
+   log-sum-exp with each sequence's attention to its own tokens (the compiled kernel's
+   ``paged_decode_lse``, K/V read in place), instead of a matmul and a hand-written softmax
+   over gathered copies of the prefix and of every sequence's own blocks. Timed: the median
+   decode step. (Off also turns 1 off: the grouped prefill needs the same flash attention.)
 
 Greedy tokens of both sides are compared (float32: identical; bfloat16 rounds the two
 parts' outputs before merging them, so near-ties may flip).

@@ -173,6 +173,10 @@ def test_cascade_decode_logits_match_plain(model_dir, prompts):
     assert cascade_meta.decode.shared_prefix is not None
     cascade = _decode_attention(q, k_cache, v_cache, cascade_meta.decode, 0.125)
     torch.testing.assert_close(cascade, plain, atol=1e-5, rtol=1e-5)
+    if engine.model.paged_kernel:  # the own tokens through the compiled kernel, merged by its log-sum-exp
+        assert cascade_meta.decode.context_lens is not None
+        in_place = _decode_attention(q, k_cache, v_cache, cascade_meta.decode, 0.125, kernel=True)
+        torch.testing.assert_close(in_place, plain, atol=1e-5, rtol=1e-5)
 
 
 def _shared_prefix_batch(engine: LLMEngine, prompts: list[list[int]]) -> list[list[int]]:

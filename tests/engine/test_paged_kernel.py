@@ -52,6 +52,27 @@ def test_kernel_matches_gather_and_float64(dtype: torch.dtype, lens: list[int], 
         assert (got.double() - exact).abs().max() <= (plain.double() - exact).abs().max()
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("dim", [64, 40])
+def test_kernel_log_sum_exp_matches_float64(dtype: torch.dtype, dim: int) -> None:
+    """paged_decode_lse: the same output as paged_decode, and each query head's log-sum-exp
+    of its scaled scores (what a cascade merges the shared prefix's attention with)."""
+    lens = [1, 4, 5, 13, 16]
+    q, k_cache, v_cache, _, kernel = _case(dtype, lens, dim)
+    scale = dim**-0.5
+    out, lse = torch.ops.kvmesh.paged_decode_lse(q, k_cache, v_cache, kernel.block_tables, kernel.context_lens, scale)
+    plain = torch.ops.kvmesh.paged_decode(q, k_cache, v_cache, kernel.block_tables, kernel.context_lens, scale)
+    torch.testing.assert_close(out, plain, atol=0, rtol=0)
+    assert lse.dtype == torch.float32 and lse.shape == (len(lens), HEADS)
+    for seq, length in enumerate(lens):
+        blocks = kernel.block_tables[seq]
+        keys = k_cache[blocks].reshape(-1, KV_HEADS, dim)[:length].double()  # (length, kv_heads, dim)
+        per_head = keys.repeat_interleave(HEADS // KV_HEADS, dim=1)  # (length, heads, dim)
+        scores = torch.einsum("hd,thd->ht", q[seq].double(), per_head) * scale
+        want = torch.logsumexp(scores, dim=-1)
+        assert (lse[seq].double() - want).abs().max().item() < 1e-5
+
+
 def test_kernel_refuses_a_bad_shape() -> None:
     q, k_cache, v_cache, _, kernel = _case(torch.float32, [5])
     with pytest.raises(RuntimeError, match="paged_decode"):

@@ -179,7 +179,7 @@ class ModelRunner:
         width = max(len(t) for t in tables)
         block_tables = self._tensor([t + [0] * (width - len(t)) for t in tables]).view(len(tables), width)
         bias = None
-        lens = self._tensor(context_lens) if prefix is None and self.model.paged_kernel else None
+        lens = self._tensor(context_lens) if self.model.paged_kernel else None
         if lens is None and min(context_lens) < width * bs:
             keys = torch.arange(width * bs, device=self.device)
             visible = keys.unsqueeze(0) < self._tensor(context_lens).unsqueeze(1)

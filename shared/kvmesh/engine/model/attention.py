@@ -111,13 +111,22 @@ def _decode_attention(
     """One query per sequence: q (B, heads, dim) -> (B, heads, dim).
 
     ``kernel``: the compiled kernel (paged_kernel.py) reads K/V in place, scores and sums in
-    float32 (no cascade: a shared prefix takes the PyTorch path). Otherwise the blocks are
-    gathered and the query heads that share a KV head are stacked as rows of one small
-    matmul, so K and V are never repeated; softmax runs in float32, as Hugging Face's eager
-    attention does.
+    float32. Otherwise the blocks are gathered and the query heads that share a KV head are
+    stacked as rows of one small matmul, so K and V are never repeated; softmax runs in
+    float32, as Hugging Face's eager attention does. A shared prefix (cascade) is read once
+    for the batch by flash attention (CPU), and merged by log-sum-exp with each sequence's
+    attention to its own tokens (the kernel's, or the gathered path's).
     """
-    if kernel and batch.shared_prefix is None and batch.context_lens is not None:
-        return torch.ops.kvmesh.paged_decode(q, k_cache, v_cache, batch.block_tables, batch.context_lens, scale)
+    flash = flash_attention_with_lse is not None and q.device.type == "cpu"
+    if kernel and batch.context_lens is not None:
+        if batch.shared_prefix is None:
+            return torch.ops.kvmesh.paged_decode(q, k_cache, v_cache, batch.block_tables, batch.context_lens, scale)
+        if flash:
+            own_out, own_lse = torch.ops.kvmesh.paged_decode_lse(
+                q, k_cache, v_cache, batch.block_tables, batch.context_lens, scale
+            )
+            prefix_out, prefix_lse = _prefix_attention(q, k_cache, v_cache, batch.shared_prefix, scale)
+            return _merge(prefix_out, prefix_lse.unsqueeze(-1), own_out, own_lse.unsqueeze(-1)).to(q.dtype)
     num_seqs, heads, dim = q.shape
     kv_heads = k_cache.shape[2]
     group = heads // kv_heads
@@ -135,24 +144,16 @@ def _decode_attention(
         return torch.matmul(probs, values).view(num_seqs, heads, dim)
 
     dtype = values.dtype
-    stacked = grouped.transpose(0, 1).reshape(kv_heads, num_seqs * group, dim)
-    if flash_attention_with_lse is not None and q.device.type == "cpu":
-        # Cascade: every query of the batch against the shared prefix in one flash attention
-        # per KV head, merged with the attention to its own tokens by log-sum-exp.
-        prefix_out, prefix_lse = flash_attention_with_lse(
-            stacked.unsqueeze(0),
-            _gather_view(k_cache, batch.shared_prefix).unsqueeze(0),
-            _gather_view(v_cache, batch.shared_prefix).unsqueeze(0),
-            scale=scale,
-        )
-        prefix_out = prefix_out.view(kv_heads, num_seqs, group, dim).transpose(0, 1)  # (B, kv_heads, group, dim)
-        prefix_lse = prefix_lse.view(kv_heads, num_seqs, group, 1).transpose(0, 1)
-        own_lse = torch.logsumexp(scores, dim=-1, keepdim=True)
-        own_out = torch.matmul(torch.exp(scores - own_lse).to(dtype), values)
-        return _merge(prefix_out, prefix_lse, own_out, own_lse).to(dtype).reshape(num_seqs, heads, dim)
+    if flash:
+        own_lse = torch.logsumexp(scores, dim=-1, keepdim=True)  # (B, kv_heads, group, 1)
+        own_out = torch.matmul(torch.exp(scores - own_lse).to(dtype), values).view(num_seqs, heads, dim)
+        prefix_out, prefix_lse = _prefix_attention(q, k_cache, v_cache, batch.shared_prefix, scale)
+        own_lse = own_lse.view(num_seqs, heads, 1)
+        return _merge(prefix_out, prefix_lse.unsqueeze(-1), own_out, own_lse).to(dtype)
 
     # Cascade elsewhere: the prefix in one matmul per KV head, then one softmax over
     # [prefix, own tokens] without concatenating them.
+    stacked = grouped.transpose(0, 1).reshape(kv_heads, num_seqs * group, dim)
     prefix_keys = _gather(k_cache, batch.shared_prefix)  # (kv_heads, P, dim)
     prefix_values = _gather(v_cache, batch.shared_prefix)
     prefix_scores = torch.matmul(stacked, prefix_keys.transpose(-1, -2)).float() * scale  # (kv_heads, B*group, P)
@@ -166,6 +167,24 @@ def _decode_attention(
     own_out = torch.matmul(own_weights.to(dtype), values)
     out = (prefix_out.float() + own_out.float()) / total
     return out.to(dtype).reshape(num_seqs, heads, dim)
+
+
+def _prefix_attention(
+    rows: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, prefix: torch.Tensor, scale: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Queries rows (N, heads, dim) against every token of the ``prefix`` blocks, unmasked, by
+    flash attention with the query heads that share a KV head stacked as its rows (no K/V
+    repeat): the output (N, heads, dim) and each row's log-sum-exp (N, heads) float32."""
+    assert flash_attention_with_lse is not None
+    num_rows, heads, dim = rows.shape
+    kv_heads = k_cache.shape[2]
+    per_kv = heads // kv_heads
+    stacked = rows.reshape(num_rows, kv_heads, per_kv, dim).transpose(0, 1).reshape(1, kv_heads, num_rows * per_kv, dim)
+    keys = _gather_view(k_cache, prefix).unsqueeze(0)  # (1, kv_heads, P, dim)
+    values = _gather_view(v_cache, prefix).unsqueeze(0)
+    out, lse = flash_attention_with_lse(stacked, keys, values, scale=scale)
+    out = out.view(kv_heads, num_rows, per_kv, dim).transpose(0, 1).reshape(num_rows, heads, dim)
+    return out, lse.view(kv_heads, num_rows, per_kv).transpose(0, 1).reshape(num_rows, heads)
 
 
 def _merge(out_a: torch.Tensor, lse_a: torch.Tensor, out_b: torch.Tensor, lse_b: torch.Tensor) -> torch.Tensor:
@@ -228,20 +247,11 @@ def _shared_prefill_attention(
     scale: float,
     out: torch.Tensor,
 ) -> None:
-    """Attention of a ``SharedPrefill`` group, written into its rows of ``out``.
-
-    The prefix part stacks the query heads that share a KV head as rows (no K/V repeat)."""
+    """Attention of a ``SharedPrefill`` group, written into its rows of ``out``."""
     assert flash_attention_with_lse is not None
-    num_rows, heads, dim = group.num_tokens, q.shape[1], q.shape[2]
-    kv_heads = k_cache.shape[2]
-    per_kv = heads // kv_heads
+    per_kv = q.shape[1] // k_cache.shape[2]
     rows = torch.cat([q[span.start : span.start + span.length] for span in group.spans])  # (N, heads, dim)
-    stacked = rows.view(num_rows, kv_heads, per_kv, dim).transpose(0, 1).reshape(1, kv_heads, num_rows * per_kv, dim)
-    prefix_keys = _gather_view(k_cache, group.prefix).unsqueeze(0)  # (1, kv_heads, P, dim)
-    prefix_values = _gather_view(v_cache, group.prefix).unsqueeze(0)
-    prefix_out, prefix_lse = flash_attention_with_lse(stacked, prefix_keys, prefix_values, scale=scale)
-    prefix_out = prefix_out.view(kv_heads, num_rows, per_kv, dim).transpose(0, 1).reshape(num_rows, heads, dim)
-    prefix_lse = prefix_lse.view(kv_heads, num_rows, per_kv).transpose(0, 1).reshape(num_rows, heads)
+    prefix_out, prefix_lse = _prefix_attention(rows, k_cache, v_cache, group.prefix, scale)
 
     own_out = torch.empty_like(prefix_out)
     own_lse = torch.empty_like(prefix_lse)

@@ -4,9 +4,12 @@
 // kv_heads, dim), the last dimension contiguous; block_tables (B, n) int64; context_lens
 // (B,) int64. One task per (sequence, kv head): the query heads sharing that KV head are
 // scored together, so each K/V row is read once. Scores, softmax and the weighted sum of V
-// are accumulated in float32; the output is rounded to q's dtype once.
+// are accumulated in float32; the output is rounded to q's dtype once. paged_decode_lse also
+// returns each query head's log-sum-exp of its scaled scores (B, heads) float32, so a caller
+// can merge this attention with one over other keys (a shared prefix read once: cascade).
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
 #include <ATen/ops/empty_like.h>
 #include <c10/util/BFloat16.h>
 #include <c10/util/Half.h>
@@ -19,6 +22,7 @@
 #include <cstdint>
 #include <cstring>
 #include <limits>
+#include <tuple>
 #include <vector>
 
 namespace {
@@ -51,15 +55,16 @@ struct Paged {
   const P *qp, *kp, *vp;
   const int64_t *tp, *lp;
   O* op;
+  float* lsep;  // nullptr: no log-sum-exp wanted
   int64_t qs, qh, kb, kt, kh, vb, vt, vh;
 
   Paged(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& tables, const at::Tensor& lens,
-        double scale_, at::Tensor& out)
+        double scale_, at::Tensor& out, float* lse)
       : num_seqs(q.size(0)), heads(q.size(1)), kv_heads(k.size(2)), group(q.size(1) / k.size(2)), block_size(k.size(1)),
         width(tables.size(1)), scale(static_cast<float>(scale_)), qp(static_cast<const P*>(q.const_data_ptr())),
         kp(static_cast<const P*>(k.const_data_ptr())), vp(static_cast<const P*>(v.const_data_ptr())),
         tp(tables.const_data_ptr<int64_t>()), lp(lens.const_data_ptr<int64_t>()), op(static_cast<O*>(out.data_ptr())),
-        qs(q.stride(0)), qh(q.stride(1)), kb(k.stride(0)), kt(k.stride(1)), kh(k.stride(2)), vb(v.stride(0)),
+        lsep(lse), qs(q.stride(0)), qh(q.stride(1)), kb(k.stride(0)), kt(k.stride(1)), kh(k.stride(2)), vb(v.stride(0)),
         vt(v.stride(1)), vh(v.stride(2)) {}
 
   const int64_t* table(int64_t s) const { return tp + s * width; }
@@ -71,12 +76,17 @@ struct Paged {
     return vp + table[pos / block_size] * vb + (pos % block_size) * vt + h * vh;
   }
   O* output(int64_t s, int64_t head, int64_t dim) const { return op + (s * heads + head) * dim; }
+  // The log-sum-exp of a row of scaled scores, from its peak and its sum of exp(score - peak).
+  void store_lse(int64_t s, int64_t head, float peak, float total) const {
+    if (lsep != nullptr) lsep[s * heads + head] = peak + std::log(total);
+  }
   // Tasks (sequence, KV head) per thread for a context of the tables' full width.
   int64_t grain_for(int64_t dim) const { return grain(width * block_size, group, dim); }
 };
 
-// Softmax in place over each of ``group`` rows of ``len`` scores; inv[g]: 1 / row g's sum.
-inline void softmax_rows(float* scores, int64_t group, int64_t len, float* inv) {
+// Softmax in place over each of ``group`` rows of ``len`` scores; inv[g]: 1 / row g's sum,
+// peak[g]: its largest score.
+inline void softmax_rows(float* scores, int64_t group, int64_t len, float* inv, float* peaks) {
   for (int64_t g = 0; g < group; ++g) {
     float* row = scores + g * len;
     float peak = -std::numeric_limits<float>::infinity();
@@ -88,14 +98,15 @@ inline void softmax_rows(float* scores, int64_t group, int64_t len, float* inv) 
       total += row[i];
     }
     inv[g] = 1.f / total;
+    peaks[g] = peak;
   }
 }
 
 // D > 0: the head dim known at compile time (loops unrolled, accumulators in registers).
 template <typename T, int64_t D>
 void run(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache, const at::Tensor& tables,
-         const at::Tensor& lens, double scale, at::Tensor& out) {
-  const Paged<T, T> a(q, k_cache, v_cache, tables, lens, scale, out);
+         const at::Tensor& lens, double scale, at::Tensor& out, float* lse) {
+  const Paged<T, T> a(q, k_cache, v_cache, tables, lens, scale, out, lse);
   const int64_t dim = D > 0 ? D : q.size(2);
 
   at::parallel_for(0, a.num_seqs * a.kv_heads, a.grain_for(dim), [&](int64_t begin, int64_t end) {
@@ -142,6 +153,7 @@ void run(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cac
           for (int64_t d = 0; d < dim; ++d) acc[d] += w * to_float(vrow[d]);
         }
         const float inv = 1.f / total;
+        a.store_lse(s, head, peak, total);
         T* dst = a.output(s, head, dim);
         for (int64_t d = 0; d < dim; ++d) dst[d] = static_cast<T>(acc[d] * inv);
       }
@@ -184,10 +196,10 @@ inline float hsum(fvec v) {
 
 template <int64_t D>
 void run_f32(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache, const at::Tensor& tables,
-             const at::Tensor& lens, double scale, at::Tensor& out) {
+             const at::Tensor& lens, double scale, at::Tensor& out, float* lse) {
   static_assert(D % kLanes == 0, "D: a multiple of the vector width");
   constexpr int64_t kMaxGroup = 8, kVecs = D / kLanes;
-  const Paged<float, float> a(q, k_cache, v_cache, tables, lens, scale, out);
+  const Paged<float, float> a(q, k_cache, v_cache, tables, lens, scale, out, lse);
   const int64_t group = a.group;
 
   at::parallel_for(0, a.num_seqs * a.kv_heads, a.grain_for(D), [&](int64_t begin, int64_t end) {
@@ -210,8 +222,9 @@ void run_f32(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v
           scores[g * len + pos] = hsum(acc);
         }
       }
-      float inv[kMaxGroup];
-      softmax_rows(scores.data(), group, len, inv);
+      float inv[kMaxGroup], peaks[kMaxGroup];
+      softmax_rows(scores.data(), group, len, inv, peaks);
+      for (int64_t g = 0; g < group; ++g) a.store_lse(s, h * group + g, peaks[g], 1.f / inv[g]);
       fvec acc[kMaxGroup][kVecs] = {};
       for (int64_t pos = 0; pos < len; ++pos) {
         const float* vrow = a.value(table, pos, h);
@@ -238,10 +251,10 @@ void run_f32(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v
 // float32), V widened to float32 in registers; the group's query heads share each K/V load.
 template <int64_t D>
 void run_bf16(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache, const at::Tensor& tables,
-              const at::Tensor& lens, double scale, at::Tensor& out) {
+              const at::Tensor& lens, double scale, at::Tensor& out, float* lse) {
   static_assert(D % 32 == 0, "D: a multiple of 32");
   constexpr int64_t kMaxGroup = 8, kVecs = D / 16;
-  const Paged<uint16_t, c10::BFloat16> a(q, k_cache, v_cache, tables, lens, scale, out);  // bf16 as its bits
+  const Paged<uint16_t, c10::BFloat16> a(q, k_cache, v_cache, tables, lens, scale, out, lse);  // bf16 as its bits
   const int64_t group = a.group;
 
   at::parallel_for(0, a.num_seqs * a.kv_heads, a.grain_for(D), [&](int64_t begin, int64_t end) {
@@ -264,8 +277,9 @@ void run_bf16(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& 
           scores[g * len + pos] = _mm512_reduce_add_ps(acc) * a.scale;
         }
       }
-      float inv[kMaxGroup];
-      softmax_rows(scores.data(), group, len, inv);
+      float inv[kMaxGroup], peaks[kMaxGroup];
+      softmax_rows(scores.data(), group, len, inv, peaks);
+      for (int64_t g = 0; g < group; ++g) a.store_lse(s, h * group + g, peaks[g], 1.f / inv[g]);
       __m512 acc[kMaxGroup][kVecs];
       for (int64_t g = 0; g < group; ++g)
         for (int64_t c = 0; c < kVecs; ++c) acc[g][c] = _mm512_setzero_ps();
@@ -296,30 +310,31 @@ void run_bf16(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& 
 
 template <typename T>
 void dispatch_dim(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache, const at::Tensor& tables,
-                  const at::Tensor& lens, double scale, at::Tensor& out) {
+                  const at::Tensor& lens, double scale, at::Tensor& out, float* lse) {
 #ifdef KVMESH_BF16_KERNEL
   if constexpr (std::is_same_v<T, c10::BFloat16>) {
     if (q.size(1) / k_cache.size(2) <= 8) {
-      if (q.size(2) == 64) return run_bf16<64>(q, k_cache, v_cache, tables, lens, scale, out);
-      if (q.size(2) == 128) return run_bf16<128>(q, k_cache, v_cache, tables, lens, scale, out);
+      if (q.size(2) == 64) return run_bf16<64>(q, k_cache, v_cache, tables, lens, scale, out, lse);
+      if (q.size(2) == 128) return run_bf16<128>(q, k_cache, v_cache, tables, lens, scale, out, lse);
     }
   }
 #endif
   if constexpr (std::is_same_v<T, float>) {
     if (q.size(1) / k_cache.size(2) <= 8) {
-      if (q.size(2) == 64) return run_f32<64>(q, k_cache, v_cache, tables, lens, scale, out);
-      if (q.size(2) == 128) return run_f32<128>(q, k_cache, v_cache, tables, lens, scale, out);
+      if (q.size(2) == 64) return run_f32<64>(q, k_cache, v_cache, tables, lens, scale, out, lse);
+      if (q.size(2) == 128) return run_f32<128>(q, k_cache, v_cache, tables, lens, scale, out, lse);
     }
   }
   switch (q.size(2)) {
-    case 64: run<T, 64>(q, k_cache, v_cache, tables, lens, scale, out); break;
-    case 128: run<T, 128>(q, k_cache, v_cache, tables, lens, scale, out); break;
-    default: run<T, 0>(q, k_cache, v_cache, tables, lens, scale, out);
+    case 64: run<T, 64>(q, k_cache, v_cache, tables, lens, scale, out, lse); break;
+    case 128: run<T, 128>(q, k_cache, v_cache, tables, lens, scale, out, lse); break;
+    default: run<T, 0>(q, k_cache, v_cache, tables, lens, scale, out, lse);
   }
 }
 
-at::Tensor paged_decode(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
-                        const at::Tensor& tables, const at::Tensor& lens, double scale) {
+// out: (B, heads, dim) in q's dtype; lse: nullptr, or (B, heads) float32 to fill.
+void decode_into(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache, const at::Tensor& tables,
+                 const at::Tensor& lens, double scale, at::Tensor& out, float* lse) {
   TORCH_CHECK(q.dim() == 3 && k_cache.dim() == 4 && v_cache.dim() == 4, "paged_decode: bad ranks");
   TORCH_CHECK(q.stride(2) == 1 && k_cache.stride(3) == 1 && v_cache.stride(3) == 1, "paged_decode: dim not contiguous");
   TORCH_CHECK(q.scalar_type() == k_cache.scalar_type() && q.scalar_type() == v_cache.scalar_type(), "paged_decode: dtypes");
@@ -327,14 +342,28 @@ at::Tensor paged_decode(const at::Tensor& q, const at::Tensor& k_cache, const at
               "paged_decode: shapes");
   TORCH_CHECK(tables.scalar_type() == at::kLong && lens.scalar_type() == at::kLong, "paged_decode: int64 tables");
   TORCH_CHECK(tables.is_contiguous() && lens.is_contiguous() && tables.size(0) == q.size(0), "paged_decode: tables");
-  at::Tensor out = at::empty_like(q, at::MemoryFormat::Contiguous);
   switch (q.scalar_type()) {
-    case at::kFloat: dispatch_dim<float>(q, k_cache, v_cache, tables, lens, scale, out); break;
-    case at::kBFloat16: dispatch_dim<c10::BFloat16>(q, k_cache, v_cache, tables, lens, scale, out); break;
-    case at::kHalf: dispatch_dim<c10::Half>(q, k_cache, v_cache, tables, lens, scale, out); break;
+    case at::kFloat: dispatch_dim<float>(q, k_cache, v_cache, tables, lens, scale, out, lse); break;
+    case at::kBFloat16: dispatch_dim<c10::BFloat16>(q, k_cache, v_cache, tables, lens, scale, out, lse); break;
+    case at::kHalf: dispatch_dim<c10::Half>(q, k_cache, v_cache, tables, lens, scale, out, lse); break;
     default: TORCH_CHECK(false, "paged_decode: unsupported dtype");
   }
+}
+
+at::Tensor paged_decode(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                        const at::Tensor& tables, const at::Tensor& lens, double scale) {
+  at::Tensor out = at::empty_like(q, at::MemoryFormat::Contiguous);
+  decode_into(q, k_cache, v_cache, tables, lens, scale, out, nullptr);
   return out;
+}
+
+std::tuple<at::Tensor, at::Tensor> paged_decode_lse(const at::Tensor& q, const at::Tensor& k_cache,
+                                                    const at::Tensor& v_cache, const at::Tensor& tables,
+                                                    const at::Tensor& lens, double scale) {
+  at::Tensor out = at::empty_like(q, at::MemoryFormat::Contiguous);
+  at::Tensor lse = at::empty({q.size(0), q.size(1)}, q.options().dtype(at::kFloat));
+  decode_into(q, k_cache, v_cache, tables, lens, scale, out, lse.data_ptr<float>());
+  return {out, lse};
 }
 
 // Rotary embedding in place on the flat batch's q and k heads, and the new K/V stored at their
@@ -427,9 +456,12 @@ TORCH_LIBRARY(kvmesh, m) {
   m.def("rope_store(Tensor(a!) qk, Tensor v, Tensor cos, Tensor sin, Tensor(b!) k_cache, Tensor(c!) v_cache, "
         "Tensor slot_blocks, Tensor slot_offsets, int heads) -> ()");
   m.def("paged_decode(Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_tables, Tensor context_lens, float scale) -> Tensor");
+  m.def("paged_decode_lse(Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_tables, Tensor context_lens, "
+        "float scale) -> (Tensor, Tensor)");
 }
 
 TORCH_LIBRARY_IMPL(kvmesh, CPU, m) {
   m.impl("paged_decode", &paged_decode);
+  m.impl("paged_decode_lse", &paged_decode_lse);
   m.impl("rope_store", &rope_store);
 }
