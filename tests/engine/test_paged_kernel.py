@@ -17,15 +17,17 @@ def test_kernel_builds_and_loads() -> None:
 LAYERS, KV_HEADS, DIM, HEADS, BLOCK = 3, 2, 64, 6, 4
 
 
-def _case(dtype: torch.dtype, lens: list[int], dim: int = DIM) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, DecodeBatch, DecodeBatch]:
+def _case(
+    dtype: torch.dtype, lens: list[int], dim: int = DIM, heads: int = HEADS
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, DecodeBatch, DecodeBatch]:
     gen = torch.Generator().manual_seed(len(lens))
     width = max(-(-n // BLOCK) for n in lens)
     num_blocks = len(lens) * width + 3
     pool = torch.randn(num_blocks, LAYERS, 2, BLOCK, KV_HEADS, dim, generator=gen).to(dtype)
     k_cache, v_cache = pool[:, 1, 0], pool[:, 1, 1]  # strided like KVCachePool.layer_views
     tables = torch.randperm(num_blocks, generator=gen)[: len(lens) * width].view(len(lens), width).contiguous()
-    qkv = torch.randn(len(lens), HEADS + 2 * KV_HEADS, dim, generator=gen).to(dtype)
-    q = qkv[:, :HEADS]  # a strided slice, as in the model
+    qkv = torch.randn(len(lens), heads + 2 * KV_HEADS, dim, generator=gen).to(dtype)
+    q = qkv[:, :heads]  # a strided slice, as in the model
     keys = torch.arange(width * BLOCK)
     bias = torch.zeros(len(lens), width * BLOCK).masked_fill_(keys[None] >= torch.tensor(lens)[:, None], float("-inf"))
     gathered = DecodeBatch(tables, bias.view(len(lens), 1, 1, -1))
@@ -71,6 +73,22 @@ def test_kernel_log_sum_exp_matches_float64(dtype: torch.dtype, dim: int) -> Non
         scores = torch.einsum("hd,thd->ht", q[seq].double(), per_head) * scale
         want = torch.logsumexp(scores, dim=-1)
         assert (lse[seq].double() - want).abs().max().item() < 1e-5
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("group", [1, 2, 4, 5, 8, 9])
+def test_kernel_matches_float64_for_every_group_size(dtype: torch.dtype, group: int) -> None:
+    """Group sizes 1-8 have kernels of their own (accumulators in registers); 9 is generic."""
+    lens = [1, 5, 13, 16, 17]
+    q, k_cache, v_cache, gathered, kernel = _case(dtype, lens, heads=group * KV_HEADS)
+    scale = DIM**-0.5
+    got = _decode_attention(q, k_cache, v_cache, kernel, scale, kernel=True)
+    assert gathered.bias is not None
+    exact = _decode_attention(
+        q.double(), k_cache.double(), v_cache.double(), DecodeBatch(gathered.block_tables, gathered.bias.double()), scale
+    )
+    tolerance = 1e-6 if dtype == torch.float32 else 8e-3
+    assert (got.double() - exact).abs().max().item() < tolerance
 
 
 def test_kernel_refuses_a_bad_shape() -> None:

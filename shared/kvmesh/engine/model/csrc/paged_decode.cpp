@@ -75,6 +75,26 @@ struct Paged {
   const P* value(const int64_t* table, int64_t pos, int64_t h) const {
     return vp + table[pos / block_size] * vb + (pos % block_size) * vt + h * vh;
   }
+  // f(pos, row) for the first len key (value) rows of KV head h, block by block: a pointer
+  // step per row, not a division by the block size. The blocks lie anywhere in the pool, so
+  // the next block's rows are prefetched as a block begins.
+  template <typename F>
+  void each_key(const int64_t* table, int64_t len, int64_t h, F&& f) const { rows(kp, kb, kt, kh, table, len, h, f); }
+  template <typename F>
+  void each_value(const int64_t* table, int64_t len, int64_t h, F&& f) const { rows(vp, vb, vt, vh, table, len, h, f); }
+  template <typename F>
+  void rows(const P* base, int64_t bstride, int64_t tstride, int64_t hstride, const int64_t* table, int64_t len,
+            int64_t h, F& f) const {
+    for (int64_t start = 0, b = 0; start < len; start += block_size, ++b) {
+      const P* row = base + table[b] * bstride + h * hstride;
+      const int64_t end = start + block_size < len ? start + block_size : len;
+      if (end < len) {
+        const char* next = reinterpret_cast<const char*>(base + table[b + 1] * bstride + h * hstride);
+        for (int64_t r = 0; r < block_size; ++r) _mm_prefetch(next + r * tstride * sizeof(P), _MM_HINT_T0);
+      }
+      for (int64_t pos = start; pos < end; ++pos, row += tstride) f(pos, row);
+    }
+  }
   O* output(int64_t s, int64_t head, int64_t dim) const { return op + (s * heads + head) * dim; }
   // The log-sum-exp of a row of scaled scores, from its peak and its sum of exp(score - peak).
   void store_lse(int64_t s, int64_t head, float peak, float total) const {
@@ -84,6 +104,55 @@ struct Paged {
   int64_t grain_for(int64_t dim) const { return grain(width * block_size, group, dim); }
 };
 
+// x[i] = exp(x[i] - shift) for n floats, through glibc's vector math library (libmvec, linked
+// with -lmvec; accurate to 1 ulp) in the CPU's widest vectors. GCC calls it by itself only
+// under -ffast-math, which would also drop the IEEE semantics the rest relies on: without
+// these explicit calls every exp here was a scalar expf call.
+#if defined(__AVX512F__)
+extern "C" __m512 _ZGVeN16v_expf(__m512);
+#elif defined(__AVX2__)
+extern "C" __m256 _ZGVdN8v_expf(__m256);
+#elif defined(__SSE2__)
+extern "C" __m128 _ZGVbN4v_expf(__m128);
+#endif
+inline float exp_shifted(float* x, int64_t n, float shift) {  // returns the sum of the results
+  int64_t i = 0;
+  float total = 0.f;
+#if defined(__AVX512F__)
+  const __m512 sub = _mm512_set1_ps(shift);
+  __m512 sum = _mm512_setzero_ps();
+  for (; i + 16 <= n; i += 16) {
+    const __m512 e = _ZGVeN16v_expf(_mm512_sub_ps(_mm512_loadu_ps(x + i), sub));
+    _mm512_storeu_ps(x + i, e);
+    sum = _mm512_add_ps(sum, e);
+  }
+  total = _mm512_reduce_add_ps(sum);
+#elif defined(__AVX2__)
+  const __m256 sub = _mm256_set1_ps(shift);
+  for (; i + 8 <= n; i += 8) {
+    const __m256 e = _ZGVdN8v_expf(_mm256_sub_ps(_mm256_loadu_ps(x + i), sub));
+    _mm256_storeu_ps(x + i, e);
+    alignas(32) float lanes[8];
+    _mm256_store_ps(lanes, e);
+    for (int l = 0; l < 8; ++l) total += lanes[l];
+  }
+#elif defined(__SSE2__)
+  const __m128 sub = _mm_set1_ps(shift);
+  for (; i + 4 <= n; i += 4) {
+    const __m128 e = _ZGVbN4v_expf(_mm_sub_ps(_mm_loadu_ps(x + i), sub));
+    _mm_storeu_ps(x + i, e);
+    alignas(16) float lanes[4];
+    _mm_store_ps(lanes, e);
+    for (int l = 0; l < 4; ++l) total += lanes[l];
+  }
+#endif
+  for (; i < n; ++i) {
+    x[i] = std::exp(x[i] - shift);
+    total += x[i];
+  }
+  return total;
+}
+
 // Softmax in place over each of ``group`` rows of ``len`` scores; inv[g]: 1 / row g's sum,
 // peak[g]: its largest score.
 inline void softmax_rows(float* scores, int64_t group, int64_t len, float* inv, float* peaks) {
@@ -91,12 +160,7 @@ inline void softmax_rows(float* scores, int64_t group, int64_t len, float* inv, 
     float* row = scores + g * len;
     float peak = -std::numeric_limits<float>::infinity();
     for (int64_t i = 0; i < len; ++i) peak = row[i] > peak ? row[i] : peak;
-    float total = 0.f;
-#pragma omp simd reduction(+ : total)
-    for (int64_t i = 0; i < len; ++i) {
-      row[i] = std::exp(row[i] - peak);  // vectorized (libmvec) with -fno-math-errno
-      total += row[i];
-    }
+    const float total = exp_shifted(row, len, peak);
     inv[g] = 1.f / total;
     peaks[g] = peak;
   }
@@ -138,13 +202,7 @@ void run(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cac
           scores[pos] = dotp;
           peak = dotp > peak ? dotp : peak;
         }
-        float total = 0.f;
-        float* sc = scores.data();
-#pragma omp simd reduction(+ : total)
-        for (int64_t pos = 0; pos < len; ++pos) {
-          sc[pos] = std::exp(sc[pos] - peak);  // vectorized (libmvec) with -fno-math-errno
-          total += sc[pos];
-        }
+        const float total = exp_shifted(scores.data(), len, peak);
         for (int64_t d = 0; d < dim; ++d) acc[d] = 0.f;
         for (int64_t pos = 0; pos < len; ++pos) {
           const T* vrow = vrows[pos];
@@ -194,13 +252,14 @@ inline float hsum(fvec v) {
 #endif
 }
 
-template <int64_t D>
+// G: the query heads per KV head, known at compile time so that the group's accumulators
+// stay in registers.
+template <int64_t D, int64_t G>
 void run_f32(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache, const at::Tensor& tables,
              const at::Tensor& lens, double scale, at::Tensor& out, float* lse) {
   static_assert(D % kLanes == 0, "D: a multiple of the vector width");
-  constexpr int64_t kMaxGroup = 8, kVecs = D / kLanes;
+  constexpr int64_t kMaxGroup = G, kVecs = D / kLanes, group = G;
   const Paged<float, float> a(q, k_cache, v_cache, tables, lens, scale, out, lse);
-  const int64_t group = a.group;
 
   at::parallel_for(0, a.num_seqs * a.kv_heads, a.grain_for(D), [&](int64_t begin, int64_t end) {
     std::vector<float> scores;
@@ -212,8 +271,7 @@ void run_f32(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v
       fvec qv[kMaxGroup][kVecs];
       for (int64_t g = 0; g < group; ++g)
         for (int64_t c = 0; c < kVecs; ++c) qv[g][c] = loadv(a.query(s, h * group + g) + c * kLanes) * a.scale;
-      for (int64_t pos = 0; pos < len; ++pos) {
-        const float* krow = a.key(table, pos, h);
+      a.each_key(table, len, h, [&](int64_t pos, const float* krow) {
         fvec kv[kVecs];
         for (int64_t c = 0; c < kVecs; ++c) kv[c] = loadv(krow + c * kLanes);
         for (int64_t g = 0; g < group; ++g) {
@@ -221,20 +279,19 @@ void run_f32(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v
           for (int64_t c = 1; c < kVecs; ++c) acc += qv[g][c] * kv[c];
           scores[g * len + pos] = hsum(acc);
         }
-      }
+      });
       float inv[kMaxGroup], peaks[kMaxGroup];
       softmax_rows(scores.data(), group, len, inv, peaks);
       for (int64_t g = 0; g < group; ++g) a.store_lse(s, h * group + g, peaks[g], 1.f / inv[g]);
       fvec acc[kMaxGroup][kVecs] = {};
-      for (int64_t pos = 0; pos < len; ++pos) {
-        const float* vrow = a.value(table, pos, h);
+      a.each_value(table, len, h, [&](int64_t pos, const float* vrow) {
         fvec vv[kVecs];
         for (int64_t c = 0; c < kVecs; ++c) vv[c] = loadv(vrow + c * kLanes);
         for (int64_t g = 0; g < group; ++g) {
           const float w = scores[g * len + pos];
           for (int64_t c = 0; c < kVecs; ++c) acc[g][c] += w * vv[c];
         }
-      }
+      });
       for (int64_t g = 0; g < group; ++g) {
         float* dst = a.output(s, h * group + g, D);
         for (int64_t c = 0; c < kVecs; ++c) {
@@ -249,13 +306,12 @@ void run_f32(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v
 #if defined(__AVX512F__) && defined(__AVX512BF16__)
 // bfloat16 with AVX512-BF16: q.k by vdpbf16ps (bf16 products are exact in float32, summed in
 // float32), V widened to float32 in registers; the group's query heads share each K/V load.
-template <int64_t D>
+template <int64_t D, int64_t G>
 void run_bf16(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache, const at::Tensor& tables,
               const at::Tensor& lens, double scale, at::Tensor& out, float* lse) {
   static_assert(D % 32 == 0, "D: a multiple of 32");
-  constexpr int64_t kMaxGroup = 8, kVecs = D / 16;
+  constexpr int64_t kMaxGroup = G, kVecs = D / 16, group = G;
   const Paged<uint16_t, c10::BFloat16> a(q, k_cache, v_cache, tables, lens, scale, out, lse);  // bf16 as its bits
-  const int64_t group = a.group;
 
   at::parallel_for(0, a.num_seqs * a.kv_heads, a.grain_for(D), [&](int64_t begin, int64_t end) {
     std::vector<float> scores;
@@ -267,8 +323,7 @@ void run_bf16(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& 
       __m512i qv[kMaxGroup][D / 32];
       for (int64_t g = 0; g < group; ++g)
         for (int64_t c = 0; c < D / 32; ++c) qv[g][c] = _mm512_loadu_si512(a.query(s, h * group + g) + c * 32);
-      for (int64_t pos = 0; pos < len; ++pos) {
-        const uint16_t* krow = a.key(table, pos, h);
+      a.each_key(table, len, h, [&](int64_t pos, const uint16_t* krow) {
         __m512i kv[D / 32];
         for (int64_t c = 0; c < D / 32; ++c) kv[c] = _mm512_loadu_si512(krow + c * 32);
         for (int64_t g = 0; g < group; ++g) {
@@ -276,15 +331,14 @@ void run_bf16(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& 
           for (int64_t c = 0; c < D / 32; ++c) acc = _mm512_dpbf16_ps(acc, (__m512bh)qv[g][c], (__m512bh)kv[c]);
           scores[g * len + pos] = _mm512_reduce_add_ps(acc) * a.scale;
         }
-      }
+      });
       float inv[kMaxGroup], peaks[kMaxGroup];
       softmax_rows(scores.data(), group, len, inv, peaks);
       for (int64_t g = 0; g < group; ++g) a.store_lse(s, h * group + g, peaks[g], 1.f / inv[g]);
       __m512 acc[kMaxGroup][kVecs];
       for (int64_t g = 0; g < group; ++g)
         for (int64_t c = 0; c < kVecs; ++c) acc[g][c] = _mm512_setzero_ps();
-      for (int64_t pos = 0; pos < len; ++pos) {
-        const uint16_t* vrow = a.value(table, pos, h);
+      a.each_value(table, len, h, [&](int64_t pos, const uint16_t* vrow) {
         __m512 vv[kVecs];
         for (int64_t c = 0; c < kVecs; ++c) {
           __m512i wide = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(vrow + c * 16)));
@@ -294,7 +348,7 @@ void run_bf16(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& 
           const __m512 w = _mm512_set1_ps(scores[g * len + pos]);
           for (int64_t c = 0; c < kVecs; ++c) acc[g][c] = _mm512_fmadd_ps(w, vv[c], acc[g][c]);
         }
-      }
+      });
       for (int64_t g = 0; g < group; ++g) {
         alignas(64) float tmp[D];
         const __m512 scale_out = _mm512_set1_ps(inv[g]);
@@ -308,23 +362,41 @@ void run_bf16(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& 
 #define KVMESH_BF16_KERNEL 1
 #endif
 
+// The vectorized kernels for group sizes 1-8 (template K<D, G>), or false: the generic one.
+#define KVMESH_GROUP_CASES(K, D)                                                       \
+  switch (q.size(1) / k_cache.size(2)) {                                               \
+    case 1: K<D, 1>(q, k_cache, v_cache, tables, lens, scale, out, lse); return true;  \
+    case 2: K<D, 2>(q, k_cache, v_cache, tables, lens, scale, out, lse); return true;  \
+    case 3: K<D, 3>(q, k_cache, v_cache, tables, lens, scale, out, lse); return true;  \
+    case 4: K<D, 4>(q, k_cache, v_cache, tables, lens, scale, out, lse); return true;  \
+    case 5: K<D, 5>(q, k_cache, v_cache, tables, lens, scale, out, lse); return true;  \
+    case 6: K<D, 6>(q, k_cache, v_cache, tables, lens, scale, out, lse); return true;  \
+    case 7: K<D, 7>(q, k_cache, v_cache, tables, lens, scale, out, lse); return true;  \
+    case 8: K<D, 8>(q, k_cache, v_cache, tables, lens, scale, out, lse); return true;  \
+    default: return false;                                                             \
+  }
+
 template <typename T>
-void dispatch_dim(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache, const at::Tensor& tables,
-                  const at::Tensor& lens, double scale, at::Tensor& out, float* lse) {
+bool dispatch_vectorized(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                         const at::Tensor& tables, const at::Tensor& lens, double scale, at::Tensor& out, float* lse) {
 #ifdef KVMESH_BF16_KERNEL
   if constexpr (std::is_same_v<T, c10::BFloat16>) {
-    if (q.size(1) / k_cache.size(2) <= 8) {
-      if (q.size(2) == 64) return run_bf16<64>(q, k_cache, v_cache, tables, lens, scale, out, lse);
-      if (q.size(2) == 128) return run_bf16<128>(q, k_cache, v_cache, tables, lens, scale, out, lse);
-    }
+    if (q.size(2) == 64) KVMESH_GROUP_CASES(run_bf16, 64)
+    if (q.size(2) == 128) KVMESH_GROUP_CASES(run_bf16, 128)
   }
 #endif
   if constexpr (std::is_same_v<T, float>) {
-    if (q.size(1) / k_cache.size(2) <= 8) {
-      if (q.size(2) == 64) return run_f32<64>(q, k_cache, v_cache, tables, lens, scale, out, lse);
-      if (q.size(2) == 128) return run_f32<128>(q, k_cache, v_cache, tables, lens, scale, out, lse);
-    }
+    if (q.size(2) == 64) KVMESH_GROUP_CASES(run_f32, 64)
+    if (q.size(2) == 128) KVMESH_GROUP_CASES(run_f32, 128)
   }
+  return false;
+}
+#undef KVMESH_GROUP_CASES
+
+template <typename T>
+void dispatch_dim(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache, const at::Tensor& tables,
+                  const at::Tensor& lens, double scale, at::Tensor& out, float* lse) {
+  if (dispatch_vectorized<T>(q, k_cache, v_cache, tables, lens, scale, out, lse)) return;
   switch (q.size(2)) {
     case 64: run<T, 64>(q, k_cache, v_cache, tables, lens, scale, out, lse); break;
     case 128: run<T, 128>(q, k_cache, v_cache, tables, lens, scale, out, lse); break;
