@@ -4,8 +4,9 @@ It is built with the system C++ compiler against the installed torch into the kv
 cache, keyed on the source, the torch version and the CPU's flags (it is compiled with
 ``-march=native``), at ``make install`` (``python -m kvmesh.engine.model.paged_kernel``)
 or else at first use, and loaded as ``torch.ops.kvmesh.paged_decode``. Without a
-compiler (or without glibc's vector math library, libmvec), or when it fails to build or load, ``available()`` is False with the reason in
-one warning line, and attention gathers the blocks in PyTorch as before.
+compiler (or without glibc's vector math library, libmvec), or when it fails to build or
+load, ``available()`` is False with the reason in one warning line, and attention gathers
+the blocks in PyTorch as before.
 ``KVMESH_PAGED_KERNEL=0`` turns it off.
 """
 
