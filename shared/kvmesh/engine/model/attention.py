@@ -96,7 +96,7 @@ def _gather_view(cache: torch.Tensor, block_table: torch.Tensor) -> torch.Tensor
     blocks, not made contiguous: flash attention reads it as it is, and the copy that
     transposing would take costs as much as the gather (float32)."""
     gathered = torch.index_select(cache, 0, block_table)  # (n, block_size, kv_heads, dim)
-    _, block_size, kv_heads, dim = gathered.shape
+    kv_heads, dim = gathered.shape[2:]
     return gathered.view(-1, kv_heads, dim).transpose(0, 1)
 
 
