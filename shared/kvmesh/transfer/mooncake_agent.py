@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import random
 import threading
 import time
 from dataclasses import dataclass
@@ -35,6 +36,12 @@ class TransferStats:
 # Mooncake 0.3.13 silently ignores a range that reaches past 32767 (and picks from its
 # default 15000-17000); measured on this machine.
 MAX_TRANSFER_PORT = 32767
+
+# Mooncake picks its two ports at random in the range, then binds them: workers of one host
+# that share a range and start together sometimes pick the same one, and the second fails
+# ("Address already in use": 1 in 12 paired starts on 16 ports, measured). A fresh engine
+# picks again.
+START_ATTEMPTS = 10
 
 
 def parse_port_range(text: str) -> tuple[int, int]:
@@ -73,10 +80,26 @@ class MooncakeAgent:
                 "the Mooncake transfer engine is not installed (pip install mooncake-transfer-engine-non-cuda; "
                 "it needs the system library libibverbs1)"
             ) from exc
-        self._engine = TransferEngine()
-        status = self._engine.initialize(hostname, metadata, protocol, "")
-        if status != 0:
-            raise TransferError(f"Mooncake initialize({hostname!r}, {metadata!r}, {protocol!r}) returned {status}")
+        for attempt in range(1, START_ATTEMPTS + 1):
+            engine = TransferEngine()
+            try:
+                status = engine.initialize(hostname, metadata, protocol, "")
+            except RuntimeError as exc:  # its RPC port taken: "bind: Address already in use"
+                if "Address already in use" not in str(exc):
+                    raise
+                failure = str(exc)
+            else:
+                if status == 0:
+                    self._engine = engine
+                    break
+                # its transport port taken (Mooncake logs "Address already in use") or else
+                failure = f"initialize({hostname!r}, {metadata!r}, {protocol!r}) returned {status}"
+            if attempt == START_ATTEMPTS:
+                ports = f", ports {port_range[0]}-{port_range[1]}" if port_range else ""
+                raise TransferError(f"Mooncake did not start in {START_ATTEMPTS} tries{ports}: {failure}")
+            logger.warning("Mooncake did not start (%s); trying again (%d of %d)", failure, attempt, START_ATTEMPTS)
+            del engine  # a failed engine lets go of any port it took before the next one starts
+            time.sleep(random.uniform(0.05, 0.3))
         self.endpoint = f"{hostname}:{self._engine.get_rpc_port()}"
         self._lock = threading.Lock()
         self.bytes_read = 0
