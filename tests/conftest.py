@@ -14,6 +14,21 @@ import pytest
 os.environ.setdefault("KVMESH_DTYPE", "float32")
 
 
+@pytest.fixture(autouse=True)
+def _mooncake_port_variables_left_as_found():
+    """``MooncakeAgent(port_range=...)`` sets Mooncake's MC_MIN_RPC_PORT / MC_MAX_RPC_PORT in
+    its process (the way it reaches Mooncake): a test that makes one in pytest's process would
+    hand its small range to every worker started after it (a CI run lost 42 mesh tests so)."""
+    names = ("MC_MIN_RPC_PORT", "MC_MAX_RPC_PORT")
+    before = {name: os.environ.get(name) for name in names}
+    yield
+    for name, value in before.items():
+        if value is None:
+            os.environ.pop(name, None)
+        else:
+            os.environ[name] = value
+
+
 @pytest.fixture(scope="session")
 def default_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The default SmolLM2 model converted to an HF-style directory, once per test session.

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 
@@ -198,3 +200,64 @@ def test_workers_starting_together_on_one_small_range_all_start():
         assert all(proc.returncode == 0 for proc in procs), [e[-1500:] for e in errors]
         ports = [int(e.rsplit(":", 1)[1]) for e in endpoints]
         assert len(set(ports)) == 2 and all(low <= p <= high for p in ports), endpoints
+
+
+def test_the_port_variables_an_agent_sets_are_gone_after_its_test(monkeypatch):
+    """Pins tests/conftest.py's guard: MooncakeAgent puts its range in os.environ (the way it
+    reaches Mooncake); the suite's autouse fixture takes it away again after each test."""
+    import mooncake.engine
+
+    monkeypatch.setattr(mooncake.engine, "TransferEngine", _EngineTakingPorts)
+    monkeypatch.setattr(_EngineTakingPorts, "busy", 0)
+    MooncakeAgent(port_range=(20000, 20003))
+    assert os.environ["MC_MIN_RPC_PORT"] == "20000"
+
+
+def test_and_they_are_gone():
+    assert os.environ.get("MC_MIN_RPC_PORT") != "20000"
+
+
+HOLD_THE_START = """
+import sys
+from kvmesh.transfer.mooncake_agent import one_start_at_a_time
+from pathlib import Path
+with one_start_at_a_time(Path(sys.argv[1]), wait=float(sys.argv[2])):
+    print("inside", flush=True)
+    sys.stdin.readline()
+print("out", flush=True)
+"""
+
+
+def test_kvmesh_processes_start_their_engines_one_at_a_time(tmp_path, caplog):
+    """The start lock: a second process waits while the first holds it, goes in once it is
+    let go; one that waits past its limit goes on without it, with one warning."""
+    import subprocess
+    import sys
+
+    from kvmesh.transfer.mooncake_agent import one_start_at_a_time
+
+    lock = tmp_path / "start.lock"
+
+    def holder(wait: float) -> subprocess.Popen:
+        return subprocess.Popen([sys.executable, "-c", HOLD_THE_START, str(lock), str(wait)], stdin=subprocess.PIPE,
+                                stdout=subprocess.PIPE, text=True)  # fmt: skip
+
+    first = holder(30)
+    assert first.stdout is not None and first.stdin is not None
+    assert first.stdout.readline().strip() == "inside"
+    second = holder(30)
+    assert second.stdout is not None and second.stdin is not None
+    with caplog.at_level("WARNING"), one_start_at_a_time(lock, wait=0.3):  # held: goes on after 0.3 s
+        pass
+    assert [r.message for r in caplog.records if "start lock" in r.message] == [
+        f"Mooncake starts without the start lock: {lock} held for 0 s"
+    ]
+    assert second.poll() is None  # still waiting
+    first.stdin.write("\n")
+    first.stdin.flush()
+    assert first.stdout.readline().strip() == "out"
+    assert second.stdout.readline().strip() == "inside"  # in once the first let go
+    second.stdin.write("\n")
+    second.stdin.flush()
+    assert second.stdout.readline().strip() == "out"
+    assert first.wait(10) == 0 and second.wait(10) == 0

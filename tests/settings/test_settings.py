@@ -156,6 +156,22 @@ def test_worker_settings_from_the_environment(monkeypatch: pytest.MonkeyPatch) -
     assert worker_settings("decode", []).engine.enable_prefix_caching
 
 
+def test_mooncakes_own_port_variables_are_the_workers_range(monkeypatch: pytest.MonkeyPatch, capsys) -> None:
+    """Mooncake listens on MC_MIN_RPC_PORT..MC_MAX_RPC_PORT when they are set: the worker takes
+    them as its range, so that the bind guard fences those ports (it fenced Mooncake's default
+    range, and the real listeners were on every interface); --transfer-ports still wins."""
+    monkeypatch.setenv("MC_MIN_RPC_PORT", "21000")
+    monkeypatch.setenv("MC_MAX_RPC_PORT", "21007")
+    assert worker_settings("decode", MESH).transfer_port_range == (21000, 21007)
+    assert worker_settings("decode", [*MESH, "--transfer-ports", "22000-22003"]).transfer_port_range == (22000, 22003)
+    monkeypatch.setenv("MC_MAX_RPC_PORT", "40000")
+    with pytest.raises(SystemExit):
+        worker_settings("decode", MESH)
+    assert "MC_MIN_RPC_PORT / MC_MAX_RPC_PORT: a transfer port range is MIN-MAX within 1024..32767" in capsys.readouterr().err
+    monkeypatch.delenv("MC_MAX_RPC_PORT")
+    assert worker_settings("decode", MESH).transfer_port_range is None  # one alone is not a range
+
+
 def test_a_worker_flag_beats_its_variable(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("KVMESH_MAX_NUM_SEQS", "4")
     monkeypatch.setenv("KVMESH_NATS_URL", "nats://from-env:1")

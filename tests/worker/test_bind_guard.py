@@ -178,3 +178,40 @@ def test_no_guard_without_a_specific_ipv4_host(tmp_path, host):
     lines = worker(tmp_path, host, free_ports(1))
     assert len([line for line in lines if line.startswith("WARNING")]) == 1
     assert lines[-1].startswith("state off")
+
+
+MOONCAKE_WORKER = textwrap.dedent(
+    """
+    import json, logging, sys
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(message)s", stream=sys.stdout)
+    from kvmesh.settings.worker import worker_settings
+    from kvmesh.transfer import bind_guard
+    from kvmesh.transfer.mooncake_agent import MooncakeAgent
+    from tests.mesh.meshes import listening
+    import os
+    s = worker_settings("decode", ["--nats-url", "nats://127.0.0.1:1", "--etcd", "127.0.0.1:2", "--advertise-host", sys.argv[1]])
+    bind_guard.enforce(s.advertise_host, s.transfer_port_range)  # as WorkerRuntime.prepare, then start
+    agent = MooncakeAgent(s.advertise_host, port_range=s.transfer_port_range)
+    print("RESULT", json.dumps({"range": s.transfer_port_range, "endpoint": agent.endpoint, "listening": listening(os.getpid())}))
+    """
+)
+
+
+def test_a_worker_fences_the_ports_mooncakes_own_variables_give(tmp_path):
+    """MC_MIN_RPC_PORT / MC_MAX_RPC_PORT in a worker's environment: Mooncake listens there,
+    and so the guard fences that range (it fenced Mooncake's default range, and the worker's
+    two real listeners were on every interface). A real worker's settings, guard and engine."""
+    low = free_ports(8)
+    environment = {k: v for k, v in os.environ.items() if k not in ("LD_PRELOAD", "CC")}
+    environment.update(KVMESH_CACHE_DIR=str(tmp_path), MC_MIN_RPC_PORT=str(low), MC_MAX_RPC_PORT=str(low + 7))
+    result = subprocess.run(
+        [sys.executable, "-c", MOONCAKE_WORKER, HOST], env=environment, capture_output=True, text=True, timeout=60,
+        cwd=Path(__file__).parents[2],
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr[-2000:]
+    [line] = [line for line in result.stdout.splitlines() if line.startswith("RESULT ")]
+    seen = json.loads(line.removeprefix("RESULT "))
+    assert seen["range"] == [low, low + 7] and seen["endpoint"].startswith(f"{HOST}:")
+    transfer = [(address, port) for address, port in seen["listening"] if low <= port <= low + 7]
+    assert len(transfer) == 2 and {address for address, _ in transfer} <= {HOST, f"::ffff:{HOST}"}, seen
+    assert "listen on every interface" not in result.stdout

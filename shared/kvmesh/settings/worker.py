@@ -16,7 +16,7 @@ from kvmesh.settings import env
 from kvmesh.settings.env import EnvError
 from kvmesh.settings.flags import SettingsParser, from_args, int_or_none
 from kvmesh.settings.mesh import MeshSettings, add_mesh_args, mesh_settings
-from kvmesh.transfer.mooncake_agent import parse_port_range
+from kvmesh.transfer.mooncake_agent import mooncake_env_range, parse_port_range
 from kvmesh.worker.engines import DEFAULT_BLOCK_SIZE, ENGINES, unavailable
 
 logger = logging.getLogger(__name__)
@@ -181,7 +181,9 @@ def worker_settings(role: Role, argv: list[str] | None = None) -> WorkerSettings
         args.nats_credentials = args.etcd_credentials = slots[0]  # checked here like any; replaced at the claim
     mesh = mesh_settings(args, parser)
     try:
-        transfer_port_range = parse_port_range(args.transfer_ports) if args.transfer_ports else None
+        # Mooncake's own MC_MIN_RPC_PORT / MC_MAX_RPC_PORT, when set, are the range it uses:
+        # taken as the range so that the bind guard fences those ports, not its default ones
+        transfer_port_range = parse_port_range(args.transfer_ports) if args.transfer_ports else mooncake_env_range()
         fault_pull_delay = env.FAULT_PULL_DELAY.read(float, 0.0)
         engine = from_args(
             EngineSettings, args,

@@ -8,12 +8,17 @@ its engine serving the bytes. Calls block, so the async wrapper runs them on a t
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import fcntl
 import logging
 import os
 import random
+import tempfile
 import threading
 import time
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
+from pathlib import Path
 
 from kvmesh.errors import KvmeshError
 from kvmesh.transfer.layout import PoolLayout
@@ -37,11 +42,16 @@ class TransferStats:
 # default 15000-17000); measured on this machine.
 MAX_TRANSFER_PORT = 32767
 
-# Mooncake picks its two ports at random in the range, then binds them: workers of one host
-# that share a range and start together sometimes pick the same one, and the second fails
-# ("Address already in use": 1 in 12 paired starts on 16 ports, measured). A fresh engine
-# picks again.
+# Mooncake picks its two ports at random in the range, probes them, and binds them for good a
+# moment later: workers of one host that share a range and start together sometimes pick the
+# same one, and the second fails ("Address already in use": 1 in 12 paired starts on 16 ports,
+# measured). kvmesh's workers of one host start their engines one at a time (a lock file), and
+# a start that still finds a port taken (by another program) is tried again with a fresh engine.
 START_ATTEMPTS = 10
+START_LOCK = Path(tempfile.gettempdir()) / "kvmesh-mooncake-start.lock"
+START_LOCK_WAIT = 30.0  # seconds; then the engine starts without the lock (one warning)
+# Mooncake's own variables for its port range (read once, when it is first loaded)
+RANGE_ENV = ("MC_MIN_RPC_PORT", "MC_MAX_RPC_PORT")
 
 
 def parse_port_range(text: str) -> tuple[int, int]:
@@ -54,6 +64,50 @@ def parse_port_range(text: str) -> tuple[int, int]:
     if not 1024 <= first <= last <= MAX_TRANSFER_PORT:
         raise ValueError(f"a transfer port range is MIN-MAX within 1024..{MAX_TRANSFER_PORT}, got {text!r}")
     return first, last
+
+
+def mooncake_env_range(environ: Mapping[str, str] | None = None) -> tuple[int, int] | None:
+    """The port range Mooncake will take from its own variables, if both are set (so that a
+    worker fences the ports it really uses); ValueError when they do not make a range."""
+    low, high = ((os.environ if environ is None else environ).get(name) for name in RANGE_ENV)
+    if low is None or high is None:
+        return None
+    try:
+        return parse_port_range(f"{low}-{high}")
+    except ValueError as exc:
+        raise ValueError(f"{' / '.join(RANGE_ENV)}: {exc}") from None
+
+
+def _lock(handle: int, wait: float) -> bool:
+    deadline = time.monotonic() + wait
+    while True:
+        try:
+            fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            return True
+        except BlockingIOError:
+            if time.monotonic() >= deadline:
+                return False
+            time.sleep(0.02)
+
+
+@contextlib.contextmanager
+def one_start_at_a_time(path: Path = START_LOCK, wait: float = START_LOCK_WAIT) -> Iterator[None]:
+    """Hold this host's Mooncake start lock: the engine that starts inside it has bound its
+    ports before the next kvmesh process picks any. Waits at most ``wait`` seconds, then
+    goes on without it (one warning)."""
+    try:
+        handle = os.open(path, os.O_RDWR | os.O_CREAT, 0o666)
+    except OSError as exc:
+        logger.warning("Mooncake starts without the start lock (%s)", exc)
+        yield
+        return
+    try:
+        locked = _lock(handle, wait)
+        if not locked:
+            logger.warning("Mooncake starts without the start lock: %s held for %.0f s", path, wait)
+        yield
+    finally:
+        os.close(handle)  # lets go of the lock too
 
 
 class MooncakeAgent:
@@ -83,7 +137,8 @@ class MooncakeAgent:
         for attempt in range(1, START_ATTEMPTS + 1):
             engine = TransferEngine()
             try:
-                status = engine.initialize(hostname, metadata, protocol, "")
+                with one_start_at_a_time():
+                    status = engine.initialize(hostname, metadata, protocol, "")
             except RuntimeError as exc:  # its RPC port taken: "bind: Address already in use"
                 if "Address already in use" not in str(exc):
                     raise
