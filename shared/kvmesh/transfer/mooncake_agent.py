@@ -91,10 +91,12 @@ def _lock(handle: int, wait: float) -> bool:
 
 
 @contextlib.contextmanager
-def one_start_at_a_time(path: Path = START_LOCK, wait: float = START_LOCK_WAIT) -> Iterator[None]:
-    """Hold this host's Mooncake start lock: the engine that starts inside it has bound its
-    ports before the next kvmesh process picks any. Waits at most ``wait`` seconds, then
-    goes on without it (one warning)."""
+def one_start_at_a_time(path: Path | None = None, wait: float = START_LOCK_WAIT) -> Iterator[None]:
+    """Hold this host's Mooncake start lock (``START_LOCK`` unless ``path``): the engine that
+    starts inside it has bound its ports before the next kvmesh process picks any. Waits at
+    most ``wait`` seconds, then goes on without it (one warning). Blocks: keep it off an
+    event loop."""
+    path = START_LOCK if path is None else path
     try:
         handle = os.open(path, os.O_RDWR | os.O_CREAT, 0o666)
     except OSError as exc:
