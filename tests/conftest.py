@@ -19,8 +19,9 @@ def _mooncake_port_variables_left_as_found():
     """``MooncakeAgent(port_range=...)`` sets Mooncake's MC_MIN_RPC_PORT / MC_MAX_RPC_PORT in
     its process (the way it reaches Mooncake): a test that makes one in pytest's process would
     hand its small range to every worker started after it (a CI run lost 42 mesh tests so)."""
-    names = ("MC_MIN_RPC_PORT", "MC_MAX_RPC_PORT")
-    before = {name: os.environ.get(name) for name in names}
+    from kvmesh.transfer.mooncake_agent import RANGE_ENV
+
+    before = {name: os.environ.get(name) for name in RANGE_ENV}
     yield
     for name, value in before.items():
         if value is None:

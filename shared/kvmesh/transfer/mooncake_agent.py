@@ -128,7 +128,7 @@ class MooncakeAgent:
         port_range: tuple[int, int] | None = None,
     ) -> None:
         if port_range is not None:  # Mooncake reads these once per process, when it is first loaded
-            os.environ["MC_MIN_RPC_PORT"], os.environ["MC_MAX_RPC_PORT"] = (str(p) for p in port_range)
+            os.environ.update(zip(RANGE_ENV, map(str, port_range)))
         try:
             from mooncake.engine import TransferEngine
         except ImportError as exc:
