@@ -41,9 +41,13 @@ def test_export_import_and_release_through_the_connector(default_model_dir):
     assert seen["lend_and_borrow"] == {
         "cached": 2, "lent": {"blocks": 2, "in_use": 2, "held": 2}, "reset_refused": True, "unchanged": True,
         "released": [True, False], "cached_after_eviction": 0,
-        "borrowed_prefill": {"first": True, "cached_tokens": 64}, "taken": True,
+        "borrowed_prefill": {"first": True, "cached_tokens": 64, "copied": 0}, "taken": True,  # used where pulled
         "again": {"same": True, "cached_tokens": 64},  # vLLM cached the borrowed blocks as its own
         "unused_given_back": True, "free_back": True,
+    }  # fmt: skip
+    # a borrowed prefix after vLLM's own first block: used in place after it, nothing copied
+    assert seen["borrow_after_own_prefix"] == {
+        "own_blocks": 1, "first": True, "cached_tokens": 96, "copied": 0, "taken": True, "free_back": True,
     }  # fmt: skip
     none_left = {"exports": 0, "to_release": 0, "vllm_requests": 0}
     # an export aborted mid-prefill (a cancel) gives its blocks back

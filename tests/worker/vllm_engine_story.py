@@ -64,6 +64,7 @@ async def story(model: str) -> dict:
         await engine._call(reset)
         seen["fully_cached_import"] = await fully_cached_import(engine)
         seen["lend_and_borrow"] = await lend_and_borrow(engine, seen["plain"])
+        seen["borrow_after_own_prefix"] = await borrow_after_own_prefix(engine)
         await engine._call(reset)
         seen["abort_mid_prefill"] = await abort_mid_prefill(engine)
         seen["release_idle"] = await release_on_an_idle_engine(engine)
@@ -188,8 +189,11 @@ async def lend_and_borrow(engine, plain: list[int]) -> dict:
     await engine._call(lambda: core.block_pool.evict_blocks(set(lent)))  # vLLM has the prompt no more
     seen["cached_after_eviction"] = await engine.cached_prefix_length(hashes)
     await engine.cache_imported_blocks("borrow-b", hashes, None)
+    copied = core.blocks_copied
     out = await engine.prefill_export("lb-prefill", prompt, params)
-    seen["borrowed_prefill"] = {"first": out.new_token_ids == plain[:1], "cached_tokens": out.num_cached_tokens}
+    seen["borrowed_prefill"] = {
+        "first": out.new_token_ids == plain[:1], "cached_tokens": out.num_cached_tokens, "copied": core.blocks_copied - copied,
+    }  # fmt: skip
     await engine.release_export("lb-prefill")
     seen["taken"] = not await engine.release_import("borrow-b")
     again = [o async for o in engine.generate("lb-again", prompt, params)]
@@ -199,6 +203,46 @@ async def lend_and_borrow(engine, plain: list[int]) -> dict:
     seen["unused_given_back"] = unused is not None and await engine.release_import("borrow-u")
     seen["free_back"] = await settle(engine) == baseline
     return seen
+
+
+async def borrow_after_own_prefix(engine) -> dict:
+    """vLLM holds a prompt's first block itself and borrows the next two from a peer (here:
+    its own, lent, pulled into blocks taken for the borrow, then evicted): the prefill uses
+    them where the pull put them, after its own block, copies none, and samples a plain
+    run's first token; the blocks go back when it ends."""
+    import torch
+
+    from kvmesh.engine.request import SamplingParams
+
+    core = engine.core
+    prompt = [504, 3575, 282, 4649, 314, 11] * 17  # 102 tokens: three whole blocks of 32 and a part
+    hashes = engine.block_hashes(prompt)
+    params = SamplingParams(max_tokens=4, ignore_eos=True)
+    await engine._call(core.engine.reset_prefix_cache)
+    plain = [t async for out in engine.generate("bo-plain", prompt, params) for t in out.new_token_ids]
+    baseline = await settle(engine)
+    lent = await engine.lend_cached_blocks("bo-loan", hashes[1:])
+    staged = await engine.allocate_import("bo", 2 * 32)
+    assert len(lent) == 2 and staged is not None
+
+    def pull() -> None:
+        src, dst = torch.tensor(lent), torch.tensor(staged)
+        for cache in core.kv_caches:
+            cache[dst] = cache[src]
+
+    await engine._call(pull)
+    await engine.release_export("bo-loan")
+    await engine._call(lambda: core.block_pool.evict_blocks(set(lent)))  # vLLM keeps the first block only
+    own = await engine.cached_prefix_length(hashes)
+    await engine.cache_imported_blocks("bo", hashes[1:], hashes[0])
+    copied = core.blocks_copied
+    out = await engine.prefill_export("bo-prefill", prompt, params)
+    await engine.release_export("bo-prefill")
+    return {
+        "own_blocks": own, "first": out.new_token_ids == plain[:1], "cached_tokens": out.num_cached_tokens,
+        "copied": core.blocks_copied - copied, "taken": not await engine.release_import("bo"),
+        "free_back": await settle(engine) == baseline,
+    }  # fmt: skip
 
 
 def small_steps(engine, tokens: int):

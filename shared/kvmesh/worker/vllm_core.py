@@ -115,7 +115,7 @@ class VllmCore:
         # export: the first token, then the blocks stay for a peer (the connector's request_finished)
         sampling = self.sampling(params, max_tokens=1 if export_kv else None, transfer=transfer or None, forced=forced)
         try:
-            self.engine.add_request(request_id, {"prompt_token_ids": prompt}, sampling)
+            vllm_id = self.engine.add_request(request_id, {"prompt_token_ids": prompt}, sampling)
         except BaseException:
             if prefix is not None:
                 self._forget_import(prefix[0])
@@ -123,7 +123,9 @@ class VllmCore:
         if export_kv:
             self._exports.add(request_id)
         if prefix is not None:
-            self._import_of[request_id] = prefix[0]
+            handle, start, end = prefix
+            self._adopt(vllm_id, self._importing[handle][0], end * self.block_size, start=start)
+            self._import_of[request_id] = handle
         self._track(request_id, params, forced)
         self._prompts[request_id] = len(prompt_token_ids)
 
@@ -415,17 +417,19 @@ class VllmCore:
         first_logprob = [None] if params.logprobs is not None else None
         return RequestOutput(request_id, [first_token_id], text, False, None, n, n, logprobs=first_logprob)
 
-    def _adopt(self, vllm_id: str, staged: list[Any], num_tokens: int) -> None:
-        """Name an import's whole blocks in vLLM's prefix cache under its request's own block
-        hashes: vLLM's scheduler finds them as prefix hits and uses them where the pull put
-        them, and the connector loads only the part block after them (copied). Our
-        reference keeps them from eviction until the request has them."""
+    def _adopt(self, vllm_id: str, staged: list[Any], num_tokens: int, *, start: int = 0) -> None:
+        """Name an import's whole blocks (``staged[i]`` holding the prompt's block
+        ``start + i``; a borrowed prefix starts after vLLM's own cached blocks) in vLLM's
+        prefix cache under its request's own block hashes: vLLM's scheduler finds them as
+        prefix hits and uses them where the pull put them, and the connector loads only the
+        part block after them (copied), if any. Our reference keeps them from eviction until
+        the request has them."""
         request = self.scheduler.requests.get(vllm_id)
         if request is None or not self.block_pool.enable_caching:
             return  # the connector loads (copies) every block
-        whole = min(num_tokens // self.block_size, len(request.block_hashes), len(staged))
-        if whole > 0:
-            self.block_pool.cache_full_blocks(request, staged, 0, whole, self.block_size, 0)
+        end = min(num_tokens // self.block_size, len(request.block_hashes), start + len(staged))
+        if end > start:  # cache_full_blocks reads blocks[start:end] only
+            self.block_pool.cache_full_blocks(request, [None] * start + staged, start, end, self.block_size, 0)
 
     def _fill_imports(self) -> None:
         """Copy each import's pulled KV into the blocks vLLM allocated for its request, then
