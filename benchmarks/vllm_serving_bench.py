@@ -672,12 +672,21 @@ SERVER_STARTS: dict[str, tuple[str, Callable[[argparse.Namespace, Path], Server]
 BASELINE = "@base"  # a mesh server's name with this suffix runs from --baseline-tree
 
 
+MESH_FLAGS = {"mesh-vllm": ["--engine", "vllm"], "mesh-kvmesh": [], "mesh-prefill0": ["--prefill", "0"]}
+
+
 def server_start(name: str, args: argparse.Namespace) -> tuple[str, Callable[[argparse.Namespace, Path], Server]]:
-    """The label and start of a server by its name (``mesh-vllm@base``: from the baseline tree)."""
+    """The label and start of a server by its name (``mesh-vllm@base``: from the baseline tree;
+    ``mesh-prefill0:--max-num-batched-tokens=2048``: with more `kvmesh up` flags, ``+`` between
+    two, for an on/off row in one run)."""
+    plain, _, flags = name.partition(":")
+    if flags and plain in MESH_FLAGS:
+        extra = [*MESH_FLAGS[plain], *flags.split("+")]
+        return f"{SERVER_STARTS[plain][0]} {' '.join(extra[len(MESH_FLAGS[plain]):])}", lambda a, w: start_kvmesh_up(name, a, w, extra)
     if not name.endswith(BASELINE):
         return SERVER_STARTS[name]
     plain = name[: -len(BASELINE)]
-    extra = {"mesh-vllm": ["--engine", "vllm"], "mesh-kvmesh": [], "mesh-prefill0": ["--prefill", "0"]}[plain]
+    extra = MESH_FLAGS[plain]
     label = f"{SERVER_STARTS[plain][0]}, from {args.baseline_tree}"
     return label, lambda a, w: start_kvmesh_up(name, a, w, extra, tree=a.baseline_tree)
 
@@ -946,7 +955,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         based = {n for n in args.servers if n.endswith(BASELINE) and n[: -len(BASELINE)] in SERVER_STARTS and n.startswith("mesh-")}
         if based and args.baseline_tree is None:
             p.error(f"--servers {', '.join(sorted(based))}: these need --baseline-tree")
-        unknown = set(args.servers) - set(SERVER_STARTS) - based
+        flagged = {n for n in args.servers if n.partition(":")[0] in MESH_FLAGS and n.partition(":")[2]}
+        unknown = set(args.servers) - set(SERVER_STARTS) - based - flagged
         if unknown:
             p.error(f"--servers: unknown {', '.join(sorted(unknown))}")
         if "mesh-prefill0-baseline" in args.servers and not args.baseline_python:

@@ -237,3 +237,13 @@ def test_baseline_servers_need_a_baseline_tree_and_run_from_it(tmp_path):
     label, _ = server_start("mesh-vllm@base", args)
     assert label == f"kvmesh up --engine vllm, from {tmp_path}"
     assert server_start("mesh-vllm", args)[0] == "kvmesh up --engine vllm"
+
+
+def test_a_mesh_server_with_more_flags_is_its_own_row():
+    from benchmarks.vllm_serving_bench import parse_args, server_start
+
+    name = "mesh-prefill0:--max-num-batched-tokens=2048+--max-num-seqs=128"
+    args = parse_args(["--vllm-python", "/x", "--servers", f"mesh-prefill0,{name}"])
+    assert server_start(name, args)[0] == "kvmesh up --prefill 0 --max-num-batched-tokens=2048 --max-num-seqs=128"
+    with pytest.raises(SystemExit):  # flags are for kvmesh up's servers only
+        parse_args(["--vllm-python", "/x", "--servers", "vllm:--block-size=16"])

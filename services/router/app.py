@@ -75,6 +75,9 @@ logger = logging.getLogger(__name__)
 GENERATION_PATHS = frozenset({COMPLETIONS, CHAT_COMPLETIONS, RESPONSES})
 HEALTH_TIMEOUT = 2.0  # seconds the backend has to answer a health check
 TOKENIZER_THREADS = 2
+# A request body up to this many bytes is tokenized on the event loop: a hop to the tokenizer
+# threads and back cost more than tokenizing it there (about 0.3 ms for 500 characters of chat).
+INLINE_TOKENIZE_BYTES = 2048
 
 T = TypeVar("T")
 
@@ -156,6 +159,7 @@ def create_app(
     limits: Limits | None = None,
     cors_allow_origins: Sequence[str] = (),
     generation_defaults: GenerationDefaults | None = None,
+    inline_tokenize_bytes: int = INLINE_TOKENIZE_BYTES,
 ) -> FastAPI:
     """The router's FastAPI app serving ``backend``'s model.
 
@@ -167,6 +171,8 @@ def create_app(
     the server begins it on SIGTERM / SIGINT. ``cors_allow_origins`` (origins, or ``*``) turns CORS
     on: preflights answered, responses to those origins readable by browsers; off without any.
     ``generation_defaults`` (the model's ``generation_config.json``) fill what a request omits.
+    A request whose body declares at most ``inline_tokenize_bytes`` is tokenized on the event
+    loop, a larger one in a small thread pool.
     """
     if api_key is not None:
         if api_keys is not None:
@@ -213,8 +219,12 @@ def create_app(
     if cors_allow_origins:  # outside even that: every answer, errors too, carries its CORS headers
         app.add_middleware(Cors, origins=cors_allow_origins)
 
-    async def off_loop(work: Callable[..., T], *args: Any) -> T:
-        """Blocking work (tokenizing, templating) in the app's small thread pool."""
+    async def tokenized(request: Request, work: Callable[..., T], *args: Any) -> T:
+        """Tokenizing and templating: on the loop for a small body, else in the app's small
+        thread pool (a long prompt would hold the loop and every stream on it)."""
+        declared = request.headers.get("content-length", "")
+        if declared.isdigit() and int(declared) <= inline_tokenize_bytes:
+            return work(*args)
         return await asyncio.get_running_loop().run_in_executor(tokenizing, functools.partial(work, *args))
 
     def rejected(request: Request, error: APIError) -> Response:
@@ -311,14 +321,14 @@ def create_app(
     @app.post(COMPLETIONS, responses=generation_responses(COMPLETION_ANSWER, COMPLETION_CHUNK))
     async def completions(body: CompletionRequest, request: Request) -> Response:
         check_accepting(body.model)
-        prompts = await off_loop(completion_prompt_ids, body, backend.tokenizer, backend.max_model_len)
+        prompts = await tokenized(request, completion_prompt_ids, body, backend.tokenizer, backend.max_model_len)
         body = defaults.apply(body, [len(ids) for ids in prompts], backend.max_model_len)
         return await generation.serve(request, COMPLETIONS, body, prompts)
 
     @app.post(CHAT_COMPLETIONS, responses=generation_responses(CHAT_ANSWER, CHAT_CHUNK))
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
         check_accepting(body.model)
-        prompt_ids = await off_loop(chat_prompt_ids, body, backend.tokenizer, backend.max_model_len)
+        prompt_ids = await tokenized(request, chat_prompt_ids, body, backend.tokenizer, backend.max_model_len)
         body = defaults.apply(body, [len(prompt_ids)], backend.max_model_len)
         return await generation.serve(request, CHAT_COMPLETIONS, body, [prompt_ids])
 
@@ -328,7 +338,7 @@ def create_app(
         check_accepting(body.model)
         chat = chat_request(body, await request.json())
         try:
-            prompt_ids = await off_loop(chat_prompt_ids, chat, backend.tokenizer, backend.max_model_len)
+            prompt_ids = await tokenized(request, chat_prompt_ids, chat, backend.tokenizer, backend.max_model_len)
             chat = defaults.apply(chat, [len(prompt_ids)], backend.max_model_len)
             answer = await generation.serve(request, RESPONSES, chat, [prompt_ids])
         except APIError as exc:

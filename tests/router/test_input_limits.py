@@ -4,6 +4,7 @@ limit, the body limit, and tokenization off the event loop."""
 from __future__ import annotations
 
 import asyncio
+import threading
 import time
 from collections.abc import AsyncIterator
 
@@ -11,13 +12,14 @@ import httpx
 import pytest
 
 from kvmesh.engine.tokenizer import Tokenizer
-from kvmesh.services.router.app import create_app
+from kvmesh.services.router.app import INLINE_TOKENIZE_BYTES, create_app
 from kvmesh.services.router.limits import Limits
 from tests.router.fakes import FakeBackend
 
 MODEL = "tiny-llama"
 CHAT = "/v1/chat/completions"
 COMPLETIONS = "/v1/completions"
+CHAT_COMPLETIONS = "/v1/chat/completions"
 
 
 def error(message: str, param: str | None = None, code: str | None = None) -> dict:
@@ -33,15 +35,18 @@ async def post_raw(client: httpx.AsyncClient, path: str, body: bytes) -> httpx.R
 
 
 class CountingTokenizer(Tokenizer):
-    """The tiny tokenizer, counting its encodes; ``delay`` makes each one block that long."""
+    """The tiny tokenizer, counting its encodes and naming the threads they ran on; ``delay``
+    makes each one block that long."""
 
     def __init__(self, base: Tokenizer, delay: float = 0.0) -> None:
         super().__init__(base.backend, chat_template=base.chat_template)
         self.encodes = 0
+        self.threads: list[int] = []
         self.delay = delay
 
     def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
         self.encodes += 1
+        self.threads.append(threading.get_ident())
         if self.delay:
             time.sleep(self.delay)  # blocks whichever thread runs it
         return super().encode(text, add_special_tokens=add_special_tokens)
@@ -189,12 +194,13 @@ async def test_a_prompt_too_long_for_the_context_is_refused_before_tokenizing(
     assert fake.calls == []
 
 
-async def test_tokenizing_runs_off_the_event_loop(fake: FakeBackend, tokenizer: Tokenizer) -> None:
+async def test_tokenizing_a_large_body_runs_off_the_event_loop(fake: FakeBackend, tokenizer: Tokenizer) -> None:
     # The encode blocks its thread for 3 s: if it ran on the event loop, /health would wait for it.
     fake.tokenizer = CountingTokenizer(tokenizer, delay=3.0)
+    body = {"model": MODEL, "prompt": "The river", "user": "u" * INLINE_TOKENIZE_BYTES}  # over the inline bound
     async with httpx.AsyncClient(transport=httpx.ASGITransport(app=create_app(fake)), base_url="http://t") as client:
         started = time.monotonic()
-        request = asyncio.create_task(client.post(COMPLETIONS, json={"model": MODEL, "prompt": "The river"}))
+        request = asyncio.create_task(client.post(COMPLETIONS, json=body))
         while not fake.tokenizer.encodes:  # the request is being tokenized
             await asyncio.sleep(0.01)
         health = await client.get("/health")
@@ -202,6 +208,16 @@ async def test_tokenizing_runs_off_the_event_loop(fake: FakeBackend, tokenizer: 
         assert health.status_code == 200
         assert not request.done()
         assert (await request).status_code == 200
+
+
+@pytest.mark.parametrize("endpoint", [COMPLETIONS, CHAT_COMPLETIONS])
+async def test_a_short_prompt_is_tokenized_on_the_event_loop(fake: FakeBackend, tokenizer: Tokenizer, endpoint: str) -> None:
+    # a hop to the tokenizer threads and back costs more than the encode itself
+    fake.tokenizer = counting = CountingTokenizer(tokenizer)
+    body = {"model": MODEL, "prompt": "The river"} if endpoint == COMPLETIONS else {"model": MODEL, "messages": [{"role": "user", "content": "Hi"}]}
+    async with httpx.AsyncClient(transport=httpx.ASGITransport(app=create_app(fake)), base_url="http://t") as client:
+        assert (await client.post(endpoint, json=body)).status_code == 200
+    assert counting.threads == [threading.get_ident()]  # this test's loop
 
 
 # --------------------------------------------------------------------------- the body
