@@ -1,7 +1,7 @@
 """The router's HTTP edge: OpenAI-compatible endpoints over a ``GenerationBackend``.
 
 ``create_app`` wires the routes; a request's body is read within ``limits``, validated
-(``openai_api``), tokenized off the event loop (``prompts``), checked against the model's context,
+(``openai_api``), tokenized (``prompts``; off the event loop unless the body is small), checked against the model's context,
 handed to the backend, and its token events are returned as one JSON object or as server-sent
 events (``streaming``). Errors become OpenAI error bodies; metrics go to a registry owned by the
 app (``metrics``); ``auth`` guards ``/v1/*`` (and, when asked, ``/metrics`` and the docs) with named
