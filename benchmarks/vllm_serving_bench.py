@@ -291,6 +291,12 @@ def merge_json(existing: str | None, mode: str, payload: dict[str, Any]) -> dict
     return data
 
 
+def file_stem(name: str) -> str:
+    """A server's name as a file name: a mesh server with flags may carry a path
+    (``mesh-kvmesh:--routing-config=/x/y.json``)."""
+    return re.sub(r"[^A-Za-z0-9_.+=-]", "_", name)[:100]
+
+
 def random_prompts(count: int, length: int, vocab_size: int, seed: int) -> list[list[int]]:
     """``count`` prompts of ``length`` random token ids (no two alike: no prefix-cache help)."""
     rng = random.Random(seed)
@@ -339,9 +345,9 @@ def chat_body(model: str, messages: list[dict[str, str]], new_tokens: int) -> di
     }  # fmt: skip
 
 
-async def multi_turn(client: httpx.AsyncClient, model: str, users: int, rounds: int, new_tokens: int) -> WorkloadResult:
+async def multi_turn(client: httpx.AsyncClient, model: str, users: int, rounds: int, new_tokens: int, system: str = SYSTEM) -> WorkloadResult:
     async def user(number: int) -> list[RequestResult]:
-        messages = [{"role": "system", "content": SYSTEM}]
+        messages = [{"role": "system", "content": system}]
         done = []
         for turn in range(rounds):
             messages.append({"role": "user", "content": f"(user {number}) " + TURNS[turn % len(TURNS)]})
@@ -637,7 +643,7 @@ def start_kvmesh_up(name: str, args: argparse.Namespace, workdir: Path, extra: S
     path = os.pathsep.join([str((tree or REPO) / "shared"), *filter(None, [os.environ.get("PYTHONPATH")])])
     env = vllm_env({"KVMESH_VLLM_PYTHON": vllm_python, "PYTHONPATH": path})
     started = time.monotonic()
-    process = ManagedProcess(name, command, log_path=workdir / f"{name}.log", env=env, parent_death_signal=signal.SIGTERM)
+    process = ManagedProcess(name, command, log_path=workdir / f"{file_stem(name)}.log", env=env, parent_death_signal=signal.SIGTERM)
     server = Server(name, command, process, "", workdir)
     try:
         line = process.wait_for_line(lambda text: "kvmesh is serving at" in text, args.ready_timeout)
@@ -734,7 +740,7 @@ def bench_serve(server: Server, args: argparse.Namespace, workdir: Path) -> dict
     )
     out: dict[str, dict[str, Any]] = {}
     for concurrency in args.bench_serve_concurrency:
-        name = f"{server.name}-c{concurrency}.json"
+        name = f"{file_stem(server.name)}-c{concurrency}.json"
         count = bench_serve_prompts(args, concurrency)
         command = [
             args.vllm_python, "-c", runner, "--backend", "openai", "--base-url", server.base_url, "--endpoint", "/v1/completions",
@@ -784,7 +790,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     results: dict[str, Any] = {}
     for name in servers:
         label, start = server_start(name, args)
-        workdir = Path(tempfile.mkdtemp(prefix=f"kvmesh-vllm-bench-{name}-"))
+        workdir = Path(tempfile.mkdtemp(prefix=f"kvmesh-vllm-bench-{file_stem(name)}-"))
         before = machine_state()
         logger.info("%s: starting `%s` (machine before: %s)", name, label, before)
         server = start(args, workdir)

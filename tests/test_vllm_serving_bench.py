@@ -247,3 +247,10 @@ def test_a_mesh_server_with_more_flags_is_its_own_row():
     assert server_start(name, args)[0] == "kvmesh up --prefill 0 --max-num-batched-tokens=2048 --max-num-seqs=128"
     with pytest.raises(SystemExit):  # flags are for kvmesh up's servers only
         parse_args(["--vllm-python", "/x", "--servers", "vllm:--block-size=16"])
+
+
+def test_a_server_name_with_a_path_in_its_flags_makes_a_plain_file_name():
+    from benchmarks.vllm_serving_bench import file_stem
+
+    stem = file_stem("mesh-kvmesh:--no-prefix-caching+--routing-config=/work/x/load.json")
+    assert "/" not in stem and ":" not in stem and stem.startswith("mesh-kvmesh_--no-prefix-caching+--routing-config=")
