@@ -127,7 +127,11 @@ async def next_item(attempt: Attempt, mesh: MeshSettings, waiting_on: str, until
         if until is not None:
             wait = min(wait, until - now)
         try:
-            item = await asyncio.wait_for(attempt.events.get(), wait)
+            # In this task, not in one of ``wait_for``'s: an event is taken on the loop's next
+            # turn after it is queued (wait_for took three turns and a task per wait). An
+            # event queued as the timeout fires stays queued and is taken above.
+            async with asyncio.timeout(wait):
+                item = await attempt.events.get()
         except TimeoutError:
             continue  # a heartbeat may have moved last_heard; look again
         if _wanted(attempt, item):

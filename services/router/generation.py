@@ -92,7 +92,11 @@ def _failed(tracker: RequestTracker, exc: BaseException) -> APIError | None:
 
 async def _all_or_none(works: Sequence[Callable[[], Awaitable[T]]]) -> list[T]:
     """Every result in order; should one raise, the others are cancelled and the first
-    failure (in order) is raised."""
+    failure (in order) is raised. One work (one choice: most requests) is awaited as is, in
+    the caller's task: there is nothing to cancel beside it, and a task of its own cost the
+    first token a few turns of the event loop on each side."""
+    if len(works) == 1:
+        return [await works[0]()]
     tasks = [asyncio.ensure_future(work()) for work in works]
     try:
         await asyncio.wait(tasks, return_when=asyncio.FIRST_EXCEPTION)

@@ -16,6 +16,9 @@ What plain uvicorn (h11, the only implementation installed) does, and what this 
   or after ``Limits.linger_seconds``. The client gets to read the answer.
 - A request head that does not arrive within ``Limits.header_timeout`` seconds of its first
   byte (or of the connection opening) gets a 408; uvicorn waits for ever.
+- A response's head is written together with what follows it (``HeadWithBody``): uvicorn
+  wrote it alone, a send and a TCP segment (and a wake-up of the client) before the body,
+  which was ready by then: a stream's first chunk, a JSON answer.
 """
 
 from __future__ import annotations
@@ -52,6 +55,13 @@ class _LimitedConnection(h11.Connection):
         super().__init__(h11.SERVER, max_incomplete_event_size=max_head)
         self.max_head = max_head
         self.error: h11.RemoteProtocolError | None = None
+        self.on_response_head: Callable[[], None] = lambda: None  # a response's head was just made
+
+    def send_with_data_passthrough(self, event: Any) -> list[bytes] | None:  # what ``send`` calls
+        data = super().send_with_data_passthrough(event)
+        if isinstance(event, h11.Response):
+            self.on_response_head()
+        return data
 
     def next_event(self) -> Any:
         try:
@@ -64,13 +74,99 @@ class _LimitedConnection(h11.Connection):
         return event
 
 
+class HeadWithBody(asyncio.Transport):
+    """A connection's transport that holds a response's head (the write after
+    ``hold_next``) back until the next write, which takes it along in one send, or until
+    the connection is closed or ends its sending, or the event loop's next turn at the
+    latest: a body that is not ready at once is not waited for. Bytes go out in the order
+    they were written."""
+
+    def __init__(self, transport: asyncio.Transport, loop: asyncio.AbstractEventLoop) -> None:
+        super().__init__()
+        self._transport = transport
+        self._loop = loop
+        self._hold_next = False
+        self._held: bytes | None = None
+
+    def hold_next(self) -> None:
+        self._hold_next = True
+
+    def flush(self) -> None:
+        """Write what is held back, if anything."""
+        held, self._held = self._held, None
+        if held is not None and not self._transport.is_closing():
+            self._transport.write(held)
+
+    def write(self, data: bytes | bytearray | memoryview) -> None:
+        if self._hold_next:
+            self._hold_next = False
+            if data and self._held is None:
+                self._held = bytes(data)
+                self._loop.call_soon(self.flush)
+                return
+        if self._held is not None:
+            data, self._held = self._held + bytes(data), None
+        self._transport.write(data)
+
+    def writelines(self, list_of_data: Any) -> None:
+        self.flush()
+        self._transport.writelines(list_of_data)
+
+    def write_eof(self) -> None:
+        self.flush()
+        self._transport.write_eof()
+
+    def close(self) -> None:
+        self.flush()
+        self._transport.close()
+
+    def abort(self) -> None:
+        self._held = None
+        self._transport.abort()
+
+    # the rest as the transport has it
+    def can_write_eof(self) -> bool:
+        return self._transport.can_write_eof()
+
+    def is_closing(self) -> bool:
+        return self._transport.is_closing()
+
+    def get_extra_info(self, name: str, default: Any = None) -> Any:
+        return self._transport.get_extra_info(name, default)
+
+    def set_protocol(self, protocol: asyncio.BaseProtocol) -> None:
+        self._transport.set_protocol(protocol)
+
+    def get_protocol(self) -> asyncio.BaseProtocol:
+        return self._transport.get_protocol()
+
+    def is_reading(self) -> bool:
+        return self._transport.is_reading()
+
+    def pause_reading(self) -> None:
+        self._transport.pause_reading()
+
+    def resume_reading(self) -> None:
+        self._transport.resume_reading()
+
+    def set_write_buffer_limits(self, high: int | None = None, low: int | None = None) -> None:
+        self._transport.set_write_buffer_limits(high, low)
+
+    def get_write_buffer_size(self) -> int:
+        return self._transport.get_write_buffer_size() + len(self._held or b"")
+
+    def get_write_buffer_limits(self) -> tuple[int, int]:
+        return self._transport.get_write_buffer_limits()
+
+
 class RouterHTTPProtocol(H11Protocol):
-    """``H11Protocol`` with the router's head limit, head timeout and lingering close."""
+    """``H11Protocol`` with the router's head limit, head timeout and lingering close, and
+    each response's head written with what follows it."""
 
     def __init__(self, *args: Any, limits: Limits, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self.limits = limits
-        self.conn = _LimitedConnection(limits.max_header_bytes)
+        self.conn = self._conn = _LimitedConnection(limits.max_header_bytes)
         self._lingering = False
         self._linger_timer: asyncio.TimerHandle | None = None
         self._head_timer: asyncio.TimerHandle | None = None
@@ -78,6 +174,8 @@ class RouterHTTPProtocol(H11Protocol):
     # -- asyncio.Protocol -------------------------------------------------------------------
     def connection_made(self, transport: asyncio.BaseTransport) -> None:  # type: ignore[override]
         super().connection_made(transport)  # type: ignore[arg-type]
+        self.transport = HeadWithBody(self.transport, self.loop)  # what the request cycles write to
+        self._conn.on_response_head = self.transport.hold_next
         self._arm_head_timer()
 
     def data_received(self, data: bytes) -> None:

@@ -8,10 +8,10 @@ from __future__ import annotations
 import logging
 import random
 import time
-from collections.abc import Container, Iterable, Mapping
+from collections.abc import Callable, Container, Iterable, Mapping
 from dataclasses import dataclass, field
 
-from kvmesh.protocol import LoadReport, WorkerRecord
+from kvmesh.protocol import KVLayoutSpec, LoadReport, WorkerRecord
 
 logger = logging.getLogger(__name__)
 
@@ -114,25 +114,49 @@ def least_loaded(candidates: list[WorkerRecord], board: LoadBoard, exclude: Cont
     return Choice(worker, f"least loaded ({lowest:g} queued) of {len(usable)}")
 
 
-def layout_mismatch(prefill: WorkerRecord, decode: WorkerRecord) -> str | None:
+def compare_layouts(prefill: KVLayoutSpec, decode: KVLayoutSpec) -> str | None:
+    """How two published pool layouts differ where a pull needs them alike (``None``: they do not)."""
+    return prefill.to_layout().mismatch(decode.to_layout())
+
+
+def layout_mismatch(
+    prefill: WorkerRecord, decode: WorkerRecord, compare: Callable[[KVLayoutSpec, KVLayoutSpec], str | None] = compare_layouts
+) -> str | None:
     """Why ``decode`` cannot pull the KV blocks of ``prefill`` (``None``: it can): their
     published pool layouts must agree on block size, dtype, layers, heads, head dim and K/V
     arrangement (strides and engines may differ)."""
     if prefill.kv_layout is None or decode.kv_layout is None:
         missing = prefill if prefill.kv_layout is None else decode
         return f"{missing.worker_id} has published no KV layout"
-    mismatch = prefill.kv_layout.to_layout().mismatch(decode.kv_layout.to_layout())
+    mismatch = compare(prefill.kv_layout, decode.kv_layout)
     if mismatch is None:
         return None
     return f"{prefill.worker_id}'s KV layout does not match {decode.worker_id}'s ({mismatch})"
 
 
+# Layout comparisons ``LayoutPairing`` keeps (pairs of published layouts), at most.
+MAX_COMPARED_LAYOUTS = 1024
+
+
 @dataclass(slots=True)
 class LayoutPairing:
     """Which prefill workers a decode worker can pull from. Each skipped pair (of two
-    incarnations) is logged once; the reasons also go with every request's route."""
+    incarnations) is logged once; the reasons also go with every request's route. The
+    comparison of two published layouts (immutable) is made once per pair of them, not on
+    every request: building the pool layouts took a good part of a route's time."""
 
     _logged: set[tuple[str, float, str, float]] = field(default_factory=set)
+    _compared: dict[tuple[int, int], tuple[KVLayoutSpec, KVLayoutSpec, str | None]] = field(default_factory=dict)
+
+    def compare(self, prefill: KVLayoutSpec, decode: KVLayoutSpec) -> str | None:
+        """``compare_layouts``, remembered by the two layout objects (kept, so their ids stay theirs)."""
+        key = (id(prefill), id(decode))
+        known = self._compared.get(key)
+        if known is None:
+            if len(self._compared) >= MAX_COMPARED_LAYOUTS:
+                self._compared.clear()
+            known = self._compared[key] = (prefill, decode, compare_layouts(prefill, decode))
+        return known[2]
 
     def pairable(
         self, prefills: Iterable[WorkerRecord], decode: WorkerRecord
@@ -141,7 +165,7 @@ class LayoutPairing:
         kept: list[WorkerRecord] = []
         skipped: dict[str, str] = {}
         for prefill in prefills:
-            reason = layout_mismatch(prefill, decode)
+            reason = layout_mismatch(prefill, decode, self.compare)
             if reason is None:
                 kept.append(prefill)
                 continue

@@ -107,3 +107,18 @@ async def test_a_retry_names_the_incarnation_it_gave_up_on():
     with pytest.raises(Retry) as retry:
         await anext(events_in_order(a, mesh()))
     assert retry.value.incarnation == 42.0
+
+
+async def test_an_event_is_taken_on_the_loops_next_turn():
+    """The waiting generator is woken by the event itself, not through a task of its own
+    (``asyncio.wait_for`` took three turns of the loop: the first token was later by them)."""
+    a = attempt()
+    events = events_in_order(a, mesh())
+    taken = asyncio.ensure_future(anext(events))
+    for _ in range(3):
+        await asyncio.sleep(0)
+    assert not taken.done()  # waiting
+    a.events.put_nowait(event(0))
+    await asyncio.sleep(0)  # one turn
+    assert taken.done() and taken.result().seq == 0
+    await events.aclose()

@@ -132,6 +132,37 @@ def test_prefill_workers_are_paired_only_with_decode_workers_that_can_pull_their
     assert layout_mismatch(worker("p", "prefill", same_shape), worker("d2", "decode", same_shape)) is None
 
 
+def test_pairing_compares_two_published_layouts_once_and_a_new_layout_again(monkeypatch):
+    import kvmesh.services.router.worker_choice as worker_choice
+
+    compared: list[tuple[str, str]] = []
+    real = worker_choice.compare_layouts
+
+    def counted(a: KVLayoutSpec, b: KVLayoutSpec) -> str | None:
+        compared.append((a.dtype, b.dtype))
+        return real(a, b)
+
+    monkeypatch.setattr(worker_choice, "compare_layouts", counted)
+    decode = worker("d1", "decode", spec())
+    prefills = [worker("p1", "prefill", spec()), worker("p2", "prefill", spec(dtype="bfloat16"))]
+    pairing = LayoutPairing()
+    for _ in range(3):  # request after request
+        kept, skipped = pairing.pairable(prefills, decode)
+        assert [w.worker_id for w in kept] == ["p1"]
+        assert skipped == {"p2": "p2's KV layout does not match d1's (dtype bfloat16 vs float32)"}
+    assert compared == [("float32", "float32"), ("bfloat16", "float32")]
+    # p2 restarted with another layout (a new record): compared anew, and now paired
+    prefills[1] = worker("p2", "prefill", spec(), started_at=2.0)
+    kept, skipped = pairing.pairable(prefills, decode)
+    assert [w.worker_id for w in kept] == ["p1", "p2"] and skipped == {}
+    assert compared[2:] == [("float32", "float32")]
+    # bounded: full, it starts over (and still answers the same)
+    monkeypatch.setattr(worker_choice, "MAX_COMPARED_LAYOUTS", 3)
+    pairing.pairable([worker("p3", "prefill", spec(dtype="bfloat16"))], decode)
+    assert len(pairing._compared) == 1
+    assert pairing.pairable(prefills, decode)[0] == prefills
+
+
 async def test_the_router_prefills_only_where_the_chosen_decode_worker_can_pull(tiny_model_dir):
     from types import SimpleNamespace
 
