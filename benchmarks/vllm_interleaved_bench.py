@@ -89,6 +89,23 @@ def salted_system(round_number: int) -> str:
     return f"[session {round_number}] {serving.SYSTEM}"
 
 
+def steal_ticks() -> tuple[int, int] | None:
+    """All CPUs' (total, steal) clock ticks since boot, from /proc/stat: steal is time the
+    hypervisor ran something else while this machine's vCPUs wanted to run."""
+    try:
+        fields = [int(x) for x in Path("/proc/stat").read_text().splitlines()[0].split()[1:]]
+    except (OSError, ValueError, IndexError):
+        return None
+    return sum(fields), fields[7] if len(fields) > 7 else 0
+
+
+def steal_share(before: tuple[int, int] | None, after: tuple[int, int] | None) -> float | None:
+    """The share of CPU time stolen by the hypervisor between two readings."""
+    if before is None or after is None or after[0] == before[0]:
+        return None
+    return round((after[1] - before[1]) / (after[0] - before[0]), 4)
+
+
 def median(values: Sequence[float]) -> float | None:
     return statistics.median(values) if values else None
 
@@ -134,6 +151,7 @@ def summarize_rounds(rounds: Sequence[dict[str, Any]]) -> dict[str, Any]:
         "cached_share": _round(median([r["cached_share"] for r in rounds if r["cached_share"] is not None]), 4),
         "ttft_p50_ms": _round(median([r["ttft_p50_ms"] for r in rounds if r["ttft_p50_ms"] is not None])),
         "per_round": [{k: r[k] for k in ("output_tok_s", "cached_share", "cached_tokens", "prompt_tokens", "ttft_p50_ms", "failed", "seconds")}
+                      | {"steal_share": r.get("steal_share")}
                       for r in rounds],
     }  # fmt: skip
 
@@ -226,10 +244,11 @@ async def multi_turn_phase(
     try:
         for number in range(args.rounds):
             for name in rotation(list(servers), number):
+                before = steal_ticks()
                 result = await serving.multi_turn(
                     clients[name], models[name], args.users, args.turns, args.turn_tokens, system=salted_system(number)
                 )
-                out[name].append(result.summary())
+                out[name].append(result.summary() | {"steal_share": steal_share(before, steal_ticks())})
                 logger.info("multi-turn round %d %s: %s", number, name, out[name][-1])
                 await asyncio.sleep(args.gap)
     finally:
@@ -247,8 +266,10 @@ def serve_phase(servers: dict[str, serving.Server], args: argparse.Namespace) ->
             one = argparse.Namespace(**{**vars(args), "bench_serve_concurrency": [concurrency], "input_len": args.serve_input_len,
                                         "output_len": args.serve_output_len})  # fmt: skip
             for name in rotation(list(servers), slot):
+                before = steal_ticks()
                 found = serving.bench_serve(servers[name], one, servers[name].workdir)
-                out[name].setdefault(f"c{concurrency}", []).append(found[f"random-c{concurrency}"])
+                row = found[f"random-c{concurrency}"] | {"steal_share": steal_share(before, steal_ticks())}
+                out[name].setdefault(f"c{concurrency}", []).append(row)
                 logger.info("serve round %d c=%d %s: %s", number, concurrency, name, found)
                 time.sleep(args.gap)
             slot += 1
@@ -266,7 +287,10 @@ def summarize_serve(rounds: Sequence[dict[str, Any]]) -> dict[str, Any]:
         "ttft_p50_ms": _round(median([r["ttft_p50_ms"] for r in ran if r.get("ttft_p50_ms") is not None])),
         "itl_p50_ms": _round(median([r["itl_p50_ms"] for r in ran if r.get("itl_p50_ms") is not None])),
         "per_round": [
-            {k: r.get(k) for k in ("output_tok_s", "ttft_p50_ms", "itl_p50_ms", "failed", "seconds", "cpu_seconds")}
+            {
+                k: r.get(k)
+                for k in ("output_tok_s", "ttft_p50_ms", "itl_p50_ms", "failed", "seconds", "cpu_seconds", "steal_share")
+            }
             for r in rounds
         ],
     }
@@ -359,6 +383,14 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
 
 # ----------------------------------------------------------------------------- report
+def round_text(found: dict[str, Any]) -> str:
+    """A round's output tokens/s, with the share of CPU the hypervisor stole during it when
+    that was 1 % or more."""
+    text = serving._fmt(found.get("output_tok_s"))
+    steal = found.get("steal_share")
+    return text + (f" (steal {100 * steal:.0f} %)" if steal is not None and steal >= 0.01 else "")
+
+
 def markdown(payload: dict[str, Any]) -> str:
     meta, report, c = payload["machine"], payload["report"], payload["config"]
     fmt = serving._fmt
@@ -385,14 +417,15 @@ def markdown(payload: dict[str, Any]) -> str:
         lines.append("")
     if any("multi-turn" in r for r in results.values()):
         lines += [f"**Multi-turn chat**: {c['rounds']} rounds, each {c['users']} users x {c['turns']} turns of {c['turn_tokens']} new tokens "
-                  "on every server in turn (rotating order), a system prompt of the round's own.", "",
+                  "on every server in turn (rotating order), a system prompt of the round's own; a round's CPU share stolen by the "
+                  "hypervisor is shown when 1 % or more.", "",
                   "| server | rounds | failed | output tok/s (median) | cached share (median) | TTFT p50 (ms, median) | output tok/s by round |",
                   "|---|---:|---:|---:|---:|---:|---|"]  # fmt: skip
         for name, r in results.items():
             m = r.get("multi-turn")
             if m:
                 share = "—" if m["cached_share"] is None else f"{100 * m['cached_share']:.1f} %"
-                by_round = ", ".join(fmt(x["output_tok_s"]) for x in m["per_round"])
+                by_round = ", ".join(round_text(x) for x in m["per_round"])
                 lines.append(
                     f"| {name} | {m['rounds']} | {m['failed']} | {fmt(m['output_tok_s'])} | {share} | {fmt(m['ttft_p50_ms'])} | {by_round} |"
                 )
@@ -405,7 +438,7 @@ def markdown(payload: dict[str, Any]) -> str:
                   "|---|---:|---:|---:|---|---:|---:|"]  # fmt: skip
         for name, r in results.items():
             for key, v in r.get("serve", {}).items():
-                by_round = ", ".join(fmt(x["output_tok_s"]) for x in v["per_round"])
+                by_round = ", ".join(round_text(x) for x in v["per_round"])
                 lines.append(f"| {name} | {key[1:]} | {v['failed']}{' + errors' if v['errors'] else ''} | {fmt(v['output_tok_s'])} | {by_round} "
                              f"| {fmt(v['ttft_p50_ms'])} | {fmt(v['itl_p50_ms'])} |")  # fmt: skip
         lines.append("")

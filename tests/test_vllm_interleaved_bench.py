@@ -110,3 +110,15 @@ def test_serve_rounds_are_summarized_and_paired_with_the_baseline():
     (only,) = serve_pairings(results, "vllm")
     assert only.metric == "serve-c32" and only.server == "mesh" and only.slots == 2
     assert only.of_summaries == pytest.approx(1.0) and only.per_slot_median == pytest.approx(1.0)
+
+
+def test_steal_share_and_a_rounds_text():
+    from benchmarks.vllm_interleaved_bench import round_text, steal_share, steal_ticks
+
+    assert steal_share((100, 5), (200, 15)) == 0.1
+    assert steal_share(None, (200, 15)) is None and steal_share((100, 5), (100, 5)) is None
+    total, steal = steal_ticks() or (0, 0)
+    assert total >= steal >= 0
+    assert round_text({"output_tok_s": 66.71, "steal_share": 0.004}) == "66.7"
+    assert round_text({"output_tok_s": 29.9, "steal_share": 0.25}) == "29.9 (steal 25 %)"
+    assert round_text({"output_tok_s": 50.0}) == "50.0"
