@@ -86,3 +86,44 @@ def test_vllm_kv_events_are_renamed_with_kvmeshs_chained_hashes():
     assert removed == [BlockRemoved((want[2],))]  # 101 is still in its other block
     assert names.translate([_vllm_event("BlockRemoved", block_hashes=[101])]) == [BlockRemoved((want[0],))]
     assert names.translate([_vllm_event("AllBlocksCleared")]) == [AllBlocksCleared()] and names.cached() == []
+
+
+async def test_a_worker_with_identity_slots_imports_its_engine_before_it_claims_one(monkeypatch):
+    """Importing the engine (torch) took seconds on the event loop after the identity was
+    claimed; on a busy machine the slot's 5 s lease ran out meanwhile and another replica
+    took the identity (seen in tests/test_deploy.py's compose run). Now the import comes
+    first, off the loop."""
+    import threading
+
+    from kvmesh.cluster.identity_slots import IdentitySlot, SlotError
+    from kvmesh.settings.mesh import MeshSettings
+    from kvmesh.settings.worker import WorkerSettings
+    from kvmesh.worker import runtime
+
+    order: list[str] = []
+    loop_thread = threading.current_thread()
+
+    def preload(name: str) -> None:
+        order.append(f"preload {name}" + (" on the loop" if threading.current_thread() is loop_thread else ""))
+
+    async def claim(settings: WorkerSettings) -> IdentitySlot:
+        order.append("claim")
+        raise SlotError("every identity is held")
+
+    monkeypatch.setattr(runtime, "preload", preload)
+    monkeypatch.setattr(IdentitySlot, "claim", classmethod(lambda cls, settings: claim(settings)))
+    monkeypatch.setattr(runtime.bind_guard, "enforce", lambda *args, **kwargs: None)
+    mesh = MeshSettings(nats_url="nats://127.0.0.1:1", etcd_endpoints=("127.0.0.1:1",))
+    worker = runtime.WorkerRuntime(WorkerSettings(role="decode", mesh=mesh, identity_slots=("decode-worker-0.json",)))
+    with pytest.raises(SystemExit):
+        await worker.prepare()
+    assert order == ["preload kvmesh", "claim"]
+
+
+def test_preload_imports_the_engines_module():
+    import sys
+
+    from kvmesh.worker.engines import preload
+
+    preload("kvmesh")
+    assert "kvmesh.worker.kvmesh_engine" in sys.modules

@@ -10,6 +10,8 @@ router's), so a launcher (``kvmesh up``) starts vLLM workers with that virtualen
 
 from __future__ import annotations
 
+import asyncio
+import importlib
 import importlib.util
 import os
 import sys
@@ -23,6 +25,8 @@ if TYPE_CHECKING:
     from kvmesh.settings.worker import EngineSettings
 
 ENGINES = ("kvmesh", "vllm")
+# The module of each engine: importing it imports torch (seconds, more on a busy machine).
+ENGINE_MODULES = {"kvmesh": "kvmesh.worker.kvmesh_engine", "vllm": "kvmesh.worker.vllm_engine"}
 DEFAULT_BLOCK_SIZE = {"kvmesh": 16, "vllm": 32}  # tokens per KV block; vLLM on CPU takes multiples of 32
 
 
@@ -63,11 +67,20 @@ def _repo_vllm_python() -> Path | None:
     return candidate if candidate.exists() else None
 
 
+def preload(name: str) -> None:
+    """Import the module of the engine ``name`` (and with it torch). Done before a worker
+    claims its identity slot, off the event loop: an import on the loop held it for seconds,
+    and on a busy machine the slot's lease (5 s) ran out meanwhile and another replica took
+    the identity."""
+    importlib.import_module(ENGINE_MODULES[name])
+
+
 async def create_engine(settings: EngineSettings) -> Engine:
     """Load the engine ``settings.name`` names (off the event loop) and start it."""
     reason = unavailable(settings.name)
     if reason is not None:
         raise ValueError(reason)
+    await asyncio.to_thread(preload, settings.name)  # the imports below find the module loaded
     if settings.name == "vllm":
         from kvmesh.worker.vllm_engine import VllmEngine
 

@@ -31,7 +31,7 @@ from kvmesh.transfer import bind_guard
 from kvmesh.transfer.mooncake_agent import MooncakeAgent
 from kvmesh.worker.callbacks import ControlHandlers
 from kvmesh.worker.engine_api import Engine
-from kvmesh.worker.engines import create_engine
+from kvmesh.worker.engines import create_engine, preload, unavailable
 from kvmesh.worker.health import HealthServer, HealthStatus
 from kvmesh.worker.heartbeat import Heartbeat
 from kvmesh.worker.kv_events import KVEventPublisher
@@ -79,6 +79,8 @@ class WorkerRuntime:
         s = self.settings
         bind_guard.enforce(s.advertise_host, s.transfer_port_range, reexec=running_as_service())
         if s.identity_slots:  # run as one of the role's identities no live worker holds
+            if unavailable(s.engine.name) is None:  # torch imported before the lease, not while it must be kept
+                await asyncio.to_thread(preload, s.engine.name)
             return await self._claim_identity()
         return self.settings
 
