@@ -27,7 +27,8 @@ between two requests. The CPU each server's processes used during each phase is 
 a server that did not stay idle shows. Targets (issue 9), for ``--mesh`` against each ``--baseline``: TTFT p50 <= 1.10x,
 cached share >= 0.90x, multi-turn output tokens/s >= 0.8x (``--throughput-target``: issue 12
 asks 2x of the multi-turn workload with reuse on against off, e.g. ``--servers
-mesh-kvmesh,mesh-kvmesh:--no-prefix-caching+--routing-config=benchmarks/routing-load-only.json``).
+mesh-kvmesh,mesh-kvmesh:--no-prefix-caching+--routing-config=benchmarks/routing-load-only.json``;
+``--label reuse-off=`` and the second server's full name shows it by that short name in the tables).
 
     .venv/bin/python benchmarks/vllm_interleaved_bench.py --servers vllm,vllm-1core,mesh-vllm \
         --json docs/benchmarks-vllm-interleaved.json --markdown docs/benchmarks.md
@@ -44,7 +45,7 @@ import statistics
 import sys
 import tempfile
 import time
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
@@ -89,21 +90,11 @@ def salted_system(round_number: int) -> str:
     return f"[session {round_number}] {serving.SYSTEM}"
 
 
-def steal_ticks() -> tuple[int, int] | None:
-    """All CPUs' (total, steal) clock ticks since boot, from /proc/stat: steal is time the
-    hypervisor ran something else while this machine's vCPUs wanted to run."""
-    try:
-        fields = [int(x) for x in Path("/proc/stat").read_text().splitlines()[0].split()[1:]]
-    except (OSError, ValueError, IndexError):
-        return None
-    return sum(fields), fields[7] if len(fields) > 7 else 0
-
-
-def steal_share(before: tuple[int, int] | None, after: tuple[int, int] | None) -> float | None:
+def steal_share(before: serving.CpuTicks | None, after: serving.CpuTicks | None) -> float | None:
     """The share of CPU time stolen by the hypervisor between two readings."""
-    if before is None or after is None or after[0] == before[0]:
+    if before is None or after is None or after.total == before.total:
         return None
-    return round((after[1] - before[1]) / (after[0] - before[0]), 4)
+    return round((after.steal - before.steal) / (after.total - before.total), 4)
 
 
 def median(values: Sequence[float]) -> float | None:
@@ -136,9 +127,9 @@ def summarize_ttft(results: Sequence[serving.RequestResult]) -> dict[str, Any]:
         "requests": len(results),
         "failed": sum(not r.ok for r in results),
         "errors": sorted({r.error for r in results if r.error})[:5],
-        "ttft_p50_ms": _ms(serving.percentile(ttfts, 0.50)),
-        "ttft_p99_ms": _ms(serving.percentile(ttfts, 0.99)),
-        "ttft_ms": [_ms(r.ttft) if r.ok else None for r in results],
+        "ttft_p50_ms": serving._ms(serving.percentile(ttfts, 0.50)),
+        "ttft_p99_ms": serving._ms(serving.percentile(ttfts, 0.99)),
+        "ttft_ms": [serving._ms(r.ttft) if r.ok else None for r in results],
     }
 
 
@@ -189,10 +180,6 @@ def verdicts(found: Sequence[Pairing], throughput_ratio: float = serving.TARGET_
     return out
 
 
-def _ms(seconds: float | None) -> float | None:
-    return None if seconds is None else round(1e3 * seconds, 2)
-
-
 def _round(value: float | None, digits: int = 2) -> float | None:
     return None if value is None else round(value, digits)
 
@@ -230,7 +217,7 @@ async def ttft_phase(servers: dict[str, serving.Server], models: dict[str, str],
                 result = await serving.stream_request(clients[name], "/v1/completions", body, args.output_len)
                 out[name].append(result)
                 await asyncio.sleep(args.gap)  # the last server back to idle (vLLM's worker spins for 1 s after a step)
-            logger.info("ttft slot %d: %s", slot, {n: _ms(rs[-1].ttft) for n, rs in out.items()})
+            logger.info("ttft slot %d: %s", slot, {n: serving._ms(rs[-1].ttft) for n, rs in out.items()})
     finally:
         await asyncio.gather(*(c.aclose() for c in clients.values()))
     return out
@@ -244,11 +231,11 @@ async def multi_turn_phase(
     try:
         for number in range(args.rounds):
             for name in rotation(list(servers), number):
-                before = steal_ticks()
+                before = serving.cpu_ticks()
                 result = await serving.multi_turn(
                     clients[name], models[name], args.users, args.turns, args.turn_tokens, system=salted_system(number)
                 )
-                out[name].append(result.summary() | {"steal_share": steal_share(before, steal_ticks())})
+                out[name].append(result.summary() | {"steal_share": steal_share(before, serving.cpu_ticks())})
                 logger.info("multi-turn round %d %s: %s", number, name, out[name][-1])
                 await asyncio.sleep(args.gap)
     finally:
@@ -266,9 +253,9 @@ def serve_phase(servers: dict[str, serving.Server], args: argparse.Namespace) ->
             one = argparse.Namespace(**{**vars(args), "bench_serve_concurrency": [concurrency], "input_len": args.serve_input_len,
                                         "output_len": args.serve_output_len})  # fmt: skip
             for name in rotation(list(servers), slot):
-                before = steal_ticks()
+                before = serving.cpu_ticks()
                 found = serving.bench_serve(servers[name], one, servers[name].workdir)
-                row = found[f"random-c{concurrency}"] | {"steal_share": steal_share(before, steal_ticks())}
+                row = found[f"random-c{concurrency}"] | {"steal_share": steal_share(before, serving.cpu_ticks())}
                 out[name].setdefault(f"c{concurrency}", []).append(row)
                 logger.info("serve round %d c=%d %s: %s", number, concurrency, name, found)
                 time.sleep(args.gap)
@@ -391,9 +378,21 @@ def round_text(found: dict[str, Any]) -> str:
     return text + (f" (steal {100 * steal:.0f} %)" if steal is not None and steal >= 0.01 else "")
 
 
+def table(header: Sequence[str], align: str, rows: Iterable[Sequence[Any]]) -> list[str]:
+    """A markdown table's lines and the blank line after it; ``align`` has a letter a column,
+    ``r`` for a right-aligned one."""
+    return ["| " + " | ".join(header) + " |", "|" + "".join("---:|" if a == "r" else "---|" for a in align),
+            *("| " + " | ".join(str(cell) for cell in row) + " |" for row in rows), ""]  # fmt: skip
+
+
 def markdown(payload: dict[str, Any]) -> str:
     meta, report, c = payload["machine"], payload["report"], payload["config"]
     fmt = serving._fmt
+    labels: dict[str, str] = c.get("labels") or {}
+
+    def shown(name: str) -> str:
+        return labels.get(name, name)
+
     flags = f"AVX-512: {'yes' if meta['avx512'] else 'no'}, AVX-512-BF16: {'yes' if meta['avx512_bf16'] else 'no'}, AMX: {'yes' if meta['amx'] else 'no'}"
     smoke = " — SMOKE RUN" if c.get("quick") else ""
     lines = [
@@ -402,66 +401,52 @@ def markdown(payload: dict[str, Any]) -> str:
         f"Command: `{payload['command']}`  ",
         f"Machine: {meta['cpu']}, {meta['cores']} cores ({flags}); vLLM {meta.get('vllm')} (torch {meta.get('torch_vllm_venv')}), "
         f"kvmesh {meta.get('kvmesh_commit')} (torch {meta.get('torch_kvmesh_venv')}), {c['dtype']}  ",
-        "Servers, all up at once: " + "; ".join(f"`{n}` {p['server']} (started in {p['start_seconds']} s)" for n, p in report["phases"]["servers"].items()),
+        "Servers, all up at once: " + "; ".join(f"`{shown(n)}` {p['server']} (started in {p['start_seconds']} s)" for n, p in report["phases"]["servers"].items()),
         "",
     ]  # fmt: skip
     results = report["results"]
     if any("ttft" in r for r in results.values()):
         lines += [f"**TTFT at concurrency 1**: {c['slots']} slots, each one fresh {c['input_len']}-token random prompt sent to every "
-                  f"server in turn (rotating order), {c['output_len']} tokens forced.", "",
-                  "| server | requests | failed | TTFT p50 (ms) | TTFT p99 (ms) |", "|---|---:|---:|---:|---:|"]  # fmt: skip
-        for name, r in results.items():
-            t = r.get("ttft")
-            if t:
-                lines.append(f"| {name} | {t['requests']} | {t['failed']} | {fmt(t['ttft_p50_ms'])} | {fmt(t['ttft_p99_ms'])} |")
-        lines.append("")
+                  f"server in turn (rotating order), {c['output_len']} tokens forced.", ""]  # fmt: skip
+        lines += table(("server", "requests", "failed", "TTFT p50 (ms)", "TTFT p99 (ms)"), "lrrrr",
+                       [(shown(name), t["requests"], t["failed"], fmt(t["ttft_p50_ms"]), fmt(t["ttft_p99_ms"]))
+                        for name, r in results.items() if (t := r.get("ttft"))])  # fmt: skip
     if any("multi-turn" in r for r in results.values()):
         lines += [f"**Multi-turn chat**: {c['rounds']} rounds, each {c['users']} users x {c['turns']} turns of {c['turn_tokens']} new tokens "
                   "on every server in turn (rotating order), a system prompt of the round's own; a round's CPU share stolen by the "
-                  "hypervisor is shown when 1 % or more.", "",
-                  "| server | rounds | failed | output tok/s (median) | cached share (median) | TTFT p50 (ms, median) | output tok/s by round |",
-                  "|---|---:|---:|---:|---:|---:|---|"]  # fmt: skip
-        for name, r in results.items():
-            m = r.get("multi-turn")
-            if m:
-                share = "—" if m["cached_share"] is None else f"{100 * m['cached_share']:.1f} %"
-                by_round = ", ".join(round_text(x) for x in m["per_round"])
-                lines.append(
-                    f"| {name} | {m['rounds']} | {m['failed']} | {fmt(m['output_tok_s'])} | {share} | {fmt(m['ttft_p50_ms'])} | {by_round} |"
-                )
-        lines.append("")
+                  "hypervisor is shown when 1 % or more.", ""]  # fmt: skip
+        lines += table(("server", "rounds", "failed", "output tok/s (median)", "cached share (median)", "TTFT p50 (ms, median)",
+                        "output tok/s by round"), "lrrrrrl",
+                       [(shown(name), m["rounds"], m["failed"], fmt(m["output_tok_s"]),
+                         "—" if m["cached_share"] is None else f"{100 * m['cached_share']:.1f} %", fmt(m["ttft_p50_ms"]),
+                         ", ".join(round_text(x) for x in m["per_round"]))
+                        for name, r in results.items() if (m := r.get("multi-turn"))])  # fmt: skip
     if any("serve" in r for r in results.values()):
         lines += [f"**`vllm bench serve`**: {c['serve_rounds']} rounds, each random {c['serve_input_len']} in / {c['serve_output_len']} out "
                   "(--ignore-eos) at each concurrency on every server in turn (rotating order); the prompts of a row as "
-                  "vllm_serving_bench's bench-serve mode sends them.", "",
-                  "| server | concurrency | failed | output tok/s (median) | by round | TTFT p50 (ms, median) | ITL p50 (ms, median) |",
-                  "|---|---:|---:|---:|---|---:|---:|"]  # fmt: skip
-        for name, r in results.items():
-            for key, v in r.get("serve", {}).items():
-                by_round = ", ".join(round_text(x) for x in v["per_round"])
-                lines.append(f"| {name} | {key[1:]} | {v['failed']}{' + errors' if v['errors'] else ''} | {fmt(v['output_tok_s'])} | {by_round} "
-                             f"| {fmt(v['ttft_p50_ms'])} | {fmt(v['itl_p50_ms'])} |")  # fmt: skip
-        lines.append("")
+                  "vllm_serving_bench's bench-serve mode sends them.", ""]  # fmt: skip
+        lines += table(("server", "concurrency", "failed", "output tok/s (median)", "by round", "TTFT p50 (ms, median)",
+                        "ITL p50 (ms, median)"), "lrrrlrr",
+                       [(shown(name), key[1:], f"{v['failed']}{' + errors' if v['errors'] else ''}", fmt(v["output_tok_s"]),
+                         ", ".join(round_text(x) for x in v["per_round"]), fmt(v["ttft_p50_ms"]), fmt(v["itl_p50_ms"]))
+                        for name, r in results.items() for key, v in r.get("serve", {}).items()])  # fmt: skip
         if report.get("serve_pairings"):
-            lines += ["| server against " + f"`{report['serve_pairings'][0]['baseline']}`" + " | concurrency | output tok/s, of the medians "
-                      "| median of round ratios | rounds |", "|---|---:|---:|---:|---:|"]  # fmt: skip
-            for p in report["serve_pairings"]:
-                lines.append(f"| {p['server']} | {p['metric'].removeprefix('serve-c')} | {fmt(p['of_summaries'], 3)}× "
-                             f"| {fmt(p['per_slot_median'], 3)}× | {p['slots']} |")  # fmt: skip
-            lines.append("")
+            lines += table((f"server against `{shown(report['serve_pairings'][0]['baseline'])}`", "concurrency",
+                            "output tok/s, of the medians", "median of round ratios", "rounds"), "lrrrr",
+                           [(shown(p["server"]), p["metric"].removeprefix("serve-c"), f"{fmt(p['of_summaries'], 3)}×",
+                             f"{fmt(p['per_slot_median'], 3)}×", p["slots"]) for p in report["serve_pairings"]])  # fmt: skip
     if report["targets"]:
-        lines += [
-            f"| target (`{c['mesh']}` against each) | of the summaries | median of slot ratios | slots | met? |",
-            "|---|---:|---:|---:|---|",
-        ]
+        rows = []
         for t in report["targets"]:
             met = "not measured" if t["met"] is None else ("met" if t["met"] else "missed")
             met += " (smoke run: no verdict)" if c.get("quick") and t["met"] is not None else ""
             measured = "—" if t["measured"] is None else f"{t['measured']:.3f}×"
             per_slot = "—" if t["per_slot_median"] is None else f"{t['per_slot_median']:.3f}×"
-            lines.append(f"| {t['target']} | {measured} | {per_slot} | {t['slots']} | {met} |")
-        lines.append("")
-    cpu = "; ".join(f"{phase}: " + ", ".join(f"{n} {s:.1f}" for n, s in report["phases"][phase]["cpu_seconds_by_server"].items())
+            target = t["target"].removesuffix(f" {t['baseline']}'s") + f" {shown(t['baseline'])}'s"  # verdicts' name, labelled
+            rows.append((target, measured, per_slot, t["slots"], met))
+        lines += table((f"target (`{shown(c['mesh'])}` against each)", "of the summaries", "median of slot ratios", "slots", "met?"),
+                       "lrrrl", rows)  # fmt: skip
+    cpu = "; ".join(f"{phase}: " + ", ".join(f"{shown(n)} {s:.1f}" for n, s in report["phases"][phase]["cpu_seconds_by_server"].items())
                     + f" (of {report['phases'][phase]['seconds']} s)" for phase in ("ttft", "multi-turn", "serve") if phase in report["phases"])  # fmt: skip
     idle = report["phases"].get("machine_all_up_idle", {})
     lines.append(f"CPU seconds each server's processes used, by phase: {cpu}. With all servers up and idle: load average "
@@ -472,6 +457,14 @@ def markdown(payload: dict[str, Any]) -> str:
 
 
 # ----------------------------------------------------------------------------- main
+def label_option(text: str) -> tuple[str, str]:
+    """``--label NAME=SERVER`` as (server, name); the server's name may hold "=" itself."""
+    name, _, server = text.partition("=")
+    if not name or not server:
+        raise argparse.ArgumentTypeError(f"{text!r} is not NAME=SERVER")
+    return server, name
+
+
 def parse_args(argv: list[str]) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument(
@@ -527,6 +520,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--markdown", type=Path, help="replace (or append) this script's delimited section of this file")
     p.add_argument("--section", default=SECTION, help="the markdown section's marker name")
     p.add_argument("--title", help="the markdown section's title")
+    p.add_argument("--label", dest="labels", type=label_option, action="append", default=[], metavar="NAME=SERVER",
+                   help="show SERVER as NAME in the markdown (the raw results keep its full name); repeatable, "
+                   "also with --render")  # fmt: skip
     p.add_argument(
         "--render", type=Path, metavar="JSON", help="run nothing: render the section from a results file written by --json"
     )
@@ -545,6 +541,13 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     if args.mesh not in args.servers:
         p.error(f"--mesh {args.mesh} is not among --servers")
     args.baselines = [b for b in args.baselines if b in args.servers]
+    labels = dict(args.labels)
+    if len(labels) != len(args.labels) or len(set(labels.values())) != len(labels):
+        p.error("--label: each server once, each name once")
+    unknown = [] if args.render else [s for s in labels if s not in args.servers]
+    if unknown:
+        p.error(f"--label: not among --servers: {', '.join(unknown)}")
+    args.labels = labels
     if args.quick:
         args.slots, args.output_len, args.rounds, args.users, args.turns, args.turn_tokens = 2, 4, 1, 2, 2, 8
     return args
@@ -557,6 +560,7 @@ def main(argv: list[str] | None = None) -> int:
     logging.getLogger("httpx").setLevel(logging.WARNING)
     if args.render:
         payload = json.loads(args.render.read_text())
+        payload["config"]["labels"] = (payload["config"].get("labels") or {}) | args.labels
     else:
         began = time.monotonic()
         payload = {

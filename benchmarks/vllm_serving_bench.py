@@ -212,23 +212,24 @@ class WorkloadResult:
         cached = sum(r.cached_tokens for r in done)
         output = sum(r.output_tokens for r in done)
 
-        def ms(value: float | None) -> float | None:
-            return None if value is None else round(1e3 * value, 2)
-
         return {
             "requests": len(self.requests),
             "failed": len(self.requests) - len(done),
             "errors": sorted({r.error for r in self.requests if r.error})[:5],
             "seconds": round(self.seconds, 3),
-            "ttft_p50_ms": ms(percentile(ttfts, 0.50)),
-            "ttft_p99_ms": ms(percentile(ttfts, 0.99)),
-            "itl_p50_ms": ms(percentile(itls, 0.50)),
+            "ttft_p50_ms": _ms(percentile(ttfts, 0.50)),
+            "ttft_p99_ms": _ms(percentile(ttfts, 0.99)),
+            "itl_p50_ms": _ms(percentile(itls, 0.50)),
             "output_tokens": output,
             "output_tok_s": round(output / self.seconds, 2) if self.seconds > 0 else None,
             "prompt_tokens": prompt,
             "cached_tokens": cached,
             "cached_share": round(cached / prompt, 4) if prompt else None,
         }
+
+
+def _ms(seconds: float | None) -> float | None:
+    return None if seconds is None else round(1e3 * seconds, 2)
 
 
 def ratio(value: float | None, base: float | None) -> float | None:
@@ -374,14 +375,23 @@ async def random_load(client: httpx.AsyncClient, model: str, name: str, prompts:
 
 
 # ----------------------------------------------------------------------------- machine
-def cpu_ticks() -> tuple[int, int] | None:
-    """All CPUs' (total, idle) clock ticks since boot, from /proc/stat."""
+@dataclass(frozen=True, slots=True)
+class CpuTicks:
+    """All CPUs' clock ticks since boot, from the first line of /proc/stat."""
+
+    total: int
+    idle: int  # idle + iowait
+    steal: int  # the hypervisor ran something else while this machine's vCPUs wanted to run
+
+
+def cpu_ticks() -> CpuTicks | None:
+    """All CPUs' total, idle and steal clock ticks since boot, from one reading of /proc/stat."""
     try:
         fields = [int(x) for x in Path("/proc/stat").read_text().splitlines()[0].split()[1:]]
+        idle = fields[3] + (fields[4] if len(fields) > 4 else 0)
     except (OSError, ValueError, IndexError):
         return None
-    idle = fields[3] + (fields[4] if len(fields) > 4 else 0)
-    return sum(fields), idle
+    return CpuTicks(sum(fields), idle, fields[7] if len(fields) > 7 else 0)
 
 
 def cpu_busy(seconds: float) -> float | None:
@@ -389,9 +399,9 @@ def cpu_busy(seconds: float) -> float | None:
     first = cpu_ticks()
     time.sleep(seconds)
     second = cpu_ticks()
-    if first is None or second is None or second[0] == first[0]:
+    if first is None or second is None or second.total == first.total:
         return None
-    return round(1 - (second[1] - first[1]) / (second[0] - first[0]), 3)
+    return round(1 - (second.idle - first.idle) / (second.total - first.total), 3)
 
 
 def tree_ticks(pids: Sequence[int]) -> int:
@@ -420,10 +430,10 @@ class OtherLoad:
     def share(self) -> float | None:
         end_cpu = cpu_ticks()
         ours = tree_ticks([self.server.process.pid, *self.server.children()]) - self.start_ours
-        if self.start_cpu is None or end_cpu is None or end_cpu[0] == self.start_cpu[0]:
+        if self.start_cpu is None or end_cpu is None or end_cpu.total == self.start_cpu.total:
             return None
-        total = end_cpu[0] - self.start_cpu[0]
-        busy = total - (end_cpu[1] - self.start_cpu[1])
+        total = end_cpu.total - self.start_cpu.total
+        busy = total - (end_cpu.idle - self.start_cpu.idle)
         return round(max(0.0, (busy - ours) / total), 3)
 
 

@@ -3,11 +3,12 @@ salted rounds, the slot-by-slot pairing, the targets and the markdown section; n
 
 from __future__ import annotations
 
+import json
 from collections import Counter
 
 import pytest
 
-from benchmarks.vllm_interleaved_bench import markdown, pairings, parse_args, rotation, salted_system, summarize_rounds, summarize_ttft, verdicts
+from benchmarks.vllm_interleaved_bench import main, markdown, pairings, parse_args, rotation, salted_system, summarize_rounds, summarize_ttft, verdicts
 from benchmarks.vllm_serving_bench import RequestResult
 
 
@@ -61,26 +62,55 @@ def test_pairings_ratio_the_summaries_and_the_slots_and_judge_the_targets():
     assert only["met"] is False and only["measured"] == pytest.approx(5.0)
 
 
-def test_markdown_shows_the_tables_and_the_verdicts():
+def _payload(**config: object) -> dict:
     results = {"mesh": {"ttft": summarize_ttft(_ttft(0.11, 0.12)), "multi-turn": summarize_rounds([_round(0.8, 90.0)])},
                "base": {"ttft": summarize_ttft(_ttft(0.10, 0.10)), "multi-turn": summarize_rounds([_round(0.8, 100.0)])}}  # fmt: skip
     found = pairings(results, "mesh", ["base"])
-    payload = {
+    return {
         "command": "x", "date": "2026-12-03 14:00 UTC",
         "machine": {"cpu": "Test CPU", "cores": 2, "avx512": True, "avx512_bf16": False, "amx": False, "vllm": "0.32.0"},
         "config": {"dtype": "float32", "slots": 2, "input_len": 128, "output_len": 32, "rounds": 1, "users": 10, "turns": 5,
-                   "turn_tokens": 50, "mesh": "mesh", "quick": False},
+                   "turn_tokens": 50, "mesh": "mesh", "quick": False, **config},
         "report": {"phases": {"servers": {"mesh": {"server": "kvmesh up", "start_seconds": 9.0}, "base": {"server": "vllm", "start_seconds": 60.0}},
                               "ttft": {"seconds": 5.0, "cpu_seconds_by_server": {"mesh": 1.0, "base": 1.0}},
                               "machine_all_up_idle": {"load_average": [0.1, 0.1, 0.1], "cpu_busy_3s": 0.01}},
                    "results": results, "pairings": [vars(p) for p in found], "targets": verdicts(found)},
     }  # fmt: skip
-    text = markdown(payload)
+
+
+def test_markdown_shows_the_tables_and_the_verdicts():
+    text = markdown(_payload())
     assert "Test CPU, 2 cores (AVX-512: yes, AVX-512-BF16: no, AMX: no)" in text
     assert "| mesh | 2 | 0 | 115.0 | 119.9 |" in text
     assert "| TTFT p50 at concurrency 1 <= 1.10x base's | 1.150× | 1.150× | 2 | missed |" in text
     assert "| multi-turn output tokens/s >= 0.8x base's | 0.900× | 0.900× | 1 | met |" in text
     assert "ttft: mesh 1.0, base 1.0 (of 5.0 s)" in text
+
+
+def test_labels_shorten_the_servers_names_in_the_markdown_only(tmp_path, capsys):
+    long = "mesh-kvmesh:--no-prefix-caching+--routing-config=/x.json"
+    args = parse_args(["--vllm-python", "/x", "--servers", f"mesh-kvmesh,{long}", "--mesh", "mesh-kvmesh", "--baselines", long,
+                       "--label", f"off={long}", "--label", "on=mesh-kvmesh"])  # fmt: skip
+    assert args.labels == {long: "off", "mesh-kvmesh": "on"}  # split at the first "=": the server's name keeps its own
+    for bad in (["--label", "off"], ["--label", "=vllm"], ["--label", "a=vllm", "--label", "b=vllm"],
+                ["--label", "a=vllm", "--label", "a=mesh-vllm"], ["--label", "a=mesh-kvmesh"]):  # fmt: skip
+        with pytest.raises(SystemExit):
+            parse_args(["--vllm-python", "/x", *bad])
+    payload = _payload(labels={"mesh": "short", "base": "b"})
+    text = markdown(payload)
+    assert "| short | 2 | 0 | 115.0 | 119.9 |" in text and "| b | 2 | 0 | 100.0 | 100.0 |" in text
+    assert "Servers, all up at once: `short` kvmesh up (started in 9.0 s); `b` vllm" in text
+    assert "| target (`short` against each) |" in text
+    assert "| TTFT p50 at concurrency 1 <= 1.10x b's | 1.150× | 1.150× | 2 | missed |" in text
+    assert "ttft: short 1.0, b 1.0 (of 5.0 s)" in text
+    assert "| mesh |" not in text and "| base |" not in text
+    assert set(payload["report"]["results"]) == {"mesh", "base"}  # the raw results keep the full names
+    assert payload["report"]["targets"][0]["baseline"] == "base" and payload["report"]["targets"][0]["target"].endswith(" base's")
+    stored = tmp_path / "results.json"  # --render takes labels too, over the file's own
+    stored.write_text(json.dumps(_payload(labels={"base": "b"})))
+    assert main(["--vllm-python", "/x", "--render", str(stored), "--label", "short=mesh"]) == 0
+    rendered = capsys.readouterr().out
+    assert "| short | 2 | 0 | 115.0 | 119.9 |" in rendered and "| b | 2 | 0 | 100.0 | 100.0 |" in rendered
 
 
 def test_arguments():
@@ -113,12 +143,13 @@ def test_serve_rounds_are_summarized_and_paired_with_the_baseline():
 
 
 def test_steal_share_and_a_rounds_text():
-    from benchmarks.vllm_interleaved_bench import round_text, steal_share, steal_ticks
+    from benchmarks.vllm_interleaved_bench import round_text, steal_share
+    from benchmarks.vllm_serving_bench import CpuTicks, cpu_ticks
 
-    assert steal_share((100, 5), (200, 15)) == 0.1
-    assert steal_share(None, (200, 15)) is None and steal_share((100, 5), (100, 5)) is None
-    total, steal = steal_ticks() or (0, 0)
-    assert total >= steal >= 0
+    assert steal_share(CpuTicks(100, 50, 5), CpuTicks(200, 60, 15)) == 0.1
+    assert steal_share(None, CpuTicks(200, 60, 15)) is None and steal_share(CpuTicks(100, 50, 5), CpuTicks(100, 50, 5)) is None
+    now = cpu_ticks() or CpuTicks(0, 0, 0)
+    assert now.total >= now.idle + now.steal and now.idle >= 0 and now.steal >= 0
     assert round_text({"output_tok_s": 66.71, "steal_share": 0.004}) == "66.7"
     assert round_text({"output_tok_s": 29.9, "steal_share": 0.25}) == "29.9 (steal 25 %)"
     assert round_text({"output_tok_s": 50.0}) == "50.0"
