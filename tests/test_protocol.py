@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 import pytest
 from pydantic import ValidationError
 
@@ -58,6 +60,23 @@ def test_sampling_and_layout_round_trip():
     )  # fmt: skip
     assert KVLayoutSpec.decode(KVLayoutSpec.from_layout(vllm).encode()).to_layout() == vllm
 
+
+
+def test_a_layout_with_k_and_v_apart_round_trips_and_a_joint_one_publishes_no_new_fields():
+    piece = 16 * 2 * 8 * 4
+    planes = (1 << 20, (1 << 20) + 4 * piece, 3 << 20, (3 << 20) + 4 * piece)  # two layers allocated apart
+    split = PoolLayout(
+        engine="vllm", dtype="float32", block_size=16, num_blocks=4, num_layers=2, num_kv_heads=2, head_dim=8,
+        layer_stride=0, block_stride=piece, arrangement="token,head,dim", base_address=1 << 20,
+        pool_bytes=(2 << 20) + 8 * piece, kv_split=True, planes=planes,
+    )  # fmt: skip
+    assert KVLayoutSpec.decode(KVLayoutSpec.from_layout(split).encode()).to_layout() == split
+    joint = block_major(dtype="float32", block_size=16, num_blocks=4, num_layers=2, num_kv_heads=2, head_dim=8, base_address=0)
+    assert not {"kv_split", "kv_stride", "planes"} & set(json.loads(KVLayoutSpec.from_layout(joint).encode()))  # older readers
+    with pytest.raises(ValidationError, match="plane addresses"):
+        KVLayoutSpec.model_validate({**KVLayoutSpec.from_layout(split).model_dump(), "planes": planes[:3]})
+    with pytest.raises(ValidationError, match="at most 4096"):
+        KVLayoutSpec.model_validate({**KVLayoutSpec.from_layout(split).model_dump(), "planes": list(range(5000))})
 
 def test_a_layout_published_before_strides_reads_as_kvmesh_block_major():
     old = KVLayoutSpec.decode(b'{"num_blocks":100,"block_size":16,"num_layers":30,"num_kv_heads":3,"head_dim":64,"dtype":"bfloat16"}')

@@ -251,6 +251,9 @@ class SamplingSpec(Message):
         return cls(**dataclasses.asdict(params))
 
 
+MAX_PLANES = 4096  # plane addresses a published layout may list (K and V of 2,048 layers)
+
+
 class KVLayoutSpec(Message):
     """A worker's KV pool layout (``kvmesh.transfer.layout.PoolLayout``). The fields after
     ``dtype`` came with the engine interface; a record without them describes kvmesh's
@@ -268,6 +271,10 @@ class KVLayoutSpec(Message):
     block_stride: int | None = None  # None: block-major (a segment per layer)
     base_address: int | None = None  # None: the enclosing record's kv_base_address
     pool_bytes: int | None = None  # None: the blocks' bytes
+    # K and V apart (FlashAttention's and vllm-ascend's pools); absent where they lie together
+    kv_split: bool = Field(default=False, exclude_if=_is_zero)
+    kv_stride: int = Field(default=0, ge=0, exclude_if=_is_zero)
+    planes: tuple[int, ...] = Field(default=(), max_length=MAX_PLANES, exclude_if=_is_zero)  # separately allocated layers
 
     @model_validator(mode="after")
     def _a_layout(self) -> KVLayoutSpec:
@@ -293,6 +300,9 @@ class KVLayoutSpec(Message):
             layer_stride=self.layer_stride if self.layer_stride is not None else kvmesh.layer_stride,
             block_stride=self.block_stride if self.block_stride is not None else kvmesh.block_stride,
             pool_bytes=self.pool_bytes if self.pool_bytes is not None else kvmesh.pool_bytes,
+            kv_split=self.kv_split,
+            kv_stride=self.kv_stride,
+            planes=self.planes,
         )
 
     @classmethod

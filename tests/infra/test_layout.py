@@ -98,3 +98,61 @@ def test_a_layout_must_fit_its_pool():
         dataclasses.replace(layer_major_pool(0), pool_bytes=3 * 8 * SEGMENT - 1)
     with pytest.raises(ValueError, match="shorter than"):
         dataclasses.replace(layer_major_pool(0), block_stride=SEGMENT // 2)
+
+
+PIECE = SEGMENT // 2  # K (or V) of one block of one layer
+
+
+def flash_attn_pool(planes: tuple[int, ...] | None = None, num_blocks: int = 8, num_layers: int = 3, arrangement: str = "token,head,dim") -> PoolLayout:
+    """Like vLLM's FlashAttention on CUDA: a tensor [2, blocks, tokens, heads, dim] per layer,
+    K of every block then V of every block: evenly spaced views of one storage, or the layers'
+    separate allocations at ``planes`` (K, V of each layer)."""
+    strided = planes is None
+    return PoolLayout(
+        engine="vllm", dtype="float32", block_size=16, num_blocks=num_blocks, num_layers=num_layers, num_kv_heads=2,
+        head_dim=8, layer_stride=2 * num_blocks * PIECE if strided else 0, block_stride=PIECE, arrangement=arrangement,
+        base_address=0 if strided else min(planes), pool_bytes=num_layers * 2 * num_blocks * PIECE if strided else max(planes) + num_blocks * PIECE - min(planes),
+        kv_split=True, kv_stride=num_blocks * PIECE if strided else 0, planes=() if strided else planes,
+    )  # fmt: skip
+
+
+def test_a_split_pool_has_two_pieces_per_segment_and_its_v_a_kv_stride_after_its_k():
+    pool = flash_attn_pool()
+    assert (pool.parts, pool.piece_bytes, pool.block_bytes) == (2, PIECE, 3 * SEGMENT)
+    assert pool.piece_address(2, 5, 0) == 2 * 16 * PIECE + 5 * PIECE
+    assert pool.piece_address(2, 5, 1) == 2 * 16 * PIECE + 8 * PIECE + 5 * PIECE
+    assert not pool.block_contiguous and pool.regions() == [(0, 3 * 16 * PIECE)]
+
+
+def test_separately_allocated_layers_are_listed_plane_by_plane_and_registered_one_by_one():
+    layer = 16 * PIECE  # one layer's [2, 8 blocks] tensor
+    planes = (10_000, 10_000 + 8 * PIECE, 50_000, 50_000 + 8 * PIECE, 30_000, 30_000 + 8 * PIECE)
+    pool = flash_attn_pool(planes)
+    assert pool.piece_address(1, 3, 1) == 50_000 + 8 * PIECE + 3 * PIECE
+    assert pool.regions() == [(10_000, layer), (30_000, layer), (50_000, layer)]  # K and V planes of a layer merge
+    with pytest.raises(ValueError, match="plane addresses"):
+        dataclasses.replace(pool, planes=planes[:4])
+    with pytest.raises(ValueError, match="reaches bytes"):
+        dataclasses.replace(pool, pool_bytes=pool.pool_bytes - 1)
+
+
+def test_kv_first_pools_pull_piece_by_piece_from_split_pools_of_the_same_piece_order():
+    kvmesh, split = kvmesh_pool(0), flash_attn_pool()
+    assert kvmesh.mismatch(split) is None and split.mismatch(kvmesh) is None
+    src, dst, lengths = layout_byte_ranges([BlockRun(2, 5, 2)], src=kvmesh, dst=split)
+    expected = [
+        (kvmesh.segment_address(layer, 2 + i) + part * PIECE, split.piece_address(layer, 5 + i, part))
+        for layer in range(3) for part in (0, 1) for i in range(2)
+    ]  # fmt: skip
+    assert list(zip(src, dst)) == expected and lengths == [PIECE] * 12  # adjacent on neither side: piece by piece
+    src_back, dst_back, _ = layout_byte_ranges([BlockRun(5, 2, 2)], src=split, dst=kvmesh)
+    assert sorted(zip(dst_back, src_back)) == sorted(zip(src, dst))
+
+
+def test_pools_whose_pieces_are_ordered_differently_are_refused_with_the_reason():
+    nhd, hnd = flash_attn_pool(), flash_attn_pool(arrangement="head,token,dim")
+    assert nhd.mismatch(hnd) == "arrangement token,head,dim (K and V apart) vs head,token,dim (K and V apart)"
+    assert layer_major_pool(0).mismatch(nhd) == "arrangement head,kv,token,dim vs token,head,dim (K and V apart)"
+    assert kvmesh_pool(0).mismatch(hnd) is not None
+    with pytest.raises(ValueError, match="only for pools whose K and V lie apart"):
+        dataclasses.replace(kvmesh_pool(0), kv_stride=PIECE)

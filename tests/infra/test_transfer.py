@@ -7,9 +7,10 @@ import os
 import pytest
 import torch
 
-from kvmesh.transfer.layout import VLLM_CPU_ARRANGEMENT, PoolLayout
+from kvmesh.transfer.layout import VLLM_CPU_ARRANGEMENT, PoolLayout, block_major
 from kvmesh.transfer.mooncake_agent import MooncakeAgent, TransferError
 from kvmesh.transfer.runs import BlockRun, byte_ranges, coalesce
+from kvmesh.worker.kv_tensors import pool_layout_of
 
 
 def test_coalesce_adjacent_on_both_sides():
@@ -70,6 +71,88 @@ def test_pull_a_layer_major_pool_by_its_published_layout():
     assert local_kv.sum(dim=(0, 2, 3, 4)).nonzero().flatten().tolist() == sorted(dst)  # nothing else written
     with pytest.raises(TransferError, match="reaches past a pool"):
         local.read_layout(peer.endpoint, [BlockRun(7, 0, 2)], peer=layout(peer_kv), local=layout(local_kv))
+
+
+class Pool:
+    """A pool of float32 KV tensors shaped as one engine keeps them, with its K and V of
+    (layer, block) as [tokens, heads, dim] views."""
+
+    LAYERS, TOKENS, HEADS, DIM = 3, 16, 2, 8
+
+    def __init__(self, kind: str, num_blocks: int) -> None:
+        L, T, H, D = self.LAYERS, self.TOKENS, self.HEADS, self.DIM
+        self.kind = kind
+        if kind == "kvmesh":  # one tensor [blocks, layers, 2, tokens, heads, dim]
+            self.tensor = torch.zeros(num_blocks, L, 2, T, H, D)
+            self.layout = block_major(
+                dtype="float32", block_size=T, num_blocks=num_blocks, num_layers=L, num_kv_heads=H, head_dim=D, base_address=self.tensor.data_ptr()
+            )
+            return
+        if kind == "flash-attn":  # [2, blocks, tokens, heads, dim] per layer, allocated one by one
+            self.caches: list = [torch.zeros(2, num_blocks, T, H, D) for _ in range(L)]
+        elif kind == "flash-infer":  # [blocks, 2, tokens, heads, dim] per layer
+            self.caches = [torch.zeros(num_blocks, 2, T, H, D) for _ in range(L)]
+        elif kind == "ascend":  # (K, V) of [blocks, tokens, heads, dim] per layer
+            self.caches = [(torch.zeros(num_blocks, T, H, D), torch.zeros(num_blocks, T, H, D)) for _ in range(L)]
+        else:
+            raise ValueError(kind)
+        self.layout = pool_layout_of(self.caches, dtype="float32", block_size=T)
+
+    def kv(self, layer: int, block: int) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.kind == "kvmesh":
+            return self.tensor[block, layer, 0], self.tensor[block, layer, 1]
+        cache = self.caches[layer]
+        if self.kind == "flash-attn":
+            return cache[0, block], cache[1, block]
+        if self.kind == "flash-infer":
+            return cache[block, 0], cache[block, 1]
+        return cache[0][block], cache[1][block]
+
+    def fill(self) -> None:
+        for layer in range(self.LAYERS):
+            for block in range(self.layout.num_blocks):
+                for t in self.kv(layer, block):
+                    t.copy_(torch.randn_like(t))
+
+    def register(self, agent: MooncakeAgent) -> None:
+        for address, nbytes in self.layout.regions():
+            agent.register(address, nbytes)
+
+
+@pytest.mark.parametrize(
+    ("producer", "consumer"),
+    [("flash-attn", "flash-attn"), ("ascend", "kvmesh"), ("kvmesh", "flash-attn"), ("flash-infer", "kvmesh"), ("flash-attn", "ascend")],
+)
+def test_pulls_between_pools_of_other_engines_land_each_blocks_k_and_v_where_they_belong(producer, consumer):
+    """Layouts read from tensors shaped as FlashAttention, FlashInfer and vllm-ascend keep
+    them (K and V apart, layers allocated one by one), and kvmesh's: a real Mooncake pull
+    between two of them moves every layer's K and V of each block, and nothing else."""
+    peer_pool, local_pool = Pool(producer, 8), Pool(consumer, 12)
+    peer_pool.fill()
+    peer, local = MooncakeAgent(), MooncakeAgent()
+    peer_pool.register(peer)
+    local_pool.register(local)
+    src, dst = [2, 3, 6], [9, 10, 0]
+    stats = local.read_layout(peer.endpoint, coalesce(src, dst), peer=peer_pool.layout, local=local_pool.layout)
+    assert stats.bytes == 3 * peer_pool.layout.block_bytes
+    for layer in range(Pool.LAYERS):
+        for block in range(12):
+            k, v = local_pool.kv(layer, block)
+            if block in dst:
+                want_k, want_v = peer_pool.kv(layer, src[dst.index(block)])
+                assert torch.equal(k, want_k) and torch.equal(v, want_v), (layer, block)
+            else:
+                assert not k.any() and not v.any(), (layer, block)  # nothing else written
+
+
+def test_a_pull_between_nhd_and_hnd_pools_is_refused():
+    nhd = Pool("flash-attn", 4)
+    hnd = pool_layout_of(
+        [torch.zeros(2, 4, Pool.HEADS, Pool.TOKENS, Pool.DIM).permute(0, 1, 3, 2, 4) for _ in range(Pool.LAYERS)], dtype="float32", block_size=Pool.TOKENS
+    )
+    local = MooncakeAgent()
+    with pytest.raises(TransferError, match="arrangement token,head,dim .K and V apart. vs head,token,dim"):
+        local.read_layout(local.endpoint, [BlockRun(0, 0, 1)], peer=nhd.layout, local=hnd)
 
 
 LISTENERS = """

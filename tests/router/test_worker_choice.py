@@ -132,6 +132,23 @@ def test_prefill_workers_are_paired_only_with_decode_workers_that_can_pull_their
     assert layout_mismatch(worker("p", "prefill", same_shape), worker("d2", "decode", same_shape)) is None
 
 
+
+def test_workers_whose_k_and_v_lie_apart_pair_by_the_order_inside_a_piece():
+    """FlashAttention-like pools (K and V apart, layers allocated one by one) pair with
+    kvmesh's pool when their pieces are token,head,dim (the same bytes as kvmesh's K and V),
+    and not when they are head,token,dim (HND), with the reason."""
+    piece = 16 * 3 * 64 * 4
+    planes = tuple(address for layer in range(30) for address in (2**32 + layer * 2**24, 2**32 + layer * 2**24 + 64 * piece))
+    nhd = spec(engine="vllm", arrangement="token,head,dim", kv_split=True, block_stride=piece, layer_stride=0,
+               base_address=2**32, pool_bytes=29 * 2**24 + 128 * piece, planes=planes)  # fmt: skip
+    hnd = nhd.model_copy(update={"arrangement": "head,token,dim"})
+    decode = worker("d1", "decode", spec())
+    assert layout_mismatch(worker("p-nhd", "prefill", nhd), decode) is None
+    assert layout_mismatch(worker("p-hnd", "prefill", hnd), decode) == (
+        "p-hnd's KV layout does not match d1's (arrangement head,token,dim (K and V apart) vs kv,token,head,dim)"
+    )
+    assert layout_mismatch(worker("p-hnd", "prefill", hnd), worker("d-hnd", "decode", hnd)) is None
+
 def test_pairing_compares_two_published_layouts_once_and_a_new_layout_again(monkeypatch):
     import kvmesh.services.router.worker_choice as worker_choice
 

@@ -3,7 +3,8 @@
 A transfer costs tens of microseconds however small it is, so adjacent blocks that are
 adjacent on both sides move as one range. ``layout_byte_ranges`` finds the ranges from the
 two pools' published layouts (``kvmesh.transfer.layout``): one per run for block-major
-pools, one per layer per run for layer-major ones.
+pools, one per layer per run for layer-major ones, one per layer for K and one for V per run
+where a pool keeps them apart.
 """
 
 from __future__ import annotations
@@ -11,7 +12,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from kvmesh.transfer.layout import PoolLayout
+from kvmesh.transfer.layout import PoolLayout, matching_pieces
 
 
 @dataclass(slots=True, frozen=True)
@@ -66,15 +67,19 @@ def layout_byte_ranges(
         for run in runs:
             out.add(src.segment_address(0, run.src_block), dst.segment_address(0, run.dst_block), run.num_blocks * src.block_bytes)
         return out.src, out.dst, out.lengths
-    segment = src.segment_bytes
-    adjacent = src.block_stride == segment and dst.block_stride == segment  # a run is one range per layer
+    pieces = matching_pieces(src, dst)
+    assert pieces is not None  # mismatch said they match
+    src, dst = pieces
+    piece = src.piece_bytes
+    adjacent = src.block_stride == piece and dst.block_stride == piece  # a run is one range per plane
     for layer in range(src.num_layers):
-        for run in runs:
-            if adjacent:
-                out.add(src.segment_address(layer, run.src_block), dst.segment_address(layer, run.dst_block), run.num_blocks * segment)
-                continue
-            for i in range(run.num_blocks):
-                out.add(src.segment_address(layer, run.src_block + i), dst.segment_address(layer, run.dst_block + i), segment)
+        for part in range(src.parts):
+            for run in runs:
+                if adjacent:
+                    out.add(src.piece_address(layer, run.src_block, part), dst.piece_address(layer, run.dst_block, part), run.num_blocks * piece)
+                    continue
+                for i in range(run.num_blocks):
+                    out.add(src.piece_address(layer, run.src_block + i, part), dst.piece_address(layer, run.dst_block + i, part), piece)
     return out.src, out.dst, out.lengths
 
 

@@ -97,7 +97,8 @@ class WorkerRuntime:
         # Off the event loop: the engine's start may wait on this host's start lock (other
         # workers' engines starting), and the identity slot's lease must be kept meanwhile.
         self.agent = await asyncio.to_thread(MooncakeAgent, s.advertise_host, port_range=s.transfer_port_range)
-        await asyncio.to_thread(self.agent.register, pool.base_address, pool.pool_bytes)
+        for address, nbytes in pool.regions():  # the pool, or each separately allocated layer
+            await asyncio.to_thread(self.agent.register, address, nbytes)
         self._background.append(asyncio.create_task(self._watch_engine(), name="engine-watch"))
         self.nc, self.store = await connect_mesh(s.mesh, f"{s.role}-{self.worker_id}")
         self.directory = WorkerDirectory(self.store, self.keys)

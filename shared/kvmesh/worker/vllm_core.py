@@ -30,6 +30,7 @@ from kvmesh.engine.request import FinishReason, SamplingParams, TokenLogprob
 from kvmesh.errors import ErrorCode
 from kvmesh.hashing import BlockHash, hash_token_blocks
 from kvmesh.transfer.layout import PoolLayout
+from kvmesh.worker.kv_tensors import copy_blocks
 from kvmesh.worker.vllm_events import EventQueue, KVEventNames
 from kvmesh.worker.vllm_exchange import EXPORT, FROM_TOKEN, IMPORT, NUM_TOKENS, Exchange
 from kvmesh.worker.vllm_outputs import FORCED, logprobs_of, prompt_logprobs_of, structured_outputs_kwargs
@@ -441,8 +442,6 @@ class VllmCore:
             self.exchange.imports.clear()
         if not ready:
             return
-        import torch
-
         for vllm_id, imp in ready:
             entry = self._importing.pop(imp.handle, None)
             if entry is None:  # aborted meanwhile: vLLM frees its blocks once they are reported received
@@ -453,10 +452,8 @@ class VllmCore:
             self._import_of = {r: h for r, h in self._import_of.items() if h != imp.handle}
             first, last = max(imp.first_block, start), min(start + len(staged), len(imp.block_ids))
             if first < last:
-                src = torch.tensor([b.block_id for b in staged[first - start : last - start]])
-                dst = torch.tensor(imp.block_ids[first:last])
-                for cache in self.kv_caches:
-                    cache[dst] = cache[src]
+                src = [b.block_id for b in staged[first - start : last - start]]
+                copy_blocks(self.kv_caches, src, imp.block_ids[first:last])
                 self.blocks_copied += last - first
             self.block_pool.free_blocks(staged)
             with self.exchange.lock:

@@ -28,7 +28,8 @@ from typing import Any, cast
 from kvmesh.engine.async_engine import AsyncEngine, StepObserver
 from kvmesh.engine.loader.default_model import resolve_model, served_model_name
 from kvmesh.hashing import hash_token_blocks
-from kvmesh.transfer.layout import ITEMSIZE, VLLM_CPU_ARRANGEMENT, PoolLayout
+from kvmesh.transfer.layout import ITEMSIZE, PoolLayout
+from kvmesh.worker.kv_tensors import pool_layout_of
 from kvmesh.worker.engine_api import Engine
 from kvmesh.settings.worker import EngineSettings
 from kvmesh.worker.vllm_core import VllmCore
@@ -198,37 +199,11 @@ def default_max_model_len(model_dir: Path, dtype: str, block_size: int, kv_cache
 
 
 def pool_layout(engine: Any, dtype: str, block_size: int) -> PoolLayout:
-    """The pool from the model runner's KV tensors: on CPU one tensor per layer
-    ``[blocks, kv_heads, tokens, 2 * head_dim]``, all views of one storage (layer-major;
-    inside a block each head holds K for all its tokens, then V)."""
+    """The pool from the model runner's KV tensors, read as they are
+    (``kvmesh.worker.kv_tensors``): on CPU one tensor per layer ``[blocks, kv_heads, tokens,
+    2 * head_dim]``, all views of one storage."""
     runner = engine.model_executor.driver_worker.worker.model_runner
-    caches = list(runner.kv_caches)
-    first = caches[0]
-    shape = tuple(first.shape)
-    if len(shape) != 4 or shape[2] != block_size or shape[3] % 2 or not first.is_contiguous():
-        raise ValueError(f"kvmesh reads vLLM's CPU KV layout [blocks, heads, {block_size} tokens, 2 * dim]; got {shape}")
-    num_blocks, heads, _, width = shape
-    itemsize = first.element_size()
-    storage = first.untyped_storage()
-    base = first.data_ptr()
-    layer_stride = caches[1].data_ptr() - base if len(caches) > 1 else first.numel() * itemsize
-    for i, cache in enumerate(caches):
-        if cache.untyped_storage().data_ptr() != storage.data_ptr() or cache.data_ptr() != base + i * layer_stride:
-            raise ValueError("vLLM's KV tensors are not evenly spaced views of one storage")
-    return PoolLayout(
-        engine="vllm",
-        dtype=dtype,
-        block_size=block_size,
-        num_blocks=num_blocks,
-        num_layers=len(caches),
-        num_kv_heads=heads,
-        head_dim=width // 2,
-        layer_stride=layer_stride,
-        block_stride=first.stride(0) * itemsize,
-        arrangement=VLLM_CPU_ARRANGEMENT,
-        base_address=base,
-        pool_bytes=storage.nbytes() - (base - storage.data_ptr()),
-    )
+    return pool_layout_of(list(runner.kv_caches), dtype=dtype, block_size=block_size)
 
 
 def _is_an_engine(engine: VllmEngine) -> Engine:
