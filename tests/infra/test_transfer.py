@@ -88,7 +88,12 @@ class Pool:
                 dtype="float32", block_size=T, num_blocks=num_blocks, num_layers=L, num_kv_heads=H, head_dim=D, base_address=self.tensor.data_ptr()
             )
             return
-        if kind == "flash-attn":  # [2, blocks, tokens, heads, dim] per layer, allocated one by one
+        if kind in ("vllm-LBHNC", "vllm-BLHNC"):  # vLLM 0.32: [blocks, heads, tokens, 2 * dim] views of one buffer
+            order = kind[-5:]
+            sizes = dict(L=L, B=num_blocks, H=H, N=T, C=2 * D)
+            self.buffer = torch.zeros(*(sizes[d] for d in order))
+            self.caches = list(self.buffer.permute(*(order.index(d) for d in "LBHNC")))
+        elif kind == "flash-attn":  # [2, blocks, tokens, heads, dim] per layer, allocated one by one
             self.caches: list = [torch.zeros(2, num_blocks, T, H, D) for _ in range(L)]
         elif kind == "flash-infer":  # [blocks, 2, tokens, heads, dim] per layer
             self.caches = [torch.zeros(num_blocks, 2, T, H, D) for _ in range(L)]
@@ -102,6 +107,9 @@ class Pool:
         if self.kind == "kvmesh":
             return self.tensor[block, layer, 0], self.tensor[block, layer, 1]
         cache = self.caches[layer]
+        if self.kind.startswith("vllm-"):  # the CPU kernels' order: a head's K for every token, then its V
+            block_kv = cache[block].reshape(self.HEADS, 2, self.TOKENS, self.DIM)
+            return block_kv[:, 0], block_kv[:, 1]
         if self.kind == "flash-attn":
             return cache[0, block], cache[1, block]
         if self.kind == "flash-infer":
@@ -121,12 +129,16 @@ class Pool:
 
 @pytest.mark.parametrize(
     ("producer", "consumer"),
-    [("flash-attn", "flash-attn"), ("ascend", "kvmesh"), ("kvmesh", "flash-attn"), ("flash-infer", "kvmesh"), ("flash-attn", "ascend")],
+    [
+        ("flash-attn", "flash-attn"), ("ascend", "kvmesh"), ("kvmesh", "flash-attn"), ("flash-infer", "kvmesh"),
+        ("flash-attn", "ascend"), ("vllm-BLHNC", "vllm-LBHNC"), ("vllm-LBHNC", "vllm-BLHNC"),
+    ],
 )
 def test_pulls_between_pools_of_other_engines_land_each_blocks_k_and_v_where_they_belong(producer, consumer):
-    """Layouts read from tensors shaped as FlashAttention, FlashInfer and vllm-ascend keep
-    them (K and V apart, layers allocated one by one), and kvmesh's: a real Mooncake pull
-    between two of them moves every layer's K and V of each block, and nothing else."""
+    """Layouts read from tensors shaped as vLLM 0.32 keeps them in two KVCacheLayouts, as
+    earlier vLLM's FlashAttention and FlashInfer and vllm-ascend keep them (K and V apart,
+    layers allocated one by one), and kvmesh's: a real Mooncake pull between two of them
+    moves every layer's K and V of each block, and nothing else."""
     peer_pool, local_pool = Pool(producer, 8), Pool(consumer, 12)
     peer_pool.fill()
     peer, local = MooncakeAgent(), MooncakeAgent()

@@ -75,14 +75,40 @@ def test_other_dimension_orders_are_named_by_axes():
         pool_layout_of(caches, dtype="float32", block_size=TOKENS)
 
 
+def vllm_views(order: str) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    """As vLLM 0.32 builds them: one flat buffer in the KVCacheLayout ``order`` (a permutation
+    of L, B, H, N, C), and each layer's [blocks, heads, tokens, 2 * dim] view of it."""
+    sizes = dict(L=LAYERS, B=BLOCKS, H=HEADS, N=TOKENS, C=2 * DIM)
+    buffer = torch.zeros(*(sizes[d] for d in order))
+    logical = buffer.permute(*(order.index(d) for d in "LBHNC"))
+    return buffer, list(logical)
+
+
 def test_vllm_cpu_layers_keep_their_layout():
-    storage = torch.zeros(LAYERS, BLOCKS, HEADS, TOKENS, 2 * DIM)
-    layout = pool_layout_of(list(storage), dtype="float32", block_size=TOKENS)
+    buffer, caches = vllm_views("LBHNC")
+    layout = pool_layout_of(caches, dtype="float32", block_size=TOKENS)
     assert (layout.arrangement, layout.layer_stride, layout.block_stride) == (VLLM_CPU_ARRANGEMENT, BLOCKS * 2 * PIECE, 2 * PIECE)
+    assert not layout.planes and layout.regions() == [(buffer.data_ptr(), buffer.numel() * 4)]
+
+
+def test_vllm_layouts_with_layers_inside_blocks_are_block_contiguous():
+    """BLHNC: a block's every layer adjacent, as in kvmesh's pool: a run of blocks is one range."""
+    buffer, caches = vllm_views("BLHNC")
+    layout = pool_layout_of(caches, dtype="float32", block_size=TOKENS)
+    assert (layout.layer_stride, layout.block_stride, layout.block_contiguous) == (2 * PIECE, LAYERS * 2 * PIECE, True)
+    assert layout.piece_address(2, 4) == caches[2][4].data_ptr()
+
+
+def test_vllm_layouts_name_their_order_inside_a_block_and_refuse_a_scattered_block():
+    _, tokens_outside = vllm_views("LBNHC")
+    assert pool_layout_of(tokens_outside, dtype="float32", block_size=TOKENS).arrangement == "token,head,kv,dim"
+    _, heads_outside_blocks = vllm_views("LHBNC")
+    with pytest.raises(ValueError, match="not one contiguous piece"):
+        pool_layout_of(heads_outside_blocks, dtype="float32", block_size=TOKENS)
 
 
 def test_pools_kvmesh_cannot_address_are_refused_with_the_reason():
-    with pytest.raises(ValueError, match="not contiguous"):  # half the heads of a wider tensor
+    with pytest.raises(ValueError, match="not one contiguous piece"):  # half the heads of a wider tensor
         pool_layout_of([torch.zeros(2, BLOCKS, TOKENS, 2 * HEADS, DIM)[:, :, :, :HEADS]], dtype="float32", block_size=TOKENS)
     with pytest.raises(ValueError, match="blocks of 16 tokens, not 32"):
         pool_layout_of([torch.zeros(2, BLOCKS, TOKENS, HEADS, DIM)], dtype="float32", block_size=32)

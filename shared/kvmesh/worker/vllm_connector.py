@@ -40,6 +40,7 @@ from vllm.v1.request import RequestStatus  # type: ignore[import-not-found]
 from kvmesh.worker.vllm_exchange import EXCHANGES, EXPORT, FROM_TOKEN, IMPORT, NUM_TOKENS, Import
 
 
+CROSS_LAYER_LAYOUT = "BLHNC"  # vLLM's KVCacheLayout: [blocks, layers, heads, tokens, content]
 _EXPORTED = (RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH_CAPPED)  # an export's first token
 
 
@@ -49,6 +50,17 @@ class KvmeshConnector(KVConnectorBase_V1):  # type: ignore[misc]
         extra = vllm_config.kv_transfer_config.kv_connector_extra_config or {}
         self.exchange = EXCHANGES[extra["kvmesh_exchange"]]
         self.block_size = vllm_config.cache_config.block_size
+
+    @classmethod
+    def get_required_kvcache_layout(cls, vllm_config: Any) -> str | None:
+        """Layers inside blocks (``CROSS_LAYER_LAYOUT``) off CPU: a block's KV of every layer
+        is then one range, as in kvmesh's own pool, and a pull of a run of blocks one
+        Mooncake read instead of one per layer. vLLM keeps its own layout where a backend
+        cannot take it (with a warning), and ``VLLM_KV_CACHE_LAYOUT`` overrides both. On CPU,
+        whose backend takes only ``LBHNC``, nothing is asked."""
+        if vllm_config.device_config.device_type == "cpu":
+            return None
+        return CROSS_LAYER_LAYOUT
 
     # -- scheduler side ------------------------------------------------------------------
     def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int, bool]:
