@@ -32,12 +32,16 @@ def hash_block_tokens(
     parent_hash: BlockHash | None, token_ids: Sequence[int], extra_keys: Sequence[str] = ()
 ) -> BlockHash:
     """Hash of one full block, chained on its parent (``None`` for the first block)."""
+    return _hash_block(parent_hash, token_ids, _encode_extra_keys(extra_keys))
+
+
+def _hash_block(parent_hash: BlockHash | None, token_ids: Sequence[int], encoded_extra_keys: bytes) -> BlockHash:
     parent = ROOT_SEED if parent_hash is None else parent_hash
     digest = hashlib.sha256()
     digest.update(parent.to_bytes(HASH_BYTES, "little"))
     digest.update(struct.pack("<I", len(token_ids)))
     digest.update(struct.pack(f"<{len(token_ids)}I", *token_ids))
-    digest.update(_encode_extra_keys(extra_keys))
+    digest.update(encoded_extra_keys)
     return int.from_bytes(digest.digest()[:HASH_BYTES], "little")
 
 
@@ -60,8 +64,9 @@ def hash_token_blocks(
         raise ValueError("extending a chain needs the parent hash of the previous block")
     hashes: list[BlockHash] = []
     parent = parent_hash
+    extra = _encode_extra_keys(extra_keys)  # once for the chain, not per block
     for start in range(start_block * block_size, len(token_ids) - block_size + 1, block_size):
-        parent = hash_block_tokens(parent, token_ids[start : start + block_size], extra_keys)
+        parent = _hash_block(parent, token_ids[start : start + block_size], extra)
         hashes.append(parent)
     return hashes
 
