@@ -284,7 +284,7 @@ class KVMetadataService:
                 await msg.respond(KVQueryReply(matches={}).encode())
                 return
             matches = self.index.prefix_match(chain)
-            reply = KVQueryReply(matches=matches)
+            await msg.respond(KVQueryReply(matches=matches).encode())  # the router waits; the bookkeeping does not
             seconds = time.perf_counter() - started
             self._query_ms.append(seconds * 1e3)
             self.metrics.query_seconds.observe(seconds)
@@ -292,7 +292,6 @@ class KVMetadataService:
             span.set_attribute("kvmesh.chain_blocks", len(chain))
             span.set_attribute("kvmesh.workers_matched", len(matches))
             span.set_attribute("kvmesh.best_match_blocks", max(matches.values(), default=0))
-            await msg.respond(reply.encode())
 
     def stats(self) -> KVIndexStats:
         latencies = sorted(self._query_ms)
