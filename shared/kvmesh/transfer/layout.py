@@ -20,13 +20,16 @@ The engines' pools:
 - kvmesh's engine is block-major: one tensor ``[blocks, layers, 2, tokens, heads, dim]``,
   so a block's segments of every layer are adjacent (``layer_stride`` is one segment,
   ``block_stride`` all of them) and a run of adjacent blocks is one byte range;
-- vLLM on CPU is layer-major: one tensor per layer ``[blocks, heads, tokens, 2 * dim]``,
-  all views of one storage, so ``block_stride`` is one segment, ``layer_stride`` a whole
-  layer, and a run of adjacent blocks is one range per layer;
-- vLLM's FlashAttention on CUDA keeps a tensor ``[2, blocks, tokens, heads, dim]`` per layer
+- vLLM 0.32 keeps a ``[blocks, heads, tokens, 2 * dim]`` view per layer of one buffer: on CPU
+  layer-major (``LBHNC``), so ``block_stride`` is one segment, ``layer_stride`` a whole
+  layer, and a run of adjacent blocks is one range per layer; off CPU kvmesh's connector asks
+  for layers inside blocks (``BLHNC``), block-major like kvmesh's pool;
+- earlier vLLM's FlashAttention kept a tensor ``[2, blocks, tokens, heads, dim]`` per layer
   (K of every block, then V of every block), and vllm-ascend a ``(K, V)`` pair of
   ``[blocks, tokens, heads, dim]`` tensors per layer: K and V apart (``kv_split``), each
-  piece ``token,head,dim``.
+  piece ``token,head,dim``, the layers allocated one by one (``planes``).
+
+``kvmesh.worker.kv_tensors`` reads these from the tensors.
 
 A pool whose segment is ``kv,<rest>`` holds the same bytes as a split pool whose pieces are
 ``<rest>`` with V one piece after K, so kvmesh's pool and a ``token,head,dim`` split pool pull
@@ -44,8 +47,6 @@ ITEMSIZE = {"float32": 4, "bfloat16": 2, "float16": 2}  # bytes per element of e
 
 KVMESH_ARRANGEMENT = "kv,token,head,dim"  # kvmesh's engine: K for every token and head, then V
 VLLM_CPU_ARRANGEMENT = "head,kv,token,dim"  # vLLM on CPU: per head, K for every token, then V
-NHD_ARRANGEMENT = "token,head,dim"  # one of K or V, split pools (FlashAttention's NHD, vllm-ascend)
-HND_ARRANGEMENT = "head,token,dim"  # one of K or V, split pools (FlashAttention's HND)
 KV_FIRST = "kv,"  # an arrangement with K's piece then V's: splittable into two pieces
 
 
@@ -83,7 +84,8 @@ class PoolLayout:
                 raise ValueError("a KV stride is only for pools whose K and V lie apart")
         if min(strides) < piece:
             raise ValueError(f"strides {', '.join(map(str, strides))} are shorter than a {piece}-byte piece")
-        low, high = min(self.plane_addresses()), max(self.plane_addresses()) + self.plane_bytes
+        addresses = self.plane_addresses()
+        low, high = min(addresses), max(addresses) + self.plane_bytes
         if low < self.base_address or high > self.base_address + self.pool_bytes:
             raise ValueError(f"the layout reaches bytes {low - self.base_address}..{high - self.base_address} of a {self.pool_bytes}-byte pool")
 
