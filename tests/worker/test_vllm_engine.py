@@ -5,29 +5,18 @@ leave the pool as it was (``vllm_engine_story.py``)."""
 from __future__ import annotations
 
 import json
-import os
 import re
-import subprocess
 from pathlib import Path
 
 import pytest
 
-from kvmesh.worker.engines import worker_python
+from tests.worker.vllm_venv import run_in_vllm_venv
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 
 
 def test_export_import_and_release_through_the_connector(default_model_dir):
-    try:
-        python = worker_python("vllm")
-    except ValueError as exc:
-        pytest.skip(f"no vLLM virtualenv ({exc})")
-    env = {k: v for k, v in os.environ.items() if not k.startswith("VLLM_")}
-    done = subprocess.run(
-        [python, str(Path(__file__).with_name("vllm_engine_story.py")), str(default_model_dir)],
-        capture_output=True, text=True, timeout=600, env=env,
-    )  # fmt: skip
-    assert done.returncode == 0, done.stderr[-3000:]
+    done = run_in_vllm_venv([str(Path(__file__).with_name("vllm_engine_story.py")), str(default_model_dir)], timeout=600)
     seen = json.loads(done.stdout.strip().splitlines()[-1])
     assert seen["export"] == {"first": seen["plain"][:1], "blocks": 3, "tokens": 70}
     assert seen["released"] == [True, False]  # a second release of one export is a no-op

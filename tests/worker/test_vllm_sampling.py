@@ -7,17 +7,12 @@ the token the export made."""
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-from pathlib import Path
 
 import pytest
 
-from kvmesh.worker.engines import worker_python
+from tests.worker.vllm_venv import run_in_vllm_venv
 
 pytestmark = pytest.mark.vllm
-
-SHARED = Path(__file__).resolve().parents[2] / "shared"
 
 SCRIPT = """
 import json, types
@@ -35,14 +30,7 @@ print(json.dumps({k: [s.max_tokens, s.min_tokens] for k, s in (("export", export
 
 
 def test_min_tokens_is_capped_for_the_one_token_of_an_export():
-    try:
-        python = worker_python("vllm")
-    except ValueError as exc:
-        pytest.skip(f"no vLLM virtualenv ({exc})")
-    env = {k: v for k, v in os.environ.items() if not k.startswith("VLLM_")}
-    env["PYTHONPATH"] = os.pathsep.join([str(SHARED), *filter(None, [env.get("PYTHONPATH")])])  # this tree's kvmesh
-    done = subprocess.run([python, "-c", SCRIPT], capture_output=True, text=True, timeout=300, env=env)
-    assert done.returncode == 0, done.stderr[-3000:]
+    done = run_in_vllm_venv(["-c", SCRIPT])
     got = json.loads(done.stdout.strip().splitlines()[-1])
     assert got == {"export": [1, 1], "import": [15, 15], "plain": [8, 3]}
 

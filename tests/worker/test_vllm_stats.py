@@ -7,18 +7,15 @@ from the outputs. Run in a process of the vLLM virtualenv (``vllm_stats_story.py
 
 from __future__ import annotations
 
-import os
-import subprocess
 import types
 from pathlib import Path
 
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from kvmesh.worker.engines import worker_python
 from kvmesh.worker.vllm_stats import RequestPhases, phases_of
+from tests.worker.vllm_venv import run_in_vllm_venv
 
-SHARED = Path(__file__).resolve().parents[2] / "shared"
 STORY = Path(__file__).with_name("vllm_stats_story.py")
 
 
@@ -30,14 +27,7 @@ def test_phases_of_a_finished_request_and_none_for_a_failed_one():
 
 @pytest.mark.vllm
 def test_vllms_stats_objects_feed_preemptions_and_request_phases():
-    try:
-        python = worker_python("vllm")
-    except ValueError as exc:
-        pytest.skip(f"no vLLM virtualenv ({exc})")
-    env = {k: v for k, v in os.environ.items() if not k.startswith("VLLM_")}
-    env["PYTHONPATH"] = os.pathsep.join([str(SHARED), str(SHARED.parent), *filter(None, [env.get("PYTHONPATH")])])
-    done = subprocess.run([python, str(STORY)], capture_output=True, text=True, timeout=300, env=env)
-    assert done.returncode == 0, done.stderr[-3000:]
+    done = run_in_vllm_venv([str(STORY)])
     head, _, text = done.stdout.partition("--metrics--\n")
     assert "preemptions=2" in head
     samples = {s.name: s.value for family in text_string_to_metric_families(text) for s in family.samples}
