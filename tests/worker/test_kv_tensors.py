@@ -119,6 +119,8 @@ def test_pools_kvmesh_cannot_address_are_refused_with_the_reason():
         pool_layout_of([torch.zeros(2, BLOCKS, TOKENS, HEADS, DIM), torch.zeros(2, BLOCKS + 1, TOKENS, HEADS, DIM)], dtype="float32", block_size=TOKENS)
     with pytest.raises(ValueError, match="no KV layout from a tensor of shape"):
         pool_layout_of([torch.zeros(BLOCKS, TOKENS, HEADS)], dtype="float32", block_size=TOKENS)
+    with pytest.raises(ValueError, match="elements are not bfloat16"):
+        pool_layout_of([torch.zeros(2, BLOCKS, TOKENS, HEADS, DIM)], dtype="bfloat16", block_size=TOKENS)
     with pytest.raises(ValueError, match="no KV tensors"):
         pool_layout_of([], dtype="float32", block_size=TOKENS)
 

@@ -63,12 +63,15 @@ def pool_layout_of(
     else:  # separate allocations: each plane named
         base, layer_stride, kv_stride, listed = min(planes), 0, 0, tuple(planes)
         pool_bytes = max(planes) + (first.num_blocks - 1) * first.block_stride + first.piece_bytes - base
-    return PoolLayout(
+    layout = PoolLayout(
         engine=engine, dtype=dtype, block_size=block_size, num_blocks=first.num_blocks, num_layers=len(layers),
         num_kv_heads=first.heads, head_dim=first.dim, layer_stride=layer_stride, block_stride=first.block_stride,
         arrangement=first.arrangement, base_address=base, pool_bytes=pool_bytes, kv_split=split, kv_stride=kv_stride,
         planes=listed,
     )  # fmt: skip
+    if layout.piece_bytes != first.piece_bytes:
+        raise ValueError(f"the KV tensors' elements are not {dtype} ({first.piece_bytes} bytes a piece, not {layout.piece_bytes})")
+    return layout
 
 
 @dataclass(slots=True, frozen=True)
