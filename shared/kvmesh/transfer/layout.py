@@ -180,12 +180,19 @@ class PoolLayout:
     def mismatch(self, other: PoolLayout) -> str | None:
         """Why blocks cannot be copied piece for piece between pools of these two layouts
         (``None``: they can; strides, bases, planes and the engine may differ)."""
+        shape = self.shape_mismatch(other)
+        if shape is not None:
+            return shape
+        if matching_pieces(self, other) is None:
+            return f"arrangement {self.described} vs {other.described}"
+        return None
+
+    def shape_mismatch(self, other: PoolLayout) -> str | None:
+        """How the two pools' blocks differ in size or element (``mismatch`` less the order)."""
         for name in ("block_size", "dtype", "num_layers", "num_kv_heads", "head_dim"):
             mine, theirs = getattr(self, name), getattr(other, name)
             if mine != theirs:
                 return f"{name.replace('_', ' ')} {mine} vs {theirs}"
-        if matching_pieces(self, other) is None:
-            return f"arrangement {self.described} vs {other.described}"
         return None
 
     def compatible_with(self, other: PoolLayout) -> bool:

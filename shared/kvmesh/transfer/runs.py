@@ -54,9 +54,10 @@ def layout_byte_ranges(
     layer, from a pool laid out as ``src`` into one laid out as ``dst``; ranges adjacent on
     both sides are merged. Raises ``ValueError`` for layouts that do not match or a block
     outside either pool."""
-    reason = src.mismatch(dst)
-    if reason is not None:
-        raise ValueError(f"KV layouts do not match: {reason}")
+    pieces = matching_pieces(src, dst) if src.shape_mismatch(dst) is None else None
+    if pieces is None:
+        raise ValueError(f"KV layouts do not match: {src.mismatch(dst)}")
+    src, dst = pieces  # as they are, or both split where one keeps K and V apart
     for run in runs:
         if run.num_blocks < 1 or run.src_block < 0 or run.dst_block < 0:
             raise ValueError(f"bad block run {run}")
@@ -67,9 +68,6 @@ def layout_byte_ranges(
         for run in runs:
             out.add(src.segment_address(0, run.src_block), dst.segment_address(0, run.dst_block), run.num_blocks * src.block_bytes)
         return out.src, out.dst, out.lengths
-    pieces = matching_pieces(src, dst)
-    assert pieces is not None  # mismatch said they match
-    src, dst = pieces
     piece = src.piece_bytes
     adjacent = src.block_stride == piece and dst.block_stride == piece  # a run is one range per plane
     for layer in range(src.num_layers):

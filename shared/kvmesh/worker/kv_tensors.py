@@ -90,16 +90,27 @@ class _Layer:
         return self.block_stride, self.arrangement, self.num_blocks, self.heads, self.dim, self.piece_bytes, len(self.planes)
 
 
+def _axes(tensor: Any, paired: bool, axes: Sequence[str] | None) -> tuple[str, ...]:
+    """What each dimension of a layer's tensor (or of each tensor of its pair) is."""
+    if axes is not None:
+        return tuple(axes)
+    if paired:
+        return PAIR_AXES
+    if tensor.dim() == 5:
+        return FLASH_ATTN_AXES if tensor.shape[0] == 2 else FLASH_INFER_AXES
+    return PACKED_AXES
+
+
 def _layer(entry: Any, block_size: int, axes: Sequence[str] | None) -> _Layer:
     if isinstance(entry, (tuple, list)):
         if len(entry) != 2 or entry[0].dim() != 4:
             raise ValueError("a layer's (K, V) pair must be two 4-dimensional tensors")
-        names = tuple(axes or PAIR_AXES)
+        names = _axes(entry[0], True, axes)
         return _pair(*(_viewed(t, names, PAIR_AXES, block_size) for t in entry))
+    names = _axes(entry, False, axes)
     if entry.dim() == 4:
-        return _packed(_viewed(entry, tuple(axes or PACKED_AXES), PACKED_AXES, block_size))
+        return _packed(_viewed(entry, names, PACKED_AXES, block_size))
     if entry.dim() == 5:
-        names = tuple(axes or (FLASH_ATTN_AXES if entry.shape[0] == 2 else FLASH_INFER_AXES))
         if sorted(names) != sorted(FLASH_ATTN_AXES) or entry.shape[names.index("kv")] != 2:
             raise ValueError(f"the KV tensor's dimensions {names} do not name K/V, blocks, tokens, heads and dim (shape {tuple(entry.shape)})")
         kv = names.index("kv")
@@ -194,13 +205,5 @@ def copy_blocks(caches: Sequence[Any], src: Sequence[int], dst: Sequence[int], *
                 on = tensor.device
                 indices[on] = (torch.tensor(list(src), dtype=torch.long, device=on), torch.tensor(list(dst), dtype=torch.long, device=on))
             frm, to = indices[tensor.device]
-            axis = _block_axis(tensor, paired, axes)
+            axis = _axes(tensor, paired, axes).index("block")
             tensor.index_copy_(axis, to, tensor.index_select(axis, frm))
-
-
-def _block_axis(tensor: Any, paired: bool, axes: Sequence[str] | None) -> int:
-    if axes is not None:
-        return tuple(axes).index("block")
-    if paired or tensor.dim() == 4:
-        return 0
-    return (FLASH_ATTN_AXES if tensor.shape[0] == 2 else FLASH_INFER_AXES).index("block")

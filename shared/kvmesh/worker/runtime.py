@@ -28,6 +28,7 @@ from kvmesh.service_main import running_as_service, until_signalled
 from kvmesh.settings.worker import WorkerSettings
 from kvmesh.telemetry import shutdown_tracing, tracer
 from kvmesh.transfer import bind_guard
+from kvmesh.transfer.layout import PoolLayout
 from kvmesh.transfer.mooncake_agent import MooncakeAgent
 from kvmesh.worker.callbacks import ControlHandlers
 from kvmesh.worker.engine_api import Engine
@@ -84,6 +85,12 @@ class WorkerRuntime:
             return await self._claim_identity()
         return self.settings
 
+    def _register_pool(self, pool: PoolLayout) -> None:
+        """Register the KV pool with the transfer engine: one range, or each separately
+        allocated layer's (blocks while it registers: run it off the event loop)."""
+        for address, nbytes in pool.regions():
+            self.agent.register(address, nbytes)
+
     async def start(self) -> None:
         """Once the service has started (``start_service``, ``prepare`` first)."""
         s = self.settings
@@ -97,8 +104,7 @@ class WorkerRuntime:
         # Off the event loop: the engine's start may wait on this host's start lock (other
         # workers' engines starting), and the identity slot's lease must be kept meanwhile.
         self.agent = await asyncio.to_thread(MooncakeAgent, s.advertise_host, port_range=s.transfer_port_range)
-        for address, nbytes in pool.regions():  # the pool, or each separately allocated layer
-            await asyncio.to_thread(self.agent.register, address, nbytes)
+        await asyncio.to_thread(self._register_pool, pool)
         self._background.append(asyncio.create_task(self._watch_engine(), name="engine-watch"))
         self.nc, self.store = await connect_mesh(s.mesh, f"{s.role}-{self.worker_id}")
         self.directory = WorkerDirectory(self.store, self.keys)
