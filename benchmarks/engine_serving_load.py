@@ -1,6 +1,8 @@
 """kvmesh's engine alone, in one process, under the serving benchmark's load, optionally with
 another process burning part of one core beside it (issue 12: how much of the served
-mesh's gap to its engine is other processes taking a core from the engine's OpenMP team).
+mesh's gap to its engine is other processes taking a core from the engine's OpenMP team),
+or with the scheduler's growth reserve on and off (``--reserve-growth``: whether admission
+keeping blocks back for the running requests' growth saves the preemptions' recomputation).
 
 The serving configuration of `benchmarks/vllm_serving_bench.py --mode bench-serve`'s c=32 row:
 256 MiB of KV, 1,024 batched tokens, 64 requests of 128 random prompt tokens and 128 forced
@@ -9,6 +11,7 @@ output tokens/s, steps, steps that scheduled nothing, and preemptions, per round
 alternate without and with the burner.
 
     .venv/bin/python benchmarks/engine_serving_load.py --rounds 2 --burn 0.25
+    .venv/bin/python benchmarks/engine_serving_load.py --rounds 3 --reserve-growth
 """
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ from datetime import datetime, UTC
 
 import torch
 
+from kvmesh.engine.admission import GrowthReserve
 from kvmesh.engine.llm_engine import EngineConfig, LLMEngine
 from kvmesh.engine.request import SamplingParams
 from kvmesh.machine import cpu_flags, cpu_model
@@ -45,19 +49,40 @@ def serve(engine: LLMEngine, requests: int, concurrency: int, prompt_len: int, n
     preempted_before = engine.num_preemptions
     pending = list(enumerate(prompts))
     live = steps = empty = 0
+    arrived: dict[str, float] = {}  # request -> when it was added
+    last: dict[str, float] = {}  # request -> when its latest token came
+    ttfts: list[float] = []
+    gaps: list[float] = []  # between a request's consecutive tokens
     started = time.perf_counter()
     while pending or engine.has_unfinished():
         while pending and live < concurrency:
             index, prompt = pending.pop(0)
             engine.add_request(f"s{seed}-{index}", prompt, params)
+            arrived[f"s{seed}-{index}"] = time.perf_counter()
             live += 1
         outputs = engine.step()
+        now = time.perf_counter()
         steps += 1
         empty += engine.last_step_tokens == 0
+        for out in outputs:
+            if out.new_token_ids:
+                previous = last.get(out.request_id)
+                (gaps if previous is not None else ttfts).append(now - (previous if previous is not None else arrived[out.request_id]))
+                last[out.request_id] = now
         live -= sum(out.finished for out in outputs)
     seconds = time.perf_counter() - started
     return {"output_tok_s": requests * new_tokens / seconds, "seconds": seconds, "steps": steps,
-            "steps_scheduling_nothing": empty, "preemptions": engine.num_preemptions - preempted_before}  # fmt: skip
+            "steps_scheduling_nothing": empty, "preemptions": engine.num_preemptions - preempted_before,
+            "ttft_p50_ms": quantile_ms(ttfts, 0.5), "ttft_p99_ms": quantile_ms(ttfts, 0.99),
+            "itl_p50_ms": quantile_ms(gaps, 0.5), "itl_p99_ms": quantile_ms(gaps, 0.99), "itl_max_ms": quantile_ms(gaps, 1.0)}  # fmt: skip
+
+
+def quantile_ms(values: list[float], q: float) -> float | None:
+    """The ``q`` quantile of ``values`` (seconds), in ms: the nearest rank."""
+    if not values:
+        return None
+    ordered = sorted(values)
+    return round(1000 * ordered[min(len(ordered) - 1, int(q * len(ordered)))], 1)
 
 
 def main() -> int:
@@ -70,6 +95,7 @@ def main() -> int:
     parser.add_argument("--new-tokens", type=int, default=128)
     parser.add_argument("--kv-cache-mib", type=int, default=256)
     parser.add_argument("--dtype", default="float32")
+    parser.add_argument("--reserve-growth", action="store_true", help="each round with the growth reserve on and off (no burner)")
     args = parser.parse_args()
     engine = LLMEngine(EngineConfig(dtype=args.dtype, kv_cache_bytes=args.kv_cache_mib * 2**20,
                                     max_num_batched_tokens=1024, max_num_seqs=64))  # fmt: skip
@@ -77,6 +103,15 @@ def main() -> int:
     report = {"date": datetime.now(UTC).strftime("%Y-%m-%d %H:%M UTC"), "command": " ".join(sys.argv), "cpu": cpu_model(),
               "cpu_flags": cpu_flags(), "torch_threads": torch.get_num_threads(), "load_before": os.getloadavg(), "rounds": []}  # fmt: skip
     for r in range(args.rounds):
+        if args.reserve_growth:
+            for reserve in (True, False) if r % 2 == 0 else (False, True):
+                engine.scheduler.config.reserve_growth = reserve
+                engine.scheduler.growth = GrowthReserve(engine.max_model_len, engine.config.block_size)  # learns afresh each round
+                result = serve(engine, args.requests, args.concurrency, args.prompt_len, args.new_tokens, seed=r)
+                result["reserve_growth"] = reserve
+                report["rounds"].append(result)
+                print(json.dumps(result), file=sys.stderr)
+            continue
         for share in (0.0, args.burn) if r % 2 == 0 else (args.burn, 0.0):
             stop = multiprocessing.Event()
             burner = multiprocessing.Process(target=burn, args=(share, stop), daemon=True) if share > 0 else None

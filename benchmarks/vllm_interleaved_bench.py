@@ -516,6 +516,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument(
         "--quick", action="store_true", help="smoke run: 2 slots of 4 tokens, 1 round of 2 users x 2 turns of 8 tokens"
     )
+    p.add_argument("--baseline-tree", type=Path, help="another checkout, with its own .venv and .venv-vllm, for the servers "
+                   "named NAME@base (say mesh-prefill0@base): the code before a change, in the same run")  # fmt: skip
     p.add_argument("--json", type=Path, help="write the raw results here")
     p.add_argument("--markdown", type=Path, help="replace (or append) this script's delimited section of this file")
     p.add_argument("--section", default=SECTION, help="the markdown section's marker name")
@@ -528,13 +530,15 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     )
     args = p.parse_args(argv)
     args.vllm_python = args.vllm_python or serving.default_vllm_python()
-    args.baseline_tree = args.baseline_python = None  # server_start's options for servers this script does not take
+    args.baseline_python = None  # server_start's option for a server this script does not take
     if len(args.servers) < 2 or len(set(args.servers)) != len(args.servers):
         p.error("--servers: at least two, each once")
     unknown = [
         n
         for n in args.servers
-        if n not in serving.SERVER_STARTS and not (n.partition(":")[0] in serving.MESH_FLAGS and n.partition(":")[2])
+        if n not in serving.SERVER_STARTS
+        and not (n.partition(":")[0] in serving.MESH_FLAGS and n.partition(":")[2])
+        and not (args.baseline_tree and n.removesuffix(serving.BASELINE) in serving.MESH_FLAGS)
     ]
     if unknown:
         p.error(f"--servers: unknown {', '.join(unknown)}")

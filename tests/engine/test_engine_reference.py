@@ -71,14 +71,28 @@ def test_chunked_prefill(model_dir, prompts, expected):
     assert [o.new_token_ids for o in outs] == expected
 
 
-def test_preemption(model_dir, prompts, expected, monkeypatch):
-    engine = make_engine(model_dir, num_blocks=18)
-    preempted = []
+def _generate_counting_preemptions(engine: LLMEngine, prompts, monkeypatch) -> tuple[list, list[str]]:
+    preempted: list[str] = []
     original = engine.scheduler._preempt
     monkeypatch.setattr(engine.scheduler, "_preempt", lambda req: (preempted.append(req.request_id), original(req)))
-    outs = engine.generate(prompts, GREEDY)
+    return engine.generate(prompts, GREEDY), preempted
+
+
+def test_preemption(model_dir, prompts, expected, monkeypatch):
+    # admission by what fits now, so that the requests outgrow the pool and are recomputed
+    engine = make_engine(model_dir, num_blocks=18, reserve_growth=False)
+    outs, preempted = _generate_counting_preemptions(engine, prompts, monkeypatch)
     assert preempted, "the pool was meant to be too small for all requests at once"
     assert [o.new_token_ids for o in outs] == expected
+    assert engine.pool_stats().num_in_use == 0
+
+
+def test_the_growth_reserve_saves_preemptions(model_dir, prompts, expected, monkeypatch):
+    without, preempted_without = _generate_counting_preemptions(make_engine(model_dir, num_blocks=18, reserve_growth=False), prompts, monkeypatch)
+    engine = make_engine(model_dir, num_blocks=18)  # the default: admission keeps blocks back for growth
+    outs, preempted = _generate_counting_preemptions(engine, prompts, monkeypatch)
+    assert [o.new_token_ids for o in outs] == [o.new_token_ids for o in without] == expected
+    assert len(preempted) < len(preempted_without), (preempted, preempted_without)
     assert engine.pool_stats().num_in_use == 0
 
 

@@ -72,11 +72,12 @@ def remember_hashes(req: Request, hash_tokens: dict[int, tuple[int, ...]]) -> No
         hash_tokens[h] = tuple(req.token_ids[i * BS : (i + 1) * BS])
 
 
-def simulate(seed: int, budget: int = 24, max_num_seqs: int = 6, num_blocks: int = NUM_BLOCKS) -> Counts:
+def simulate(seed: int, budget: int = 24, max_num_seqs: int = 6, num_blocks: int = NUM_BLOCKS, reserve_growth: bool = False) -> Counts:
     assert num_blocks * BS >= MAX_MODEL_LEN  # a lone request always fits
     rng = random.Random(seed)
     kv = KVCacheManager(BlockPool(num_blocks, block_size=BS), extra_keys=("sim",))
-    sched = Scheduler(kv, SchedulerConfig(max_num_seqs, budget, MAX_MODEL_LEN))
+    # admission by what fits now by default: it preempts more, which is what these runs are for
+    sched = Scheduler(kv, SchedulerConfig(max_num_seqs, budget, MAX_MODEL_LEN, reserve_growth))
     shadow: dict[int, list[int | None]] = {i: [None] * BS for i in range(num_blocks)}
     hash_tokens: dict[int, tuple[int, ...]] = {}
     all_reqs: dict[str, Request] = {}
@@ -193,6 +194,13 @@ def test_no_leak_randomized(seed: int) -> None:
     assert counts.hits_resume > 0, counts
     assert counts.exports > 0, counts
     assert sum(counts.finished.values()) > NUM_REQUESTS // 2, counts
+
+
+@pytest.mark.parametrize("seed", range(200, 210))
+def test_no_leak_randomized_with_the_growth_reserve(seed: int) -> None:
+    # the engine's default admission: the same paths, the pool whole again afterwards
+    counts = simulate(seed, reserve_growth=True)
+    assert counts.exports > 0 and sum(counts.finished.values()) > NUM_REQUESTS // 2, counts
 
 
 @pytest.mark.parametrize("seed", range(100, 110))

@@ -15,11 +15,14 @@ BS = 4
 
 
 def make(
-    num_blocks: int = 32, *, max_num_seqs: int = 8, budget: int = 64, model_len: int | None = None
+    num_blocks: int = 32, *, max_num_seqs: int = 8, budget: int = 64, model_len: int | None = None, reserve_growth: bool = False
 ) -> Scheduler:
+    """A scheduler over a pool of ``num_blocks``; admission by what fits now unless
+    ``reserve_growth`` (most tests here drive preemption and batching by hand; the reserve's
+    own tests turn it on)."""
     kv = KVCacheManager(BlockPool(num_blocks, block_size=BS), extra_keys=("m",))
     model_len = model_len if model_len is not None else num_blocks * BS
-    return Scheduler(kv, SchedulerConfig(max_num_seqs, budget, model_len))
+    return Scheduler(kv, SchedulerConfig(max_num_seqs, budget, model_len, reserve_growth))
 
 
 def new_req(rid: str, prompt: list[int], max_tokens: int = 16, **kw: object) -> Request:

@@ -47,6 +47,7 @@ class EngineConfig:
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 1024
     enable_prefix_caching: bool = True
+    reserve_growth: bool = True  # admission keeps KV blocks back for running requests' growth (engine/admission.py)
     num_threads: int | None = None
     prepack_weights: bool = True  # oneDNN-prepacked linear weights on CPU (see model/linear.py)
     max_failed_steps: int = 3  # this many failed steps in a row and the engine gives up
@@ -100,7 +101,7 @@ class LLMEngine:
         self.max_model_len = max_model_len(mc.max_position_embeddings, num_blocks, config.block_size)
         self.scheduler = Scheduler(
             self.kv_manager,
-            SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens, self.max_model_len),
+            SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens, self.max_model_len, config.reserve_growth),
         )
         self.runner = ModelRunner(self.model, self.kv_pool, self.kv_manager)
         self._texts: dict[str, OutputText] = {}

@@ -4,7 +4,9 @@ Each step the running requests are served first (one token each while decoding, 
 chunk while prefilling), then waiting requests are admitted while the token budget, the
 sequence limit and the KV pool allow. When a running request needs a block and none is
 free, the most recently admitted running request is preempted: its blocks are freed (full
-ones stay in the prefix cache) and it waits to be recomputed.
+ones stay in the prefix cache) and it waits to be recomputed. Admission keeps back the blocks
+the running requests are expected to grow into (``kvmesh.engine.admission``), so that a
+waiting request is not let in only to be preempted again.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+from kvmesh.engine.admission import GrowthReserve
 from kvmesh.engine.kv_cache_manager import KVCacheManager, cdiv
 from kvmesh.engine.request import FinishReason, Request, RequestStatus
 
@@ -47,6 +50,7 @@ class SchedulerConfig:
     max_num_seqs: int
     max_num_batched_tokens: int
     max_model_len: int
+    reserve_growth: bool = True  # admission keeps blocks back for the running requests' growth
 
 
 class Scheduler:
@@ -56,6 +60,7 @@ class Scheduler:
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
+        self.growth = GrowthReserve(config.max_model_len, kv.block_size)
 
     def check_new_id(self, request_id: str) -> None:
         if request_id in self.requests:
@@ -110,15 +115,26 @@ class Scheduler:
                 index += 1
                 continue
             break
+        self.growth.stepped()
         if out.preempted:
+            self.growth.preempted()
             return out
+        reserve: int | None = None  # blocks the running requests are expected to grow into
+        ratio = self.growth.ratio
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             req = self.waiting[0]
             hits = self.kv.get_computed_blocks(req)
             num_hit_tokens = len(hits) * self.kv.block_size
             num_new = min(req.num_tokens - num_hit_tokens, budget)
+            if self.config.reserve_growth and self.running:
+                if reserve is None:
+                    reserve = sum(self.growth.blocks_needed(r, len(self.kv.req_blocks.get(r.request_id, ())), ratio) for r in self.running)
+                if not self._fits_beside(req, hits, reserve, ratio):
+                    break
             if self.kv.allocate_slots(req, num_new, hits) is None:
                 break
+            if reserve is not None:
+                reserve += self.growth.blocks_needed(req, len(self.kv.req_blocks.get(req.request_id, ())), ratio)
             self.waiting.popleft()
             req.num_computed_tokens = num_hit_tokens
             if req.first_scheduled_time is None:
@@ -129,6 +145,13 @@ class Scheduler:
             out.scheduled.append(ScheduledRequest(req, num_new))
             budget -= num_new
         return out
+
+    def _fits_beside(self, req: Request, hits: Sequence, reserve: int, ratio: float) -> bool:
+        """Whether the free blocks hold all that ``req`` is expected to fill besides the
+        running requests' ``reserve`` (its cached hits on the free list stop being free)."""
+        evictable_hits = sum(1 for block in hits if block.ref_cnt == 0)
+        needed = self.growth.blocks_needed(req, len(hits), ratio)
+        return needed + reserve <= self.kv.pool.num_free_blocks - evictable_hits
 
     def _preempt(self, req: Request) -> None:
         logger.debug("preempting %s at %d tokens", req.request_id, req.num_tokens)
@@ -182,6 +205,7 @@ class Scheduler:
         req.status = RequestStatus.FINISHED
         req.finish_reason = reason
         del self.requests[req.request_id]
+        self.growth.finished(req)
         if req.export_kv and reason not in (FinishReason.ABORT, FinishReason.ERROR):
             self.kv.hold(req)
         else:

@@ -1,0 +1,108 @@
+"""Admission that keeps KV blocks back for the running requests' growth
+(``kvmesh.engine.admission``), driven through the scheduler without a model."""
+
+from __future__ import annotations
+
+from kvmesh.engine.admission import BOOST_STEPS, CLIP_TOKENS, INITIAL_USAGE, GrowthReserve
+from kvmesh.engine.request import FinishReason
+
+from tests.engine.test_scheduler import BS, make, new_req, running, step, waiting
+
+
+def run_all(sched, reqs) -> int:
+    """Add ``reqs``, step until all are done; the preemptions it took."""
+    for r in reqs:
+        sched.add_request(r)
+    steps = 0
+    while sched.has_unfinished():
+        step(sched)
+        steps += 1
+        assert steps < 1000
+    return sum(r.num_preemptions for r in reqs)
+
+
+def three_requests() -> list:
+    # each: 8 prompt tokens and 8 forced new ones, 4 blocks in all; the pool has 10
+    return [new_req(n, [10 * i + t for t in range(8)], max_tokens=8, ignore_eos=True) for i, n in enumerate("abc")]
+
+
+def test_a_request_is_admitted_only_where_the_running_ones_can_grow() -> None:
+    sched = make(10, reserve_growth=True)
+    sched.growth.usages.append(1.0)  # requests here use their whole allowance
+    a, b, c = three_requests()
+    for r in (a, b, c):
+        sched.add_request(r)
+    _, plan = step(sched)
+    # a and b: 2 blocks each now, 2 more each later (8 of 10); c's 4 would not fit beside
+    assert plan == [("a", 8, True), ("b", 8, True)]
+    assert waiting(sched) == ["c"]
+    while not a.is_finished:
+        out, _ = step(sched)
+        assert out.preempted == []
+    _, plan = step(sched)
+    assert ("c", 8, True) in plan
+    while sched.has_unfinished():
+        out, _ = step(sched)
+        assert out.preempted == []
+    assert [r.output_token_ids for r in (a, b, c)] == [[1000 + i for i in range(8)]] * 3
+    assert sched.kv.stats().num_in_use == 0
+
+
+def test_without_the_reserve_the_same_requests_preempt() -> None:
+    assert run_all(make(10, reserve_growth=False), three_requests()) > 0
+    sched = make(10, reserve_growth=True)
+    sched.growth.usages.append(1.0)
+    assert run_all(sched, three_requests()) == 0
+
+
+def test_the_first_request_runs_whatever_it_may_need() -> None:
+    # alone, a request is admitted even where its allowance is more than the pool
+    sched = make(4, reserve_growth=True, model_len=64)
+    sched.growth.usages.append(1.0)
+    a = new_req("a", list(range(8)), max_tokens=50)
+    sched.add_request(a)
+    _, plan = step(sched)
+    assert plan == [("a", 8, True)] and running(sched) == ["a"]
+
+
+def test_the_ratio_learns_from_finished_requests() -> None:
+    growth = GrowthReserve(max_model_len=1000, block_size=BS)
+    assert growth.ratio == INITIAL_USAGE
+    for used in (10, 30):
+        r = new_req(f"r{used}", [1, 2, 3], max_tokens=100)
+        r.token_ids += [5] * used
+        r.finish_reason = FinishReason.STOP
+        growth.finished(r)
+    assert growth.ratio == 0.2  # 10 and 30 of 100
+    aborted = new_req("x", [1, 2], max_tokens=100)
+    aborted.finish_reason = FinishReason.ABORT
+    growth.finished(aborted)  # an abort says nothing of how long answers are
+    assert growth.ratio == 0.2
+    growth.preempted()
+    assert growth.ratio == 1.0
+    for _ in range(BOOST_STEPS // 2):
+        growth.stepped()
+    assert abs(growth.ratio - 0.5) < 0.01
+    for _ in range(BOOST_STEPS):
+        growth.stepped()
+    assert growth.ratio == 0.2
+
+
+def test_what_a_request_may_still_need() -> None:
+    growth = GrowthReserve(max_model_len=10_000, block_size=BS)
+    r = new_req("r", list(range(10)), max_tokens=20)
+    assert growth.allowance(r) == 20
+    assert growth.blocks_needed(r, 0, 1.0) == 8  # 30 tokens
+    assert growth.blocks_needed(r, 3, 0.5) == 2  # 20 tokens, 3 blocks held
+    r.token_ids += [7] * 5
+    assert growth.allowance(r) == 15
+    assert growth.allowance(new_req("long", [1], max_tokens=100_000)) == CLIP_TOKENS
+    assert GrowthReserve(max_model_len=20, block_size=BS).allowance(r) == 5  # the model's length: 20 - 15 tokens
+    assert growth.allowance(new_req("p", [1, 2, 3], max_tokens=20, export_kv=True)) == 0
+
+
+def test_a_preemption_makes_admission_careful_again() -> None:
+    sched = make(10, reserve_growth=True)
+    sched.growth.usages.append(0.0)  # as if every answer so far stopped at once: no reserve
+    assert run_all(sched, three_requests()) > 0
+    assert sched.growth.boost > 0.9  # boosted by the preemptions, barely decayed
