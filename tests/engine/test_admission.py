@@ -36,6 +36,7 @@ def test_a_request_is_admitted_only_where_the_running_ones_can_grow() -> None:
     # a and b: 2 blocks each now, 2 more each later (8 of 10); c's 4 would not fit beside
     assert plan == [("a", 8, True), ("b", 8, True)]
     assert waiting(sched) == ["c"]
+    assert sched.reserved_blocks == 4 and sched.kv.pool.num_free_blocks == 6  # what c waits for (the gauge)
     while not a.is_finished:
         out, _ = step(sched)
         assert out.preempted == []
@@ -45,7 +46,7 @@ def test_a_request_is_admitted_only_where_the_running_ones_can_grow() -> None:
         out, _ = step(sched)
         assert out.preempted == []
     assert [r.output_token_ids for r in (a, b, c)] == [[1000 + i for i in range(8)]] * 3
-    assert sched.kv.stats().num_in_use == 0
+    assert sched.kv.stats().num_in_use == 0 and sched.reserved_blocks == 0  # nobody waits: nothing kept back
 
 
 def test_without_the_reserve_the_same_requests_preempt() -> None:

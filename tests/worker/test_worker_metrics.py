@@ -44,6 +44,7 @@ async def test_tokens_are_counted_per_step_and_requests_forgotten(tiny_model_dir
                 assert values["kvmesh:num_requests_running"] == 1
                 assert 0 < values["kvmesh:kv_cache_usage_perc"] < 1
                 assert values["kvmesh:kv_blocks,state=used"] >= 3
+                assert values["kvmesh:kv_blocks_reserved_for_growth"] == 0  # nothing waits
         assert seen == list(range(1, 65))  # as each step made its token, not at the end
         values = scrape_values(await metrics.render(engine))
         blocks = [values[f"kvmesh:kv_blocks,state={state}"] for state in ("used", "cached", "free")]

@@ -373,4 +373,5 @@ class LLMEngine:
             "running": len(self.scheduler.running),
             "waiting": len(self.scheduler.waiting),
             "free_blocks": self.kv_manager.pool.num_free_blocks,
+            "reserved_blocks": self.scheduler.reserved_blocks,
         }

@@ -61,6 +61,7 @@ class Scheduler:
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
         self.growth = GrowthReserve(config.max_model_len, kv.block_size)
+        self.reserved_blocks = 0  # what admission last kept back for growth while requests waited
 
     def check_new_id(self, request_id: str) -> None:
         if request_id in self.requests:
@@ -144,6 +145,7 @@ class Scheduler:
             self.running.append(req)
             out.scheduled.append(ScheduledRequest(req, num_new))
             budget -= num_new
+        self.reserved_blocks = reserve if reserve is not None and self.waiting else 0
         return out
 
     def _fits_beside(self, req: Request, hits: Sequence, reserve: int, ratio: float) -> bool:

@@ -32,6 +32,7 @@ WORKER: tuple[MetricName, ...] = (
     MetricName("kvmesh:kv_blocks", "gauge", ("state", "tier")),
     MetricName("kvmesh:num_requests_running", "gauge"),
     MetricName("kvmesh:num_requests_waiting", "gauge"),
+    MetricName("kvmesh:kv_blocks_reserved_for_growth", "gauge"),
     MetricName("kvmesh:num_preemptions", "counter"),
     MetricName("kvmesh:prefix_cache_queries", "counter"),
     MetricName("kvmesh:prefix_cache_hits", "counter"),

@@ -64,6 +64,9 @@ class WorkerMetrics:
         self.kv_blocks = {state: kv_blocks.labels(**labels, state=state, tier=TIER) for state in ("used", "free", "cached")}
         self.running = gauge("kvmesh:num_requests_running", "Requests in the engine's running batch").labels(**labels)
         self.waiting = gauge("kvmesh:num_requests_waiting", "Requests waiting to be scheduled").labels(**labels)
+        self.reserved = gauge(
+            "kvmesh:kv_blocks_reserved_for_growth", "Free KV blocks admission keeps back for running requests' growth"
+        ).labels(**labels)
         self.preemptions = counter("kvmesh:num_preemptions", "Requests preempted (recomputed later)").labels(**labels)
         self.prefix_queries = counter(
             "kvmesh:prefix_cache_queries", "Prompt tokens looked up in the prefix cache"
@@ -196,6 +199,7 @@ class WorkerMetrics:
         total = self._pool.num_blocks if self._pool is not None else engine.kv_layout.num_blocks
         self.running.set(load["running"])
         self.waiting.set(load["waiting"])
+        self.reserved.set(load.get("reserved_blocks", 0))  # kvmesh's engine's; vLLM's admission keeps nothing back
         free = load["free_blocks"]  # unreferenced: empty or cached (evictable)
         self.kv_cache_usage.set((total - free) / total if total else 0.0)
         cached = 0

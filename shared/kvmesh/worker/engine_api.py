@@ -138,7 +138,9 @@ class Engine(Protocol):
     async def pool_stats(self) -> PoolStats: ...
 
     def load_now(self) -> dict[str, int]:
-        """``running``, ``waiting`` and ``free_blocks``, read without waiting for the engine."""
+        """``running``, ``waiting`` and ``free_blocks``, read without waiting for the engine
+        (kvmesh's engine adds ``reserved_blocks``: the free ones its admission keeps back for
+        the running requests' growth)."""
         ...
 
     def observe_steps(self, observer: StepObserver) -> None:
