@@ -26,7 +26,6 @@ from datetime import datetime, UTC
 
 import torch
 
-from kvmesh.engine.admission import GrowthReserve
 from kvmesh.engine.llm_engine import EngineConfig, LLMEngine
 from kvmesh.engine.request import SamplingParams
 from kvmesh.machine import cpu_flags, cpu_model
@@ -105,8 +104,7 @@ def main() -> int:
     for r in range(args.rounds):
         if args.reserve_growth:
             for reserve in (True, False) if r % 2 == 0 else (False, True):
-                engine.scheduler.config.reserve_growth = reserve
-                engine.scheduler.growth = GrowthReserve(engine.max_model_len, engine.config.block_size)  # learns afresh each round
+                engine.scheduler.config.reserve_growth = reserve  # what it learned stays, as in a server
                 result = serve(engine, args.requests, args.concurrency, args.prompt_len, args.new_tokens, seed=r)
                 result["reserve_growth"] = reserve
                 report["rounds"].append(result)

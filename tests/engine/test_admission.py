@@ -3,7 +3,7 @@
 
 from __future__ import annotations
 
-from kvmesh.engine.admission import BOOST_STEPS, CLIP_TOKENS, INITIAL_USAGE, GrowthReserve
+from kvmesh.engine.admission import BOOST_STEPS, CLIP_TOKENS, INITIAL_USAGE, Growth, GrowthReserve
 from kvmesh.engine.request import FinishReason
 
 from tests.engine.test_scheduler import BS, make, new_req, running, step, waiting
@@ -93,8 +93,9 @@ def test_what_a_request_may_still_need() -> None:
     growth = GrowthReserve(max_model_len=10_000, block_size=BS)
     r = new_req("r", list(range(10)), max_tokens=20)
     assert growth.allowance(r) == 20
-    assert growth.blocks_needed(r, 0, 1.0) == 8  # 30 tokens
-    assert growth.blocks_needed(r, 3, 0.5) == 2  # 20 tokens, 3 blocks held
+    assert growth.growth(r, 0, 1.0) == Growth(20, 10, 0)
+    assert growth.peak_blocks([growth.growth(r, 0, 1.0)]) == 8  # 30 tokens
+    assert growth.peak_blocks([growth.growth(r, 3, 0.5)]) == 2  # 20 tokens, 3 blocks held
     r.token_ids += [7] * 5
     assert growth.allowance(r) == 15
     assert growth.allowance(new_req("long", [1], max_tokens=100_000)) == CLIP_TOKENS
@@ -107,3 +108,36 @@ def test_a_preemption_makes_admission_careful_again() -> None:
     sched.growth.usages.append(0.0)  # as if every answer so far stopped at once: no reserve
     assert run_all(sched, three_requests()) > 0
     assert sched.growth.boost > 0.9  # boosted by the preemptions, barely decayed
+
+
+def test_blocks_a_finished_request_gives_back_count_for_the_others() -> None:
+    growth = GrowthReserve(max_model_len=1000, block_size=BS)
+    # a: 14 tokens in 4 blocks, 2 to go (it ends in the blocks it has); b and c: 8 tokens, 8 to go
+    a, b, c = Growth(2, 14, 4), Growth(8, 8, 2), Growth(8, 8, 0)
+    # two steps ahead b and c need 1 and 3 more; at the end 2 and 4, when a has given back 4
+    assert growth.peak_blocks([a, b, c]) == 4
+    # kept apart (every request at its whole length at once) they would need 0 + 2 + 4 = 6
+    assert sum(growth.peak_blocks([g]) for g in (a, b, c)) == 6
+    assert growth.peak_blocks([]) == 0
+
+
+def test_requests_at_different_stages_share_the_pool() -> None:
+    # a is 2 tokens from its end when b and c arrive: c fits beside a and b only because a
+    # gives its blocks back before b and c need them, and nothing is preempted
+    sched = make(10, reserve_growth=True)
+    sched.growth.usages.append(1.0)
+    a = new_req("a", list(range(8)), max_tokens=8, ignore_eos=True)
+    sched.add_request(a)
+    for _ in range(6):  # a: 8 prompt tokens and 6 new
+        step(sched)
+    b = new_req("b", list(range(20, 28)), max_tokens=8, ignore_eos=True)
+    c = new_req("c", list(range(40, 48)), max_tokens=8, ignore_eos=True)
+    sched.add_request(b)
+    sched.add_request(c)
+    _, plan = step(sched)
+    assert plan == [("a", 1, True), ("b", 8, True), ("c", 8, True)]
+    while sched.has_unfinished():
+        out, _ = step(sched)
+        assert out.preempted == []
+    assert [r.output_token_ids for r in (a, b, c)] == [[1000 + i for i in range(8)]] * 3
+    assert sched.kv.stats().num_in_use == 0

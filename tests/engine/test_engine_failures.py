@@ -58,7 +58,7 @@ def tokens(outs):
 async def assert_pool_empty(eng: AsyncEngine) -> None:
     stats = await eng.pool_stats()
     assert (stats.num_in_use, stats.num_held) == (0, 0)
-    assert eng.load_now() == {"running": 0, "waiting": 0, "free_blocks": NUM_BLOCKS}
+    assert eng.load_now() == {"running": 0, "waiting": 0, "free_blocks": NUM_BLOCKS, "reserved_blocks": 0}
 
 
 class PoisonedText(OutputText):
@@ -219,7 +219,7 @@ async def test_load_and_heartbeat_are_read_during_a_long_step(engine, prompts, w
     assert await asyncio.to_thread(gate.entered.wait, 10)
     # The step is held: load_now answers at once, from the snapshot the thread took after
     # the command round that admitted the request (so it is still waiting there).
-    assert engine.load_now() == {"running": 0, "waiting": 1, "free_blocks": NUM_BLOCKS}
+    assert engine.load_now() == {"running": 0, "waiting": 1, "free_blocks": NUM_BLOCKS, "reserved_blocks": 0}
     assert await engine.load() == engine.load_now()
     # A command waits for the thread; giving up on it must not hurt the thread.
     with pytest.raises(TimeoutError):

@@ -6,19 +6,22 @@ computed again when it comes back. Under load that recomputation is work thrown 
 32 requests of 128 + 128 tokens in a pool of about 5,800 tokens, 21 preemptions made a run
 take 387 steps instead of 260 (``benchmarks/engine_serving_load.py``).
 
-So a waiting request is admitted only while the blocks left after it cover what the running
-requests, and it, are expected to still need: for each, ``ratio`` times its remaining token
-allowance (``max_tokens`` left, at most ``CLIP_TOKENS`` and never past the model's length),
-as blocks beyond those it holds. With nothing running, the first request that fits is
-admitted whatever it may need later.
+So a waiting request is admitted only where the pool holds, at every step ahead, what it and
+the running requests are expected to fill by then. Each is expected to make ``ratio`` of its
+remaining token allowance (``max_tokens`` left, at most ``CLIP_TOKENS`` and never past the
+model's length), one token a step, and to give its blocks back when it is done. The peak of
+that demand comes just before one of them finishes; the blocks that earlier finishers give back
+count for those still growing, so requests at different stages share the pool (a rule that
+kept every request's whole remaining length apart would admit about 22 such requests where 30
+fit). With nothing running, the first request that fits is admitted whatever it may need.
 
 ``ratio`` is learned. It is the larger of two figures: the share of its allowance each
 finished request used (the mean over the last ``HISTORY``, ``INITIAL_USAGE`` before any
 finished), and a boost that a preemption sets to 1 (the estimate was too low) and that decays
-to nothing over ``BOOST_STEPS`` steps. Requests that run to ``max_tokens`` make the reserve
-their whole length; requests that stop early at an end token make it their usual length, and
-admission is almost as eager as without a reserve. (SGLang's ``new_token_ratio`` reserves by
-the same idea, with a ratio that decays on a fixed schedule.)
+to nothing over ``BOOST_STEPS`` steps. Requests that run to ``max_tokens`` are expected to run
+to it; requests that stop early at an end token are expected to make their usual length.
+(SGLang's ``new_token_ratio`` reserves by the same idea, with a ratio that decays on a fixed
+schedule.)
 """
 
 from __future__ import annotations
@@ -33,6 +36,16 @@ CLIP_TOKENS = 4096  # an allowance counts for at most this many tokens (a defaul
 HISTORY = 64  # finished requests whose usage makes the estimate
 INITIAL_USAGE = 0.7  # before any request finished
 BOOST_STEPS = 300  # steps over which a preemption's boost decays
+
+
+@dataclass(slots=True, frozen=True)
+class Growth:
+    """A request's expected growth: ``remaining`` more tokens from ``tokens`` now, in a
+    pool where it holds ``held`` blocks."""
+
+    remaining: int
+    tokens: int
+    held: int
 
 
 @dataclass(slots=True)
@@ -56,11 +69,20 @@ class GrowthReserve:
         left = req.sampling.max_tokens - req.num_output_tokens
         return max(0, min(left, CLIP_TOKENS, self.max_model_len - req.num_tokens))
 
-    def blocks_needed(self, req: Request, num_held_blocks: int, ratio: float) -> int:
-        """Blocks beyond ``num_held_blocks`` that ``req`` is expected to fill: the rest of its
-        prompt and ``ratio`` of its allowance."""
-        expected = req.num_tokens + int(ratio * self.allowance(req) + 0.999)
-        return max(0, cdiv(expected, self.block_size) - num_held_blocks)
+    def growth(self, req: Request, num_held_blocks: int, ratio: float) -> Growth:
+        """What ``req`` (holding ``num_held_blocks``) is expected to still make."""
+        return Growth(int(ratio * self.allowance(req) + 0.999), req.num_tokens, num_held_blocks)
+
+    def peak_blocks(self, growths: list[Growth]) -> int:
+        """The most blocks beyond those they hold that ``growths`` are expected to need at
+        once, at any step ahead, counting the blocks each gives back when it is done: the
+        demand just before each finish, the largest of them (0 if they fit in their own)."""
+        peak = 0
+        held = sum(g.held for g in growths)
+        for t in {g.remaining for g in growths}:
+            running = sum(cdiv(g.tokens + t, self.block_size) for g in growths if g.remaining >= t)
+            peak = max(peak, running - held)
+        return peak
 
     def stepped(self) -> None:
         self.boost = max(0.0, self.boost - 1.0 / BOOST_STEPS)
@@ -78,4 +100,4 @@ class GrowthReserve:
             self.usages.append(min(1.0, req.num_output_tokens / allowance))
 
 
-__all__ = ["BOOST_STEPS", "CLIP_TOKENS", "GrowthReserve", "HISTORY", "INITIAL_USAGE"]
+__all__ = ["BOOST_STEPS", "CLIP_TOKENS", "Growth", "GrowthReserve", "HISTORY", "INITIAL_USAGE"]

@@ -17,7 +17,7 @@ from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from kvmesh.engine.admission import GrowthReserve
+from kvmesh.engine.admission import Growth, GrowthReserve
 from kvmesh.engine.kv_cache_manager import KVCacheManager, cdiv
 from kvmesh.engine.request import FinishReason, Request, RequestStatus
 
@@ -120,7 +120,7 @@ class Scheduler:
         if out.preempted:
             self.growth.preempted()
             return out
-        reserve: int | None = None  # blocks the running requests are expected to grow into
+        growths: list[Growth] | None = None  # the running requests' expected growth
         ratio = self.growth.ratio
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             req = self.waiting[0]
@@ -128,14 +128,14 @@ class Scheduler:
             num_hit_tokens = len(hits) * self.kv.block_size
             num_new = min(req.num_tokens - num_hit_tokens, budget)
             if self.config.reserve_growth and self.running:
-                if reserve is None:
-                    reserve = sum(self.growth.blocks_needed(r, len(self.kv.req_blocks.get(r.request_id, ())), ratio) for r in self.running)
-                if not self._fits_beside(req, hits, reserve, ratio):
+                if growths is None:
+                    growths = [self.growth.growth(r, len(self.kv.req_blocks.get(r.request_id, ())), ratio) for r in self.running]
+                if not self._fits_beside(req, hits, growths, ratio):
                     break
             if self.kv.allocate_slots(req, num_new, hits) is None:
                 break
-            if reserve is not None:
-                reserve += self.growth.blocks_needed(req, len(self.kv.req_blocks.get(req.request_id, ())), ratio)
+            if growths is not None:
+                growths.append(self.growth.growth(req, len(self.kv.req_blocks.get(req.request_id, ())), ratio))
             self.waiting.popleft()
             req.num_computed_tokens = num_hit_tokens
             if req.first_scheduled_time is None:
@@ -145,15 +145,16 @@ class Scheduler:
             self.running.append(req)
             out.scheduled.append(ScheduledRequest(req, num_new))
             budget -= num_new
-        self.reserved_blocks = reserve if reserve is not None and self.waiting else 0
+        self.reserved_blocks = self.growth.peak_blocks(growths) if growths is not None and self.waiting else 0
         return out
 
-    def _fits_beside(self, req: Request, hits: Sequence, reserve: int, ratio: float) -> bool:
-        """Whether the free blocks hold all that ``req`` is expected to fill besides the
-        running requests' ``reserve`` (its cached hits on the free list stop being free)."""
+    def _fits_beside(self, req: Request, hits: Sequence, growths: list[Growth], ratio: float) -> bool:
+        """Whether the free blocks hold what ``req`` and the running requests (``growths``)
+        are expected to need at once, at every step ahead (its cached hits on the free list
+        stop being free)."""
         evictable_hits = sum(1 for block in hits if block.ref_cnt == 0)
-        needed = self.growth.blocks_needed(req, len(hits), ratio)
-        return needed + reserve <= self.kv.pool.num_free_blocks - evictable_hits
+        peak = self.growth.peak_blocks([*growths, self.growth.growth(req, len(hits), ratio)])
+        return peak <= self.kv.pool.num_free_blocks - evictable_hits
 
     def _preempt(self, req: Request) -> None:
         logger.debug("preempting %s at %d tokens", req.request_id, req.num_tokens)
