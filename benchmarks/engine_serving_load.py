@@ -23,12 +23,16 @@ import os
 import sys
 import time
 from datetime import datetime, UTC
+from pathlib import Path
 
 import torch
 
-from kvmesh.engine.llm_engine import EngineConfig, LLMEngine
-from kvmesh.engine.request import SamplingParams
-from kvmesh.machine import cpu_flags, cpu_model
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import vllm_serving_bench as vsb  # noqa: E402
+
+from kvmesh.engine.llm_engine import EngineConfig, LLMEngine  # noqa: E402
+from kvmesh.engine.request import SamplingParams  # noqa: E402
+from kvmesh.machine import cpu_flags, cpu_model  # noqa: E402
 
 
 def burn(share: float, stop: multiprocessing.synchronize.Event) -> None:  # type: ignore[name-defined]
@@ -77,11 +81,8 @@ def serve(engine: LLMEngine, requests: int, concurrency: int, prompt_len: int, n
 
 
 def quantile_ms(values: list[float], q: float) -> float | None:
-    """The ``q`` quantile of ``values`` (seconds), in ms: the nearest rank."""
-    if not values:
-        return None
-    ordered = sorted(values)
-    return round(1000 * ordered[min(len(ordered) - 1, int(q * len(ordered)))], 1)
+    """The ``q`` quantile of ``values`` (seconds), in ms, as the serving benchmark reports it."""
+    return vsb._ms(vsb.percentile(values, q))
 
 
 def main() -> int:

@@ -28,7 +28,7 @@ def three_requests() -> list:
 
 def test_a_request_is_admitted_only_where_the_running_ones_can_grow() -> None:
     sched = make(10, reserve_growth=True)
-    sched.growth.usages.append(1.0)  # requests here use their whole allowance
+    sched.reserve.usages.append(1.0)  # requests here use their whole allowance
     a, b, c = three_requests()
     for r in (a, b, c):
         sched.add_request(r)
@@ -49,17 +49,37 @@ def test_a_request_is_admitted_only_where_the_running_ones_can_grow() -> None:
     assert sched.kv.stats().num_in_use == 0 and sched.reserved_blocks == 0  # nobody waits: nothing kept back
 
 
+def test_a_resumed_stream_is_not_held_back() -> None:
+    # a stream whose worker died is mid-answer: it goes first and is admitted where its
+    # prompt fits now, even where the reserve would keep a new request waiting
+    sched = make(10, reserve_growth=True)
+    sched.reserve.usages.append(1.0)
+    a, b, c, d = [*three_requests(), new_req("d", [40 + t for t in range(8)], max_tokens=8, ignore_eos=True)]
+    for r in (a, b, d):
+        sched.add_request(r)
+    step(sched)
+    assert running(sched) == ["a", "b"] and waiting(sched) == ["d"]
+    sched.add_request(c, first=True)
+    _, plan = step(sched)
+    assert ("c", 8, True) in plan and waiting(sched) == ["d"]
+    assert sched.reserved_blocks > 0  # d still waits for the reserve
+    while sched.has_unfinished():
+        step(sched)
+    assert [r.output_token_ids for r in (a, b, c, d)] == [[1000 + i for i in range(8)]] * 4
+    assert sched.kv.stats().num_in_use == 0
+
+
 def test_without_the_reserve_the_same_requests_preempt() -> None:
     assert run_all(make(10, reserve_growth=False), three_requests()) > 0
     sched = make(10, reserve_growth=True)
-    sched.growth.usages.append(1.0)
+    sched.reserve.usages.append(1.0)
     assert run_all(sched, three_requests()) == 0
 
 
 def test_the_first_request_runs_whatever_it_may_need() -> None:
     # alone, a request is admitted even where its allowance is more than the pool
     sched = make(4, reserve_growth=True, model_len=64)
-    sched.growth.usages.append(1.0)
+    sched.reserve.usages.append(1.0)
     a = new_req("a", list(range(8)), max_tokens=50)
     sched.add_request(a)
     _, plan = step(sched)
@@ -105,9 +125,9 @@ def test_what_a_request_may_still_need() -> None:
 
 def test_a_preemption_makes_admission_careful_again() -> None:
     sched = make(10, reserve_growth=True)
-    sched.growth.usages.append(0.0)  # as if every answer so far stopped at once: no reserve
+    sched.reserve.usages.append(0.0)  # as if every answer so far stopped at once: no reserve
     assert run_all(sched, three_requests()) > 0
-    assert sched.growth.boost > 0.9  # boosted by the preemptions, barely decayed
+    assert sched.reserve.boost > 0.9  # boosted by the preemptions, barely decayed
 
 
 def test_blocks_a_finished_request_gives_back_count_for_the_others() -> None:
@@ -125,7 +145,7 @@ def test_requests_at_different_stages_share_the_pool() -> None:
     # a is 2 tokens from its end when b and c arrive: c fits beside a and b only because a
     # gives its blocks back before b and c need them, and nothing is preempted
     sched = make(10, reserve_growth=True)
-    sched.growth.usages.append(1.0)
+    sched.reserve.usages.append(1.0)
     a = new_req("a", list(range(8)), max_tokens=8, ignore_eos=True)
     sched.add_request(a)
     for _ in range(6):  # a: 8 prompt tokens and 6 new

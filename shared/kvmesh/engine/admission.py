@@ -13,7 +13,8 @@ model's length), one token a step, and to give its blocks back when it is done. 
 that demand comes just before one of them finishes; the blocks that earlier finishers give back
 count for those still growing, so requests at different stages share the pool (a rule that
 kept every request's whole remaining length apart would admit about 22 such requests where 30
-fit). With nothing running, the first request that fits is admitted whatever it may need.
+fit). With nothing running, the first request that fits is admitted whatever it may need; a
+stream resumed from a worker that died (its client mid-answer) is admitted wherever it fits now.
 
 ``ratio`` is learned. It is the larger of two figures: the share of its allowance each
 finished request used (the mean over the last ``HISTORY``, ``INITIAL_USAGE`` before any

@@ -143,6 +143,9 @@ class Request:
     num_preemptions: int = 0
     # Disaggregation: keep the blocks after the first token instead of decoding on.
     export_kv: bool = False
+    # A stream already under way elsewhere (its worker died; its client is mid-answer):
+    # queued first, and admitted without the growth reserve holding it back.
+    resumed: bool = False
     # With ``sampling.logprobs``: one per output token (None where it came from elsewhere, as
     # an import's first token); with ``sampling.prompt_logprobs``: one per prompt token, the
     # first None. ``TokenLogprob``s of ``kvmesh.engine.logprobs``.

@@ -60,7 +60,7 @@ class Scheduler:
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
-        self.growth = GrowthReserve(config.max_model_len, kv.block_size)
+        self.reserve = GrowthReserve(config.max_model_len, kv.block_size)
         self.reserved_blocks = 0  # what admission last kept back for growth while requests waited
 
     def check_new_id(self, request_id: str) -> None:
@@ -70,8 +70,8 @@ class Scheduler:
             raise ValueError(f"request id {request_id!r} still has exported KV blocks held")
 
     def add_request(self, req: Request, *, first: bool = False) -> None:
-        """Queue a request; with ``first`` ahead of those waiting (a stream already under way
-        whose worker died: its client is mid-answer)."""
+        """Queue a request; with ``first`` ahead of those waiting and exempt from the growth
+        reserve (a stream already under way whose worker died: its client is mid-answer)."""
         self.check_new_id(req.request_id)
         if req.num_tokens >= self.config.max_model_len:
             raise ValueError(
@@ -80,6 +80,7 @@ class Scheduler:
             )
         self.requests[req.request_id] = req
         if first:
+            req.resumed = True
             self.waiting.appendleft(req)
         else:
             self.waiting.append(req)
@@ -116,12 +117,13 @@ class Scheduler:
                 index += 1
                 continue
             break
-        self.growth.stepped()
+        self.reserve.stepped()
+        self.reserved_blocks = 0
         if out.preempted:
-            self.growth.preempted()
+            self.reserve.preempted()
             return out
         growths: list[Growth] | None = None  # the running requests' expected growth
-        ratio = self.growth.ratio
+        ratio = self.reserve.ratio
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             req = self.waiting[0]
             hits = self.kv.get_computed_blocks(req)
@@ -129,13 +131,14 @@ class Scheduler:
             num_new = min(req.num_tokens - num_hit_tokens, budget)
             if self.config.reserve_growth and self.running:
                 if growths is None:
-                    growths = [self.growth.growth(r, len(self.kv.req_blocks.get(r.request_id, ())), ratio) for r in self.running]
-                if not self._fits_beside(req, hits, growths, ratio):
+                    growths = [self.reserve.growth(r, len(self.kv.req_blocks.get(r.request_id, ())), ratio) for r in self.running]
+                if not req.resumed and not self._fits_beside(req, hits, growths, ratio):
+                    self.reserved_blocks = self.reserve.peak_blocks(growths)
                     break
             if self.kv.allocate_slots(req, num_new, hits) is None:
                 break
             if growths is not None:
-                growths.append(self.growth.growth(req, len(self.kv.req_blocks.get(req.request_id, ())), ratio))
+                growths.append(self.reserve.growth(req, len(self.kv.req_blocks.get(req.request_id, ())), ratio))
             self.waiting.popleft()
             req.num_computed_tokens = num_hit_tokens
             if req.first_scheduled_time is None:
@@ -145,7 +148,6 @@ class Scheduler:
             self.running.append(req)
             out.scheduled.append(ScheduledRequest(req, num_new))
             budget -= num_new
-        self.reserved_blocks = self.growth.peak_blocks(growths) if growths is not None and self.waiting else 0
         return out
 
     def _fits_beside(self, req: Request, hits: Sequence, growths: list[Growth], ratio: float) -> bool:
@@ -153,7 +155,7 @@ class Scheduler:
         are expected to need at once, at every step ahead (its cached hits on the free list
         stop being free)."""
         evictable_hits = sum(1 for block in hits if block.ref_cnt == 0)
-        peak = self.growth.peak_blocks([*growths, self.growth.growth(req, len(hits), ratio)])
+        peak = self.reserve.peak_blocks([*growths, self.reserve.growth(req, len(hits), ratio)])
         return peak <= self.kv.pool.num_free_blocks - evictable_hits
 
     def _preempt(self, req: Request) -> None:
@@ -208,7 +210,7 @@ class Scheduler:
         req.status = RequestStatus.FINISHED
         req.finish_reason = reason
         del self.requests[req.request_id]
-        self.growth.finished(req)
+        self.reserve.finished(req)
         if req.export_kv and reason not in (FinishReason.ABORT, FinishReason.ERROR):
             self.kv.hold(req)
         else:
