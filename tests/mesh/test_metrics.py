@@ -1,7 +1,8 @@
 """Every service's /metrics, read from a live mesh as Prometheus would: each name of the
 contract (``kvmesh.metrics.contract``, the one list dashboards and docs/metrics.md are held
 to) is exported with its labels, token counters move while a long request runs, and the KV
-bytes of a pull are counted the same on both sides."""
+bytes of a pull are counted the same on both sides. (vLLM workers' names and counts: in
+``tests/mesh/test_vllm.py``, on its mesh.)"""
 
 from __future__ import annotations
 
@@ -18,7 +19,7 @@ from kvmesh.infra.local_mesh import LocalMesh
 from kvmesh.metrics.contract import BY_SERVICE, KV_METADATA, ROUTER, WORKER, WORKER_LABELS, MetricName
 from kvmesh.protocol import Keys, WorkerRecord
 from tests.mesh.client import post, stream
-from tests.mesh.meshes import MODEL, make_mesh
+from tests.mesh.meshes import MODEL
 
 pytestmark = pytest.mark.slow
 
@@ -178,53 +179,3 @@ async def test_transfer_bytes_are_the_same_on_both_sides_of_a_pull(mesh, urls):
     assert (pulled[1] - before_in[1], served[1] - before_out[1]) == (1, 1)
     # Nothing moves the other way: the prefill worker pulled nothing, the decode worker lent nothing.
     assert transfer(await scrape(urls["decode"]), "out") == (0, 0)
-
-
-@pytest.fixture(scope="module")
-def vllm_mesh(tmp_path_factory, default_model_dir):
-    """A vLLM prefill worker and a vLLM decode worker (skipped without a vLLM virtualenv)."""
-    from kvmesh.worker.engines import worker_python
-
-    try:
-        worker_python("vllm")
-    except ValueError as exc:
-        pytest.skip(f"no vLLM virtualenv for the workers ({exc})")
-    local = make_mesh(tmp_path_factory.mktemp("vllm-mesh"), default_model_dir, prefill=1, decode=1, engine="vllm", kv_cache_mib=64)
-    try:
-        yield local
-    finally:
-        local.stop()
-
-
-async def test_vllm_workers_export_the_same_names_and_count_as_they_go(vllm_mesh):
-    """The metrics come from the engine interface (its steps, its pool), so vLLM workers
-    export them too: tokens per step, both sides of a pull."""
-    urls = await metrics_urls(vllm_mesh)
-    before = {role: await scrape(urls[role]) for role in ("prefill", "decode")}
-    during: list[Samples] = []
-
-    async def sample(events: list[dict]) -> None:
-        if len(events) == 10:
-            during.append(await scrape(urls["decode"]))
-
-    new_tokens = 60
-    prompt = "Here is a list of three fruits: apples, pears and plums. Here are three more fruits:"
-    body = {**completion(prompt, new_tokens), "stream_options": {"include_usage": True}}
-    events = await stream(vllm_mesh.base_url, "/v1/completions", body, on_event=sample)
-    gen = "kvmesh:generation_tokens"
-    assert 0 < value(during[0], gen, "_total") - value(before["decode"], gen, "_total") < new_tokens - 1
-    for _ in range(50):
-        after = {role: await scrape(urls[role]) for role in ("prefill", "decode")}
-        if value(after["prefill"], "kvmesh:kv_transfer_seconds", "_count", direction="out") > 0:
-            break
-        await asyncio.sleep(0.1)
-    for role in ("prefill", "decode"):
-        missing = [m.name for m in WORKER if m.name not in after[role]]
-        assert not missing, f"vLLM {role} does not export {missing}"
-    assert value(after["prefill"], gen, "_total") - value(before["prefill"], gen, "_total") == 1
-    assert value(after["decode"], gen, "_total") - value(before["decode"], gen, "_total") == new_tokens - 1
-    prompt_tokens = value(after["prefill"], "kvmesh:prompt_tokens", "_total") - value(before["prefill"], "kvmesh:prompt_tokens", "_total")
-    assert prompt_tokens == events[-1]["usage"]["prompt_tokens"]
-    pulled = value(after["decode"], "kvmesh:kv_transfer_bytes", "_total", direction="in")
-    assert pulled > 0 and value(after["prefill"], "kvmesh:kv_transfer_bytes", "_total", direction="out") == pulled
-    assert value(after["decode"], "kvmesh:e2e_request_latency_seconds", "_count") == 1

@@ -453,6 +453,47 @@ async def test_vllm_workers_metrics_come_from_vllms_stats(mesh):
     assert 0 < usage <= 1 and value(during[0], "kvmesh:num_requests_running") == 1
 
 
+async def test_vllm_workers_export_the_same_names_and_count_as_they_go(mesh):
+    """The metrics come from the engine interface (its steps, its pool), so vLLM workers
+    export them too: tokens per step, both sides of a pull (counted from before this test:
+    the module's mesh has served others)."""
+    from kvmesh.metrics.contract import WORKER
+    from tests.mesh.test_metrics import completion, metrics_urls, scrape, value
+
+    urls = await metrics_urls(mesh)
+    before = {role: await scrape(urls[role]) for role in ("prefill", "decode")}
+    during: list = []
+
+    async def sample(events: list[dict]) -> None:
+        if len(events) == 10:
+            during.append(await scrape(urls["decode"]))
+
+    new_tokens = 60
+    prompt = "Here is a list of three fruits: apples, pears and plums. Here are three more fruits:"
+    body = {**completion(prompt, new_tokens), "stream_options": {"include_usage": True}}
+    events = await stream(mesh.base_url, "/v1/completions", body, on_event=sample)
+    gen = "kvmesh:generation_tokens"
+    assert 0 < value(during[0], gen, "_total") - value(before["decode"], gen, "_total") < new_tokens - 1
+
+    def delta(role: str, name: str, suffix: str, **labels: str) -> float:
+        return value(after[role], name, suffix, **labels) - value(before[role], name, suffix, **labels)
+
+    for _ in range(50):
+        after = {role: await scrape(urls[role]) for role in ("prefill", "decode")}
+        if delta("prefill", "kvmesh:kv_transfer_seconds", "_count", direction="out") > 0:
+            break
+        await asyncio.sleep(0.1)
+    for role in ("prefill", "decode"):
+        missing = [m.name for m in WORKER if m.name not in after[role]]
+        assert not missing, f"vLLM {role} does not export {missing}"
+    assert delta("prefill", gen, "_total") == 1
+    assert delta("decode", gen, "_total") == new_tokens - 1
+    assert delta("prefill", "kvmesh:prompt_tokens", "_total") == events[-1]["usage"]["prompt_tokens"]
+    pulled = delta("decode", "kvmesh:kv_transfer_bytes", "_total", direction="in")
+    assert pulled > 0 and delta("prefill", "kvmesh:kv_transfer_bytes", "_total", direction="out") == pulled
+    assert delta("decode", "kvmesh:e2e_request_latency_seconds", "_count") == 1
+
+
 async def test_a_follow_up_turn_is_prefilled_on_the_vllm_decode_worker_holding_the_answer(mesh, reference, default_model_dir):
     """Conditional disaggregation on vLLM workers: the decode worker generated (and vLLM
     cached) turn 1's answer, so turn 2, whose new tokens are few, is prefilled there (route
