@@ -652,6 +652,8 @@ def start_kvmesh_up(name: str, args: argparse.Namespace, workdir: Path, extra: S
     # the workers of .venv-vllm import this tree's kvmesh, as the router does (its editable install may be another checkout's)
     path = os.pathsep.join([str((tree or REPO) / "shared"), *filter(None, [os.environ.get("PYTHONPATH")])])
     env = vllm_env({"KVMESH_VLLM_PYTHON": vllm_python, "PYTHONPATH": path})
+    if tree is not None:
+        check_services_from(tree, python, env)
     started = time.monotonic()
     process = ManagedProcess(name, command, log_path=workdir / f"{file_stem(name)}.log", env=env, parent_death_signal=signal.SIGTERM)
     server = Server(name, command, process, "", workdir)
@@ -666,6 +668,19 @@ def start_kvmesh_up(name: str, args: argparse.Namespace, workdir: Path, extra: S
         raise
     server.started_s = time.monotonic() - started
     return server
+
+
+def check_services_from(tree: Path, python: str, env: dict[str, str]) -> None:
+    """Fail unless ``python`` imports ``kvmesh.services`` from ``tree``: an editable install
+    maps it to its own checkout's ``services/`` wherever ``kvmesh`` itself comes from
+    (``PYTHONPATH``), so a baseline tree sharing this tree's ``.venv`` needs
+    ``shared/kvmesh/services`` linked to its ``services`` (``ln -s ../../services``)."""
+    found = subprocess.run([python, "-c", "import kvmesh.services.decode_worker.main as m; print(m.__file__)"],
+                           env=env, capture_output=True, text=True, timeout=60, cwd=tree)  # fmt: skip
+    origin = Path(found.stdout.strip() or "?").resolve()
+    if found.returncode != 0 or tree.resolve() not in origin.parents:
+        raise SystemExit(f"--baseline-tree {tree}: its python imports kvmesh.services from {origin} ({found.stderr.strip()[-300:]}); "
+                         f"link {tree}/shared/kvmesh/services to ../../services")  # fmt: skip
 
 
 SERVER_STARTS: dict[str, tuple[str, Callable[[argparse.Namespace, Path], Server]]] = {

@@ -16,12 +16,13 @@ from pydantic import ValidationError
 from kvmesh.errors import ErrorCode, MeshError
 from kvmesh.protocol import QUEUE_GROUP, DecodeAck, DecodeRequest, ErrorInfo, LogprobSpec, ReleaseRequest, Stage, TokenEvent, request_id_of
 from kvmesh.services.decode_worker.handle_check import check_handle, producer_layout
+from kvmesh.services.decode_worker.import_line import ImportLine
 from kvmesh.telemetry import extract_context, inject_headers, record_queue_wait
 from kvmesh.transfer.mooncake_agent import TransferError
 from kvmesh.transfer.runs import coalesce
 from kvmesh.worker.in_flight import InFlight
 from kvmesh.worker.pin_release import CONFIRM_RELEASE_AFTER, release_confirmed
-from kvmesh.worker.engine_api import EngineDeadError, FinishReason
+from kvmesh.worker.engine_api import EngineDeadError, FinishReason, SamplingParams
 from kvmesh.worker.runtime import WorkerRuntime
 from kvmesh.service_main import start_service
 from kvmesh.settings.worker import worker_settings
@@ -30,12 +31,14 @@ logger = logging.getLogger(__name__)
 
 IMPORT_RETRY_INTERVAL = 0.05  # seconds between tries for blocks while the pool is full
 RESUMED_IMPORT_WAIT = 1.0  # seconds a retried request waits for room here before trying elsewhere
+PIN_MARGIN = 5.0  # seconds of a prefill's pin left for the pull itself when a wait for room ends
 
 
 class DecodeWorker:
     def __init__(self, runtime: WorkerRuntime) -> None:
         self.runtime = runtime
         self.in_flight = InFlight()  # requests waiting for room or pulling, not in the engine yet
+        self.import_line = ImportLine()  # pulls waiting for room, in the order they take it
 
     async def start(self) -> None:
         rt = self.runtime
@@ -172,7 +175,7 @@ class DecodeWorker:
             if rt.settings.fault_pull_delay:
                 await asyncio.sleep(rt.settings.fault_pull_delay)
             with rt.tracer.start_as_current_span("kv_transfer") as span:
-                block_ids = await self._allocate_import(request.request_id, kv.num_tokens, resumed=request.resumed)
+                block_ids = await self._allocate_import(request.request_id, kv.num_tokens, None if request.resumed else request.sampling.to_params())
                 # A cancel while waiting for room or reading the blocks gives them back (below).
                 try:
                     runs = coalesce(kv.block_ids, block_ids)
@@ -212,28 +215,39 @@ class DecodeWorker:
         if not held:
             raise MeshError(ErrorCode.KV_LOST, f"{producer}, {request_id}: {why}")
 
-    async def _allocate_import(self, request_id: str, num_tokens: int, *, resumed: bool = False) -> list[int]:
-        """Blocks for an import. A new request is admitted only while every running one
-        still has room to grow by a block (else they would preempt each other and recompute,
-        and nobody gets anywhere); a resumed stream, whose client is mid-answer, only needs
-        the blocks. While there is no room, wait up to ``import_wait`` seconds for running
-        requests to give some back (the router hears heartbeats meanwhile)."""
+    async def _allocate_import(self, request_id: str, num_tokens: int, params: SamplingParams | None) -> list[int]:
+        """Blocks for an import. A new request (``params``, ``None`` for a resumed stream)
+        is admitted only while every running one still has room to grow by a block, and
+        where the engine's own admission takes it (kvmesh's keeps room for the running
+        requests' expected growth): else they would preempt each other and recompute, and
+        nobody gets anywhere. A resumed stream, whose client is mid-answer, only needs the
+        blocks. While there is no room, wait in line (``ImportLine``) up to ``import_wait``
+        seconds (and 5 s less than the prefill's pin lasts) for running requests to give
+        some back (the router hears heartbeats meanwhile)."""
         rt = self.runtime
         loop = asyncio.get_running_loop()
+        resumed = params is None
         # A retry waits less: another decode worker (one just restarted, say) may have room.
-        give_up = loop.time() + (min(RESUMED_IMPORT_WAIT, rt.settings.import_wait) if resumed else rt.settings.import_wait)
+        # No wait outlives the prefill's pin of the blocks to pull.
+        wait = min(rt.settings.import_wait, max(1.0, rt.settings.pin_ttl - PIN_MARGIN))
+        give_up = loop.time() + (min(RESUMED_IMPORT_WAIT, wait) if resumed else wait)
         needed = -(-num_tokens // rt.engine.kv_layout.block_size)
-        while True:
-            self._check_cancelled(request_id)
-            load = rt.engine.load_now()
-            reserve = 0 if resumed else load["running"]
-            if load["free_blocks"] - needed >= reserve:
-                block_ids = await rt.engine.allocate_import(request_id, num_tokens)
-                if block_ids is not None:
-                    return block_ids
-            if loop.time() >= give_up:
-                raise MeshError(ErrorCode.OVERLOADED, f"no room for the KV of {num_tokens} tokens")
-            await asyncio.sleep(IMPORT_RETRY_INTERVAL)
+        ticket = self.import_line.join(retried=resumed)
+        try:
+            while True:
+                self._check_cancelled(request_id)
+                if self.import_line.is_first(ticket):
+                    load = rt.engine.load_now()
+                    reserve = 0 if resumed else load["running"]
+                    if load["free_blocks"] - needed >= reserve:
+                        block_ids = await rt.engine.allocate_import(request_id, num_tokens, params)
+                        if block_ids is not None:
+                            return block_ids
+                if loop.time() >= give_up:
+                    raise MeshError(ErrorCode.OVERLOADED, f"no room for the KV of {num_tokens} tokens")
+                await asyncio.sleep(IMPORT_RETRY_INTERVAL)
+        finally:
+            self.import_line.leave(ticket)
 
 
 def error_code(exc: BaseException) -> ErrorCode:

@@ -161,3 +161,68 @@ def test_requests_at_different_stages_share_the_pool() -> None:
         assert out.preempted == []
     assert [r.output_token_ids for r in (a, b, c)] == [[1000 + i for i in range(8)]] * 3
     assert sched.kv.stats().num_in_use == 0
+
+
+def imported(sched, rid: str, prompt: list[int], max_tokens: int = 8):
+    """What ``LLMEngine.add_imported_request`` does with the blocks of ``take_import(rid)``:
+    the prompt's KV in them and the first token, made where the prompt was."""
+    req = new_req(rid, prompt, max_tokens=max_tokens, ignore_eos=True)
+    sched.kv.attach_held(rid, req, len(prompt))
+    req.token_ids.append(1000)
+    sched.add_running(req)
+    return req
+
+
+def test_an_import_takes_blocks_only_where_the_running_ones_can_grow() -> None:
+    # a decode worker: a and b run from imported KV (8 prompt tokens, 8 to make: 4 blocks
+    # each in the end); c's import would leave a free block for each of them to grow into,
+    # but they need 2 more each and c 4 in all: it waits for a's end
+    sched = make(10, reserve_growth=True)
+    sched.reserve.usages.append(1.0)
+    prompts = {n: [10 * i + t for t in range(8)] for i, n in enumerate("abc")}
+    a, b = [imported(sched, n, prompts[n]) for n in "ab" if sched.take_import(n, 8, 8) is not None]
+    step(sched)
+    free = sched.kv.pool.num_free_blocks
+    assert free - 2 >= len(sched.running)  # the decode worker's own check lets c in
+    assert sched.take_import("c", 8, 8) is None and sched.kv.pool.num_free_blocks == free
+    while not a.is_finished:
+        out, _ = step(sched)
+        assert out.preempted == []
+    assert sched.take_import("c", 8, 8) is not None
+    c = imported(sched, "c", prompts["c"])
+    while sched.has_unfinished():
+        out, _ = step(sched)
+        assert out.preempted == []
+    assert [r.output_token_ids for r in (a, b, c)] == [[1000 + i for i in range(8)]] * 3
+    assert sched.kv.stats().num_in_use == 0 and sched.importing == {}
+
+
+def test_imports_on_their_way_count_and_stop_counting_when_given_back() -> None:
+    sched = make(10, reserve_growth=True)
+    sched.reserve.usages.append(1.0)
+    assert sched.take_import("x", 8, 8) == [0, 1]  # nothing running: taken
+    assert sched.take_import("y", 8, 8) is not None  # x will need 2 more blocks, y 4: 6 of 8
+    assert sched.take_import("z", 8, 8) is None  # 2 + 2 + 4 more than the 6 free
+    assert sched.take_import("resumed", 8, None) is not None  # mid-answer: only the blocks
+    sched.kv.release_held("resumed")
+    sched.kv.release_held("x")  # its pull failed
+    assert sched.take_import("z", 8, 8) is not None and set(sched.importing) == {"y", "z"}
+    sched.kv.release_held("y")
+    sched.kv.release_held("z")
+    assert sched.kv.stats().num_in_use == 0
+
+
+def test_an_import_waits_behind_the_waiting_requests() -> None:
+    # a preempted request (or the decode worker's own prefill) waits: an import does not
+    # take the blocks it waits for
+    sched = make(10, reserve_growth=True)
+    sched.reserve.usages.append(1.0)
+    a, b, c = three_requests()
+    for r in (a, b, c):
+        sched.add_request(r)
+    step(sched)
+    assert waiting(sched) == ["c"] and sched.kv.pool.num_free_blocks >= 2
+    assert sched.take_import("d", 4, 1) is None
+    while sched.has_unfinished():
+        step(sched)
+    assert sched.take_import("d", 4, 1) is not None

@@ -16,6 +16,13 @@ kept every request's whole remaining length apart would admit about 22 such requ
 fit). With nothing running, the first request that fits is admitted whatever it may need; a
 stream resumed from a worker that died (its client mid-answer) is admitted wherever it fits now.
 
+A decode worker's requests arrive with their prompt's KV, pulled from a prefill worker into
+blocks taken before the pull (``LLMEngine.allocate_import``). Those blocks are taken by the
+same rule, after the requests already waiting, and the growth of imports still being pulled
+counts with the running requests': with 32 requests of 128 + 128 tokens on a decode worker of
+256 MiB, taking blocks whenever each running request had one free block to grow into
+preempted 20-23 requests a round (``docs/benchmarks.md``).
+
 ``ratio`` is learned. It is the larger of two figures: the share of its allowance each
 finished request used (the mean over the last ``HISTORY``, ``INITIAL_USAGE`` before any
 finished), and a boost that a preemption sets to 1 (the estimate was too low) and that decays
@@ -67,12 +74,20 @@ class GrowthReserve:
         """Tokens ``req`` may still generate, as the reserve counts them."""
         if req.export_kv:
             return 0  # a prefill for export makes its first token and stops
-        left = req.sampling.max_tokens - req.num_output_tokens
-        return max(0, min(left, CLIP_TOKENS, self.max_model_len - req.num_tokens))
+        return self.allowance_of(req.num_tokens, req.sampling.max_tokens - req.num_output_tokens)
+
+    def allowance_of(self, num_tokens: int, max_tokens_left: int) -> int:
+        """Tokens a request of ``num_tokens`` with ``max_tokens_left`` may still generate."""
+        return max(0, min(max_tokens_left, CLIP_TOKENS, self.max_model_len - num_tokens))
 
     def growth(self, req: Request, num_held_blocks: int, ratio: float) -> Growth:
         """What ``req`` (holding ``num_held_blocks``) is expected to still make."""
-        return Growth(int(ratio * self.allowance(req) + 0.999), req.num_tokens, num_held_blocks)
+        return self.expected(self.allowance(req), req.num_tokens, num_held_blocks, ratio)
+
+    def expected(self, allowance: int, num_tokens: int, num_held_blocks: int, ratio: float) -> Growth:
+        """What a request of ``num_tokens`` (holding ``num_held_blocks``) with ``allowance``
+        tokens left is expected to still make."""
+        return Growth(int(ratio * allowance + 0.999), num_tokens, num_held_blocks)
 
     def peak_blocks(self, growths: list[Growth]) -> int:
         """The most blocks beyond those they hold that ``growths`` are expected to need at

@@ -333,9 +333,11 @@ class LLMEngine:
         """Free the blocks a finished export held (after the peer pulled them)."""
         return self.kv_manager.release_held(request_id)
 
-    def allocate_import(self, handle: str, num_tokens: int) -> list[int] | None:
-        """Blocks to receive the KV of ``num_tokens`` tokens from a peer; ``None`` if no room."""
-        return self.kv_manager.allocate_held(handle, num_tokens)
+    def allocate_import(self, handle: str, num_tokens: int, params: SamplingParams | None = None) -> list[int] | None:
+        """Blocks to receive the KV of ``num_tokens`` tokens from a peer; ``None`` if no room.
+        With ``params`` (of a request to decode from that KV, ``add_imported_request``) only
+        where admission takes that request now (``Scheduler.take_import``)."""
+        return self.scheduler.take_import(handle, num_tokens, None if params is None else params.max_tokens)
 
     def release_import(self, handle: str) -> bool:
         return self.kv_manager.release_held(handle)

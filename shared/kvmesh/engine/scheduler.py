@@ -45,6 +45,17 @@ class SchedulerOutput:
         return sum(item.num_new_tokens for item in self.scheduled)
 
 
+@dataclass(slots=True, frozen=True)
+class PendingImport:
+    """Blocks taken for a request's imported KV before it runs: it will have ``num_tokens``
+    (its prompt and the first token, made where the prompt was) and may make
+    ``max_tokens_left`` more."""
+
+    num_tokens: int
+    max_tokens_left: int
+    num_blocks: int
+
+
 @dataclass(slots=True)
 class SchedulerConfig:
     max_num_seqs: int
@@ -62,6 +73,7 @@ class Scheduler:
         self.requests: dict[str, Request] = {}
         self.reserve = GrowthReserve(config.max_model_len, kv.block_size)
         self.reserved_blocks = 0  # what admission last kept back for growth while requests waited
+        self.importing: dict[str, PendingImport] = {}  # handle -> an import's blocks, taken, not yet a request's
 
     def check_new_id(self, request_id: str) -> None:
         if request_id in self.requests:
@@ -94,6 +106,44 @@ class Scheduler:
         req.first_scheduled_time = time.monotonic()
         self.running.append(req)
 
+    def take_import(self, handle: str, num_tokens: int, max_tokens: int | None) -> list[int] | None:
+        """Blocks, held under ``handle``, for the KV of ``num_tokens`` prompt tokens pulled
+        from a peer; ``None`` if no room. With ``max_tokens`` (a request to decode here,
+        its first token made where its prompt was) only where admission takes it now:
+        after the waiting requests and, as theirs, beside the growth of those running
+        (``kvmesh.engine.admission``). Without, wherever the blocks fit (a stream resumed
+        mid-answer, a borrowed prefix)."""
+        if max_tokens is not None and self.config.reserve_growth and not self._admits_import(num_tokens, max_tokens):
+            return None
+        block_ids = self.kv.allocate_held(handle, num_tokens)
+        if block_ids is not None and max_tokens is not None:
+            self.importing[handle] = PendingImport(num_tokens + 1, max_tokens - 1, len(block_ids))
+        return block_ids
+
+    def _admits_import(self, num_tokens: int, max_tokens: int) -> bool:
+        if self.waiting:
+            return False
+        self._forget_arrived_imports()
+        ratio = self.reserve.ratio
+        growths = self._growths(ratio)
+        if not growths:
+            return True  # nothing running: admitted whatever it may need
+        new = self.reserve.expected(self.reserve.allowance_of(num_tokens + 1, max_tokens - 1), num_tokens + 1, 0, ratio)
+        return self.reserve.peak_blocks([*growths, new]) <= self.kv.pool.num_free_blocks
+
+    def _forget_arrived_imports(self) -> None:
+        """Imports whose blocks became a request's, or were given back, are on their way no more."""
+        for handle in [h for h in self.importing if h not in self.kv.held]:
+            del self.importing[handle]
+
+    def _growths(self, ratio: float) -> list[Growth]:
+        """The expected growth of the running requests and of the imports on their way."""
+        growths = [self.reserve.growth(r, len(self.kv.req_blocks.get(r.request_id, ())), ratio) for r in self.running]
+        for pending in self.importing.values():
+            allowance = self.reserve.allowance_of(pending.num_tokens, pending.max_tokens_left)
+            growths.append(self.reserve.expected(allowance, pending.num_tokens, pending.num_blocks, ratio))
+        return growths
+
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
 
@@ -119,20 +169,21 @@ class Scheduler:
             break
         self.reserve.stepped()
         self.reserved_blocks = 0
+        self._forget_arrived_imports()
         if out.preempted:
             self.reserve.preempted()
             return out
-        growths: list[Growth] | None = None  # the running requests' expected growth
+        growths: list[Growth] | None = None  # the running requests' and imports' expected growth
         ratio = self.reserve.ratio
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             req = self.waiting[0]
             hits = self.kv.get_computed_blocks(req)
             num_hit_tokens = len(hits) * self.kv.block_size
             num_new = min(req.num_tokens - num_hit_tokens, budget)
-            if self.config.reserve_growth and self.running:
+            if self.config.reserve_growth:
                 if growths is None:
-                    growths = [self.reserve.growth(r, len(self.kv.req_blocks.get(r.request_id, ())), ratio) for r in self.running]
-                if not req.resumed and not self._fits_beside(req, hits, growths, ratio):
+                    growths = self._growths(ratio)
+                if growths and not req.resumed and not self._fits_beside(req, hits, growths, ratio):
                     self.reserved_blocks = self.reserve.peak_blocks(growths)
                     break
             if self.kv.allocate_slots(req, num_new, hits) is None:

@@ -60,7 +60,9 @@ class WorkerSettings:
     lease_ttl: int = 5  # seconds: a dead worker leaves etcd within this
     pin_ttl: int = 30  # seconds a prefill's blocks wait for the decode side's pull
     transfer_port_range: tuple[int, int] | None = None  # where Mooncake listens (both ports); None: its default
-    import_wait: float = 10.0  # seconds a decode worker waits for room for a pull (less than pin_ttl)
+    # seconds a decode worker waits in line for room for a pull (at most pin_ttl - 5): a busy decode
+    # worker's pulls queue rather than come back overloaded (each then prefilled again)
+    import_wait: float = 25.0
     load_interval: float = 0.5  # seconds between load reports
     drain_timeout: float = 60.0
     health_host: str = "127.0.0.1"  # where the liveness / readiness endpoint listens
