@@ -39,6 +39,7 @@ class DecodeWorker:
         self.runtime = runtime
         self.in_flight = InFlight()  # requests waiting for room or pulling, not in the engine yet
         self.import_line = ImportLine()  # pulls waiting for room, in the order they take it
+        runtime.queued_outside_engine = lambda: len(self.import_line)
 
     async def start(self) -> None:
         rt = self.runtime

@@ -465,7 +465,7 @@ class LoadReport(Message):
     worker_id: str
     role: Role
     running: int
-    waiting: int
+    waiting: int  # in the engine's queue and before it (a decode worker's pulls waiting for room)
     free_blocks: int
     total_blocks: int
     draining: bool = False

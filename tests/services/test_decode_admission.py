@@ -12,7 +12,10 @@ import pytest
 
 from kvmesh.errors import ErrorCode, MeshError
 from kvmesh.services.decode_worker.main import DecodeWorker
+from kvmesh.settings.mesh import MeshSettings
+from kvmesh.settings.worker import WorkerSettings
 from kvmesh.worker.engine_api import SamplingParams
+from kvmesh.worker.runtime import WorkerRuntime
 
 
 class Engine:
@@ -108,3 +111,14 @@ async def test_no_wait_outlives_the_prefills_pin():
     with pytest.raises(MeshError):  # the pin lasts 6 s: 1 s of waiting, 5 s left for the pull
         await asyncio.wait_for(worker(engine, import_wait=25, pin_ttl=6)._allocate_import("big", 64, SamplingParams()), 5)
     assert 0.9 < loop.time() - started < 2
+
+
+def test_pulls_waiting_in_line_count_as_waiting_in_the_load_the_router_hears():
+    rt = WorkerRuntime(WorkerSettings(role="decode", mesh=MeshSettings("nats://127.0.0.1:1", ("127.0.0.1:1",))))
+    load = {"running": 3, "waiting": 1, "free_blocks": 0}
+    rt.engine = SimpleNamespace(load_now=lambda: load, kv_layout=SimpleNamespace(num_blocks=10), is_alive=lambda: True, heartbeat_age=lambda: 0.0)  # type: ignore[assignment]
+    decode = DecodeWorker(rt)
+    decode.import_line.join(retried=False)
+    decode.import_line.join(retried=True)
+    report = rt.load_report()
+    assert (report.running, report.waiting, report.free_blocks) == (3, 3, 0)

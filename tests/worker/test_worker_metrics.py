@@ -57,7 +57,9 @@ async def test_tokens_are_counted_per_step_and_requests_forgotten(tiny_model_dir
             assert values[f"kvmesh:{name}_count"] == 1, name
         assert values["kvmesh:inter_token_latency_seconds_count"] == 63
         assert values["kvmesh:engine_step_seconds_count"] >= 64
-        assert values["kvmesh:num_requests_running"] == 0
+        assert values["kvmesh:num_requests_running"] == values["kvmesh:num_requests_waiting"] == 0
+        # a decode worker's pulls waiting for room count as waiting
+        assert scrape_values(await metrics.render(engine, lambda: 2))["kvmesh:num_requests_waiting"] == 2
         # The same prompt again: its full blocks are prefix hits.
         async for _ in engine.generate("r2", prompt, SamplingParams(max_tokens=2, ignore_eos=True)):
             pass

@@ -16,6 +16,7 @@ import asyncio
 import logging
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -187,9 +188,10 @@ class WorkerMetrics:
         self.transfer_seconds[direction].observe(max(0.0, seconds))
 
     # -- scrape --------------------------------------------------------------------------
-    async def render(self, engine) -> bytes:
+    async def render(self, engine, queued: Callable[[], int] = lambda: 0) -> bytes:
         """The registry's text, with the pool and queue gauges read now (pool stats wait at
-        most ``POOL_STATS_WAIT`` for the engine thread, else the last ones are shown)."""
+        most ``POOL_STATS_WAIT`` for the engine thread, else the last ones are shown);
+        ``queued``: requests waiting before the engine, counted as waiting."""
         load = engine.load_now()
         try:
             self._pool = await asyncio.wait_for(engine.pool_stats(), POOL_STATS_WAIT)
@@ -198,7 +200,7 @@ class WorkerMetrics:
         # the blocks a request may have: vLLM's pool says one fewer than its tensors hold (its null block)
         total = self._pool.num_blocks if self._pool is not None else engine.kv_layout.num_blocks
         self.running.set(load["running"])
-        self.waiting.set(load["waiting"])
+        self.waiting.set(load["waiting"] + queued())
         self.reserved.set(load.get("reserved_blocks", 0))  # kvmesh's engine's; vLLM's admission keeps nothing back
         free = load["free_blocks"]  # unreferenced: empty or cached (evictable)
         self.kv_cache_usage.set((total - free) / total if total else 0.0)

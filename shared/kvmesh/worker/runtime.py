@@ -58,6 +58,9 @@ class WorkerRuntime:
         self.draining = False
         self.bytes_served = 0  # prefill: bytes of pinned blocks peers pulled
         self.pin_count: Callable[[], int] = lambda: 0
+        # requests queued before the engine, reported as waiting with the engine's own (a decode
+        # worker's pulls waiting for room): the router sees the whole queue
+        self.queued_outside_engine: Callable[[], int] = lambda: 0
         self.on_cancel: Callable[[str], Awaitable[None]] = self._abort
         self._tasks: set[asyncio.Task] = set()
         self._work_subscriptions: list[Any] = []
@@ -99,7 +102,7 @@ class WorkerRuntime:
         self.engine = await create_engine(s.engine)
         metrics = self.metrics = WorkerMetrics(self.engine.model_name, s.role, self.worker_id)
         self.engine.observe_steps(metrics)
-        self.health.metrics = functools.partial(metrics.render, self.engine)
+        self.health.metrics = functools.partial(metrics.render, self.engine, lambda: self.queued_outside_engine())
         pool = self.engine.kv_layout
         # Off the event loop: the engine's start may wait on this host's start lock (other
         # workers' engines starting), and the identity slot's lease must be kept meanwhile.
@@ -267,22 +270,24 @@ class WorkerRuntime:
     async def _handle_stats(self, msg: Msg) -> None:
         await msg.respond((await self.stats()).encode())
 
+    def load_report(self) -> LoadReport:
+        load = self.engine.load_now()  # never queued behind a long engine step
+        return LoadReport(
+            worker_id=self.worker_id,
+            role=self.settings.role,
+            running=load["running"],
+            waiting=load["waiting"] + self.queued_outside_engine(),
+            free_blocks=load["free_blocks"],
+            total_blocks=self.engine.kv_layout.num_blocks,
+            draining=self.draining,
+            ready=self.health_status().ready,
+            timestamp=time.time(),
+        )
+
     async def _report_load(self) -> None:
         while True:
             try:
-                load = self.engine.load_now()  # never queued behind a long engine step
-                report = LoadReport(
-                    worker_id=self.worker_id,
-                    role=self.settings.role,
-                    running=load["running"],
-                    waiting=load["waiting"],
-                    free_blocks=load["free_blocks"],
-                    total_blocks=self.engine.kv_layout.num_blocks,
-                    draining=self.draining,
-                    ready=self.health_status().ready,
-                    timestamp=time.time(),
-                )
-                await self.nc.publish(self.subjects.load_from(self.worker_id), report.encode())
+                await self.nc.publish(self.subjects.load_from(self.worker_id), self.load_report().encode())
             except Exception as exc:  # noqa: BLE001 - a missed report is not fatal
                 logger.debug("load report failed: %s", exc)
             await asyncio.sleep(self.settings.load_interval)
