@@ -176,7 +176,7 @@ class DecodeWorker:
             if rt.settings.fault_pull_delay:
                 await asyncio.sleep(rt.settings.fault_pull_delay)
             with rt.tracer.start_as_current_span("kv_transfer") as span:
-                block_ids = await self._allocate_import(request.request_id, kv.num_tokens, None if request.resumed else request.sampling.to_params())
+                block_ids = await self._allocate_import(request.request_id, kv.num_tokens, request.sampling.to_params(), resumed=request.resumed)
                 # A cancel while waiting for room or reading the blocks gives them back (below).
                 try:
                     runs = coalesce(kv.block_ids, block_ids)
@@ -216,18 +216,16 @@ class DecodeWorker:
         if not held:
             raise MeshError(ErrorCode.KV_LOST, f"{producer}, {request_id}: {why}")
 
-    async def _allocate_import(self, request_id: str, num_tokens: int, params: SamplingParams | None) -> list[int]:
-        """Blocks for an import. A new request (``params``, ``None`` for a resumed stream)
-        is admitted only while every running one still has room to grow by a block, and
-        where the engine's own admission takes it (kvmesh's keeps room for the running
-        requests' expected growth): else they would preempt each other and recompute, and
-        nobody gets anywhere. A resumed stream, whose client is mid-answer, only needs the
-        blocks. While there is no room, wait in line (``ImportLine``) up to ``import_wait``
+    async def _allocate_import(self, request_id: str, num_tokens: int, params: SamplingParams, *, resumed: bool = False) -> list[int]:
+        """Blocks for an import. A new request is admitted only while every running one
+        still has room to grow by a block, and where the engine's own admission takes it
+        (kvmesh's keeps room for the running requests' expected growth): else they would
+        preempt each other and recompute, and nobody gets anywhere. A ``resumed`` stream,
+        whose client is mid-answer, only needs the blocks. While there is no room, wait in line (``ImportLine``) up to ``import_wait``
         seconds (and 5 s less than the prefill's pin lasts) for running requests to give
         some back (the router hears heartbeats meanwhile)."""
         rt = self.runtime
         loop = asyncio.get_running_loop()
-        resumed = params is None
         # A retry waits less: another decode worker (one just restarted, say) may have room.
         # No wait outlives the prefill's pin of the blocks to pull.
         wait = min(rt.settings.import_wait, max(1.0, rt.settings.pin_ttl - PIN_MARGIN))
@@ -241,7 +239,7 @@ class DecodeWorker:
                     load = rt.engine.load_now()
                     reserve = 0 if resumed else load["running"]
                     if load["free_blocks"] - needed >= reserve:
-                        block_ids = await rt.engine.allocate_import(request_id, num_tokens, params)
+                        block_ids = await rt.engine.allocate_import(request_id, num_tokens, params, resumed)
                         if block_ids is not None:
                             return block_ids
                 if loop.time() >= give_up:

@@ -203,7 +203,10 @@ def test_imports_on_their_way_count_and_stop_counting_when_given_back() -> None:
     assert sched.take_import("x", 8, 8) == [0, 1]  # nothing running: taken
     assert sched.take_import("y", 8, 8) is not None  # x will need 2 more blocks, y 4: 6 of 8
     assert sched.take_import("z", 8, 8) is None  # 2 + 2 + 4 more than the 6 free
-    assert sched.take_import("resumed", 8, None) is not None  # mid-answer: only the blocks
+    assert sched.take_import("resumed", 8, 8, resumed=True) is not None  # mid-answer: only the blocks
+    assert "resumed" in sched.importing  # its growth counts for the others
+    assert sched.take_import("prefix", 8, None) is not None and "prefix" not in sched.importing  # a borrowed prefix
+    sched.kv.release_held("prefix")
     sched.kv.release_held("resumed")
     sched.kv.release_held("x")  # its pull failed
     assert sched.take_import("z", 8, 8) is not None and set(sched.importing) == {"y", "z"}
@@ -226,3 +229,9 @@ def test_an_import_waits_behind_the_waiting_requests() -> None:
     while sched.has_unfinished():
         step(sched)
     assert sched.take_import("d", 4, 1) is not None
+
+
+def test_without_the_reserve_an_import_takes_what_fits() -> None:
+    sched = make(4, reserve_growth=False)
+    assert sched.take_import("x", 8, 100) == [0, 1] and sched.take_import("y", 8, 100) == [2, 3]
+    assert sched.importing == {} and sched.take_import("z", 4, 1) is None

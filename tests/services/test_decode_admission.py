@@ -24,15 +24,15 @@ class Engine:
         self.kv_layout = SimpleNamespace(block_size=16)
         self.allocated: list[str] = []
         self.admits = True  # the engine's own admission
-        self.asked: list[SamplingParams | None] = []
+        self.asked: list[tuple[SamplingParams | None, bool]] = []  # (params, resumed) of each try
 
     def load_now(self) -> dict[str, int]:
         return {"running": self.running, "waiting": 0, "free_blocks": self.free}
 
-    async def allocate_import(self, handle: str, num_tokens: int, params: SamplingParams | None = None) -> list[int] | None:
-        self.asked.append(params)
+    async def allocate_import(self, handle: str, num_tokens: int, params: SamplingParams | None = None, resumed: bool = False) -> list[int] | None:
+        self.asked.append((params, resumed))
         needed = -(-num_tokens // 16)
-        if needed > self.free or (params is not None and not self.admits):
+        if needed > self.free or (params is not None and not resumed and not self.admits):
             return None
         self.free -= needed
         self.allocated.append(handle)
@@ -51,7 +51,7 @@ async def test_a_new_pull_waits_until_running_requests_keep_room_to_grow():
     assert not pull.done() and engine.allocated == []
     engine.free = 9  # 9 - 4 = 5: each running request can take one more block
     assert await asyncio.wait_for(pull, 2) == [0, 1, 2, 3]
-    assert [p.max_tokens for p in engine.asked if p is not None] == [7]
+    assert [(p.max_tokens if p else None, resumed) for p, resumed in engine.asked] == [(7, False)]
 
 
 async def test_a_new_pull_waits_while_the_engine_holds_it_back():
@@ -67,8 +67,8 @@ async def test_a_new_pull_waits_while_the_engine_holds_it_back():
 async def test_a_retried_pull_only_needs_the_blocks():
     engine = Engine(free=8, running=5)
     engine.admits = False
-    assert await asyncio.wait_for(worker(engine)._allocate_import("retry", 64, None), 1) == [0, 1, 2, 3]
-    assert engine.asked == [None]  # no admission of the engine's: a stream mid-answer
+    assert await asyncio.wait_for(worker(engine)._allocate_import("retry", 64, SamplingParams(), resumed=True), 1) == [0, 1, 2, 3]
+    assert [resumed for _, resumed in engine.asked] == [True]  # the engine's admission skipped: a stream mid-answer
 
 
 async def test_no_room_in_time_is_overloaded():
@@ -94,13 +94,14 @@ async def test_pulls_take_room_in_the_order_they_came():
 
 async def test_a_retried_pull_goes_ahead_of_new_ones_and_a_timed_out_one_leaves_the_line():
     engine = Engine(free=3, running=0)
-    w = worker(engine, import_wait=0.3)
+    w = worker(engine, import_wait=2.0)
     new = asyncio.create_task(w._allocate_import("new", 64, SamplingParams()))
     await asyncio.sleep(0.1)
-    retried = asyncio.create_task(w._allocate_import("retried", 48, None))
-    assert await asyncio.wait_for(retried, 1) == [0, 1, 2]  # ahead of new, which still waits for 4
+    retried = asyncio.create_task(w._allocate_import("retried", 48, SamplingParams(), resumed=True))
+    assert await asyncio.wait_for(retried, 0.5) == [0, 1, 2]
+    assert not new.done()  # ahead of new, which still waits for its 4 blocks
     with pytest.raises(MeshError):
-        await asyncio.wait_for(new, 2)
+        await asyncio.wait_for(new, 3)
     assert engine.allocated == ["retried"] and len(w.import_line) == 0
 
 

@@ -277,8 +277,10 @@ class AsyncEngine:
     async def release_export(self, request_id: str) -> bool:
         return await self._call(lambda: self.engine.release_export(request_id))
 
-    async def allocate_import(self, handle: str, num_tokens: int, params: SamplingParams | None = None) -> list[int] | None:
-        return await self._call(lambda: self.engine.allocate_import(handle, num_tokens, params))
+    async def allocate_import(
+        self, handle: str, num_tokens: int, params: SamplingParams | None = None, resumed: bool = False
+    ) -> list[int] | None:
+        return await self._call(lambda: self.engine.allocate_import(handle, num_tokens, params, resumed))
 
     async def release_import(self, handle: str) -> bool:
         return await self._call(lambda: self.engine.release_import(handle))

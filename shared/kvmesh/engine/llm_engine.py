@@ -333,11 +333,14 @@ class LLMEngine:
         """Free the blocks a finished export held (after the peer pulled them)."""
         return self.kv_manager.release_held(request_id)
 
-    def allocate_import(self, handle: str, num_tokens: int, params: SamplingParams | None = None) -> list[int] | None:
+    def allocate_import(
+        self, handle: str, num_tokens: int, params: SamplingParams | None = None, resumed: bool = False
+    ) -> list[int] | None:
         """Blocks to receive the KV of ``num_tokens`` tokens from a peer; ``None`` if no room.
         With ``params`` (of a request to decode from that KV, ``add_imported_request``) only
-        where admission takes that request now (``Scheduler.take_import``)."""
-        return self.scheduler.take_import(handle, num_tokens, None if params is None else params.max_tokens)
+        where admission takes that request now, unless it is ``resumed`` mid-answer
+        (``Scheduler.take_import``)."""
+        return self.scheduler.take_import(handle, num_tokens, None if params is None else params.max_tokens, resumed=resumed)
 
     def release_import(self, handle: str) -> bool:
         return self.kv_manager.release_held(handle)

@@ -106,17 +106,20 @@ class Scheduler:
         req.first_scheduled_time = time.monotonic()
         self.running.append(req)
 
-    def take_import(self, handle: str, num_tokens: int, max_tokens: int | None) -> list[int] | None:
+    def take_import(self, handle: str, num_tokens: int, max_tokens: int | None, *, resumed: bool = False) -> list[int] | None:
         """Blocks, held under ``handle``, for the KV of ``num_tokens`` prompt tokens pulled
         from a peer; ``None`` if no room. With ``max_tokens`` (a request to decode here,
         its first token made where its prompt was) only where admission takes it now:
         after the waiting requests and, as theirs, beside the growth of those running
-        (``kvmesh.engine.admission``). Without, wherever the blocks fit (a stream resumed
-        mid-answer, a borrowed prefix)."""
-        if max_tokens is not None and self.config.reserve_growth and not self._admits_import(num_tokens, max_tokens):
+        (``kvmesh.engine.admission``); ``resumed`` (a stream mid-answer) or without
+        ``max_tokens`` (a borrowed prefix), wherever the blocks fit. The growth of a
+        request's import counts for the others' admission until it runs."""
+        if max_tokens is None or not self.config.reserve_growth:
+            return self.kv.allocate_held(handle, num_tokens)
+        if not resumed and not self._admits_import(num_tokens, max_tokens):
             return None
         block_ids = self.kv.allocate_held(handle, num_tokens)
-        if block_ids is not None and max_tokens is not None:
+        if block_ids is not None:
             self.importing[handle] = PendingImport(num_tokens + 1, max_tokens - 1, len(block_ids))
         return block_ids
 

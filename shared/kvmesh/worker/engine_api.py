@@ -91,12 +91,15 @@ class Engine(Protocol):
         ...
 
     # -- decode from imported KV (decode workers, and prefix pulls) ------------------------
-    async def allocate_import(self, handle: str, num_tokens: int, params: SamplingParams | None = None) -> list[int] | None:
+    async def allocate_import(
+        self, handle: str, num_tokens: int, params: SamplingParams | None = None, resumed: bool = False
+    ) -> list[int] | None:
         """Blocks, held under ``handle``, to receive the KV of ``num_tokens`` tokens from a
         peer; ``None`` when there is no room. With ``params``, of the request to decode from
         that KV (``generate_from_import``), an engine that reserves room for the running
         requests' growth (kvmesh's) also says ``None`` where its admission would hold that
-        request back now; vLLM's takes the blocks wherever they fit."""
+        request back now, unless it is ``resumed`` (mid-answer: it counts the request's
+        growth but takes the blocks wherever they fit); vLLM's takes them wherever they fit."""
         ...
 
     async def release_import(self, handle: str) -> bool:

@@ -343,10 +343,12 @@ class VllmCore:
                 self.exchange.finished_seen -= gone
 
     # -- import (decode workers) -----------------------------------------------------------
-    def allocate_import(self, handle: str, num_tokens: int, params: SamplingParams | None = None) -> list[int] | None:
+    def allocate_import(
+        self, handle: str, num_tokens: int, params: SamplingParams | None = None, resumed: bool = False
+    ) -> list[int] | None:
         """Blocks of vLLM's pool for a pull to fill, outside any request of vLLM's (its
         request gets blocks of its own when scheduled, and the pulled KV is copied there).
-        ``params`` are not looked at: vLLM's scheduler keeps no room back for growth."""
+        ``params`` and ``resumed`` are not looked at: vLLM's scheduler keeps no room back for growth."""
         self._connector()
         if handle in self._staged or handle in self._importing or handle in self._prefixes:
             raise ValueError(f"handle {handle!r} is already in use")
