@@ -1,4 +1,5 @@
-"""The async interface: streaming, abort, concurrency, and the disaggregation hooks."""
+"""The async interface: streaming, abort, concurrency, and the disaggregation hooks (on
+``KVMESH_TEST_DEVICE``, the CPU unless it names another)."""
 
 from __future__ import annotations
 
@@ -9,12 +10,15 @@ import pytest
 from kvmesh.engine.async_engine import AsyncEngine, EngineDeadError
 from kvmesh.engine.llm_engine import EngineConfig, LLMEngine
 from kvmesh.engine.request import FinishReason, SamplingParams
+from tests.engine.reference import DEVICE, skip_unless_device_present
+
+skip_unless_device_present()
 
 GREEDY = SamplingParams(max_tokens=10, ignore_eos=True)
 
 
 def config(model_dir, **overrides) -> EngineConfig:
-    values = dict(model=str(model_dir), block_size=4, num_blocks=128)
+    values = dict(model=str(model_dir), block_size=4, num_blocks=128, device=DEVICE)
     values.update(overrides)
     return EngineConfig(**values)
 

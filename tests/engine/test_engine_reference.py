@@ -1,5 +1,6 @@
 """The engine against transformers on a tiny random Llama / Qwen2: greedy tokens and logits,
-alone, batched, in small prefill chunks, under preemption and with prefix-cache hits."""
+alone, batched, in small prefill chunks, under preemption and with prefix-cache hits.
+On the CPU unless ``KVMESH_TEST_DEVICE`` names another device (both sides run there)."""
 
 from __future__ import annotations
 
@@ -8,7 +9,9 @@ import torch
 
 from kvmesh.engine.llm_engine import EngineConfig, LLMEngine
 from kvmesh.engine.request import SamplingParams
-from tests.engine.reference import load_reference, reference_greedy, reference_logits
+from tests.engine.reference import DEVICE, load_reference, reference_greedy, reference_logits, skip_unless_device_present
+
+skip_unless_device_present()
 
 TEXTS = [
     "The capital of France is",
@@ -28,7 +31,7 @@ def model_dir(request, tiny_model_dir, tiny_qwen2_dir):
 
 @pytest.fixture(scope="module")
 def reference(model_dir):
-    return load_reference(model_dir)
+    return load_reference(model_dir, device=DEVICE)
 
 
 @pytest.fixture(scope="module")
@@ -43,12 +46,14 @@ def expected(reference, prompts):
 
 
 def make_engine(model_dir, **overrides) -> LLMEngine:
-    config = dict(model=str(model_dir), block_size=4, num_blocks=256, max_num_batched_tokens=256)
+    config = dict(model=str(model_dir), block_size=4, num_blocks=256, max_num_batched_tokens=256, device=DEVICE)
     config.update(overrides)
     return LLMEngine(EngineConfig(**config))
 
 
 GREEDY = SamplingParams(max_tokens=NEW_TOKENS, ignore_eos=True)
+# the grouped prefill over a shared prefix is the CPU's path (ModelRunner.shared_prefill)
+CPU_ONLY = pytest.mark.skipif(DEVICE != "cpu", reason="grouped prefill attention runs on the CPU only")
 
 
 def test_one_request_at_a_time(model_dir, prompts, expected):
@@ -180,7 +185,7 @@ def test_cascade_decode_logits_match_plain(model_dir, prompts):
     assert meta.decode is not None and meta.decode.shared_prefix is None
     k_cache, v_cache = engine.kv_pool.layer_views(0)
     torch.manual_seed(0)
-    q = torch.randn(meta.num_decode, engine.model_config.num_heads, engine.model_config.head_dim)
+    q = torch.randn(meta.num_decode, engine.model_config.num_heads, engine.model_config.head_dim, device=DEVICE)
     plain = _decode_attention(q, k_cache, v_cache, meta.decode, 0.125)
     engine.runner.cascade_min_blocks = 1
     _, _, cascade_meta, _, _ = engine.runner.prepare(out)
@@ -202,6 +207,7 @@ def _shared_prefix_batch(engine: LLMEngine, prompts: list[list[int]]) -> list[li
     return [prefix + prompts[0] + prompts[2]] + [prefix + p for p in prompts[1:4]]
 
 
+@CPU_ONLY
 def test_prefill_chunks_on_a_cached_prefix_read_it_once(model_dir, reference, prompts, monkeypatch):
     """Prompts on one cached prefix, prefilled in the same step, attend to it as one group
     (SharedPrefill); their tokens still equal the reference, for a chunk beginning where the
@@ -222,6 +228,7 @@ def test_prefill_chunks_on_a_cached_prefix_read_it_once(model_dir, reference, pr
     assert engine.kv_manager.pool.num_free_blocks == engine.kv_manager.pool.num_blocks  # all freed or cached
 
 
+@CPU_ONLY
 def test_shared_prefill_attention_matches_plain(model_dir, prompts):
     """The grouped prefill attention and the per-chunk one compute the same values (float32)."""
     from kvmesh.engine.model.attention import paged_attention, write_kv

@@ -55,6 +55,10 @@ def _sample_row(logits: torch.Tensor, req: Request) -> int:
     if not bool(torch.isfinite(probs).all() & (probs.sum() > 0)):
         logger.warning("request %s: no valid distribution to sample; taking the argmax", req.request_id)
         return int(torch.argmax(torch.nan_to_num(logits, nan=float("-inf"))).item())
+    if req.generator is not None:
+        # A seeded request draws on the CPU, where its generator is, whatever the device: a
+        # CUDA tensor refuses a CPU generator, and the same seed draws alike on every device.
+        probs = probs.to(req.generator.device)
     return int(torch.multinomial(probs, 1, generator=req.generator).item())
 
 
