@@ -35,7 +35,10 @@ def cpu_flags() -> str:
 
 def default_dtype(device_type: str = "cpu") -> tuple[str, str]:
     """The dtype ``--dtype auto`` picks here, and why: bfloat16 only where the CPU computes it
-    natively (AMX-BF16 or AVX512-BF16), float32 elsewhere (emulated bf16 is many times slower)."""
+    natively (AMX-BF16 or AVX512-BF16), float32 elsewhere (emulated bf16 is many times slower);
+    on a CUDA GPU bfloat16 where it has bf16 arithmetic (compute capability 8.0 and later)."""
+    if device_type == "cuda":
+        return _cuda_dtype()
     if device_type != "cpu":
         return "float32", f"device {device_type}: float32 unless --dtype says otherwise"
     flags = set(cpu_flags().split())
@@ -43,6 +46,18 @@ def default_dtype(device_type: str = "cpu") -> tuple[str, str]:
         if flag in flags:
             return "bfloat16", f"the CPU has {name} (native bf16)"
     return "float32", "the CPU has no native bf16 (no AVX512-BF16 or AMX-BF16)"
+
+
+def _cuda_dtype() -> tuple[str, str]:
+    import torch
+
+    if not torch.cuda.is_available():
+        return "float32", "device cuda: torch sees no GPU"
+    major, minor = torch.cuda.get_device_capability()
+    name = torch.cuda.get_device_name()
+    if major >= 8:
+        return "bfloat16", f"the GPU ({name}, compute capability {major}.{minor}) computes bf16 natively"
+    return "float32", f"the GPU ({name}, compute capability {major}.{minor}) has no bf16 arithmetic"
 
 
 def usable_cores() -> int:

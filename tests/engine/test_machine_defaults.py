@@ -1,4 +1,4 @@
-"""``--dtype auto``: bfloat16 only where the CPU has native bf16."""
+"""``--dtype auto``: bfloat16 only where the CPU (or the CUDA GPU) has native bf16."""
 
 from __future__ import annotations
 
@@ -26,7 +26,27 @@ def test_default_dtype_follows_the_cpu_flags(monkeypatch: pytest.MonkeyPatch, fl
 
 
 def test_default_dtype_off_cpu_is_float32() -> None:
-    assert machine.default_dtype("cuda")[0] == "float32"
+    assert machine.default_dtype("npu")[0] == "float32"
+
+
+@pytest.mark.parametrize(("capability", "dtype"), [((9, 0), "bfloat16"), ((8, 0), "bfloat16"), ((7, 5), "float32")])
+def test_default_dtype_on_a_gpu_follows_its_bf16_arithmetic(
+    monkeypatch: pytest.MonkeyPatch, capability: tuple[int, int], dtype: str
+) -> None:
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda *_: capability)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda *_: "a GPU")
+    got, reason = machine.default_dtype("cuda")
+    assert got == dtype and f"compute capability {capability[0]}.{capability[1]}" in reason
+
+
+def test_default_dtype_on_cuda_without_a_gpu_is_float32(monkeypatch: pytest.MonkeyPatch) -> None:
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert machine.default_dtype("cuda") == ("float32", "device cuda: torch sees no GPU")
 
 
 def test_worker_dtype_auto_is_resolved_before_any_engine_sees_it(monkeypatch: pytest.MonkeyPatch) -> None:
