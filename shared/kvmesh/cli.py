@@ -114,7 +114,7 @@ def build_parser() -> argparse.ArgumentParser:
                      help="add BIAS to token id TOKEN's logit (repeatable)")
     gen.add_argument(
         "--dtype", choices=DTYPE_CHOICES, default=env.DTYPE.raw() or "auto",
-        help="auto: bfloat16 where the CPU has native bf16, else float32 (KVMESH_DTYPE)",
+        help="auto: bfloat16 where the CPU (or, with --device cuda, the GPU) has native bf16, else float32 (KVMESH_DTYPE)",
     )  # fmt: skip
     gen.add_argument("--device", default="cpu", help="cpu, cuda or npu")
     gen.add_argument("--json", action="store_true", help='print {"token_ids": [...], "text": "..."}')
@@ -134,8 +134,8 @@ def build_parser() -> argparse.ArgumentParser:
     up.add_argument("--engine", choices=ENGINES, default="kvmesh", help="what the workers run: kvmesh (its own engine) or vllm (`make vllm`; workers run with .venv-vllm/bin/python)")
     up.add_argument(
         "--dtype", choices=DTYPE_CHOICES, default=env.DTYPE.raw() or "auto",
-        help="the workers' weights and KV cache; auto: bfloat16 where the CPU has native bf16 (AVX512-BF16, AMX-BF16), "
-        "else float32 (KVMESH_DTYPE)",
+        help="the workers' weights and KV cache; auto: bfloat16 where the CPU has native bf16 (AVX512-BF16, AMX-BF16) "
+        "or, with --device cuda, the GPU (compute capability 8.0 on), else float32 (KVMESH_DTYPE)",
     )  # fmt: skip
     up.add_argument("--kv-cache-mib", type=_positive_int, default=256, help="KV pool per worker")
     up.add_argument("--block-size", type=_positive_int, help="tokens per KV block (default: 16; 32 with vllm)")

@@ -5,13 +5,14 @@
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
 import pytest
 import torch
 
-DEVICE = os.environ.get("KVMESH_TEST_DEVICE", "cpu")
+from kvmesh.testing.device import device_under_test
+
+DEVICE = device_under_test()
 
 
 def skip_unless_device_present() -> None:

@@ -255,8 +255,8 @@ def check_engine(engine: str) -> None:
 
 def choose_machine_defaults(args: argparse.Namespace) -> list[str]:
     """The dtype and threads the machine decides where the user did not, and a line saying
-    each choice: ``auto`` (the default) is bfloat16 where the CPU computes it natively, else
-    float32; each worker's threads are its share of the cores this process may use."""
+    each choice: ``auto`` (the default) is bfloat16 where the CPU (or the CUDA GPU) computes it
+    natively, else float32; each worker's threads are its share of the cores this process may use."""
     from kvmesh.machine import default_dtype, threads_per_worker, usable_cores
 
     said = []

@@ -25,6 +25,7 @@ SERVICES = (ROUTER, PREFILL, DECODE, KV_METADATA)
 UP = "kvmesh up"  # the local launcher
 ETCD_AUTH = "kvmesh etcd-auth"
 COMPOSE = "docker compose"  # read by the compose file itself, never by a process
+TESTS = "the test suite"  # tests/, through kvmesh.testing
 
 
 class EnvError(ValueError):
@@ -97,7 +98,7 @@ ENGINE = _var("KVMESH_ENGINE", str, WORKERS, "the engine a worker hosts: kvmesh 
 MODEL = _var("KVMESH_MODEL", str, (ROUTER, *WORKERS), "model directory or .gguf file")
 SERVED_MODEL_NAME = _var("KVMESH_SERVED_MODEL_NAME", str, (ROUTER, *WORKERS), "the model's name in the API and block hashes")
 DEVICE = _var("KVMESH_DEVICE", str, WORKERS, "cpu, cuda or npu")
-DTYPE = _var("KVMESH_DTYPE", str, (*WORKERS, UP), "float32, bfloat16, float16 or auto (the default: bfloat16 where the CPU has native bf16, else float32)")
+DTYPE = _var("KVMESH_DTYPE", str, (*WORKERS, UP), "float32, bfloat16, float16 or auto (the default: bfloat16 where the CPU or the CUDA GPU has native bf16, else float32)")
 KV_CACHE_MIB = _var("KVMESH_KV_CACHE_MIB", int, WORKERS, "MiB of KV cache")
 BLOCK_SIZE = _var("KVMESH_BLOCK_SIZE", int, WORKERS, "tokens per KV block (0: the engine's default)")
 MAX_MODEL_LEN = _var("KVMESH_MAX_MODEL_LEN", int, WORKERS, "vllm: the longest sequence (0: the model's)")
@@ -119,6 +120,7 @@ IDENTITY_SLOTS = _var(
     "KVMESH_IDENTITY_SLOTS", str, WORKERS, "a folder of the role's credentials files (or a list): run as one no live worker holds"
 )
 FAULT_PULL_DELAY = _var("KVMESH_FAULT_PULL_DELAY", float, (DECODE,), "tests: seconds a decode worker waits before pulling KV")
+TEST_DEVICE = _var("KVMESH_TEST_DEVICE", str, (TESTS,), "the device the engine's reference tests run on: cpu (the default) or cuda (kvmesh.testing.device)")
 
 # -- the router (``kvmesh.settings.router``) --------------------------------------------------
 ROUTER_HOST = _var("KVMESH_ROUTER_HOST", str, (ROUTER,), "the router's listening address")

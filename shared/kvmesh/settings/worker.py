@@ -90,7 +90,7 @@ def worker_parser(role: Role) -> SettingsParser:
     option("--device", env=env.DEVICE, default="cpu")
     option(
         "--dtype", env=env.DTYPE, default="auto", choices=DTYPE_CHOICES,
-        help="auto: bfloat16 where the CPU has native bf16 (AVX512-BF16 / AMX), else float32 (KVMESH_DTYPE)",
+        help="auto: bfloat16 where the CPU (AVX512-BF16 / AMX) or the CUDA GPU (compute capability 8.0 on) has native bf16, else float32 (KVMESH_DTYPE)",
     )  # fmt: skip
     option("--kv-cache-mib", env=env.KV_CACHE_MIB, type=int, default=512)
     option(
