@@ -88,7 +88,7 @@ def test_help_shows_the_defaults_and_version() -> None:
         "--kv-cache-mib KV_CACHE_MIB",
         "KV pool per worker (default: 256)",
         "--dtype {float32,bfloat16,float16,auto}",
-        "else float32 (KVMESH_DTYPE) (default: auto)",
+        "float32 (KVMESH_DTYPE) (default: auto)",
         "tries per request (default: 3)",
         "requests a worker batches at most (default: 64)",
     ):
