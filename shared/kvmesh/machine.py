@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import platform
+import subprocess
 from pathlib import Path
 
 # What ``--dtype`` takes everywhere: the engines' dtypes, and ``auto`` (``default_dtype`` picks).
@@ -37,9 +38,10 @@ def default_dtype(device_type: str = "cpu") -> tuple[str, str]:
     """The dtype ``--dtype auto`` picks here, and why: bfloat16 only where the CPU computes it
     natively (AMX-BF16 or AVX512-BF16), float32 elsewhere (emulated bf16 is many times slower);
     on a CUDA GPU bfloat16 where it has bf16 arithmetic (compute capability 8.0 and later)."""
-    if device_type == "cuda":
-        return _cuda_dtype()
-    if device_type != "cpu":
+    kind, _, index = device_type.partition(":")
+    if kind == "cuda":
+        return _cuda_dtype(int(index) if index.isdigit() else 0)
+    if kind != "cpu":
         return "float32", f"device {device_type}: float32 unless --dtype says otherwise"
     flags = set(cpu_flags().split())
     for flag, name in (("amx_bf16", "AMX-BF16"), ("avx512_bf16", "AVX512-BF16")):
@@ -48,16 +50,23 @@ def default_dtype(device_type: str = "cpu") -> tuple[str, str]:
     return "float32", "the CPU has no native bf16 (no AVX512-BF16 or AMX-BF16)"
 
 
-def _cuda_dtype() -> tuple[str, str]:
-    import torch
-
-    if not torch.cuda.is_available():
-        return "float32", "device cuda: torch sees no GPU"
-    major, minor = torch.cuda.get_device_capability()
-    name = torch.cuda.get_device_name()
+def _cuda_dtype(index: int = 0) -> tuple[str, str]:
+    """Asked of nvidia-smi, not torch: a CUDA context made here would hold GPU memory in
+    ``kvmesh up``'s launcher for the mesh's life, and one made in a worker before vLLM starts
+    forces vLLM to spawn its engine process."""
+    try:
+        done = subprocess.run(
+            ["nvidia-smi", "--query-gpu=name,compute_cap", "--format=csv,noheader", "-i", str(index)],
+            capture_output=True, text=True, timeout=10,
+        )  # fmt: skip
+        name, capability = done.stdout.strip().rsplit(",", 1)
+        major, minor = (int(part) for part in capability.strip().split("."))
+    except (OSError, subprocess.TimeoutExpired, ValueError):
+        return "float32", f"device cuda: nvidia-smi did not say GPU {index}'s compute capability"
+    where = f"the GPU ({name.strip()}, compute capability {major}.{minor})"
     if major >= 8:
-        return "bfloat16", f"the GPU ({name}, compute capability {major}.{minor}) computes bf16 natively"
-    return "float32", f"the GPU ({name}, compute capability {major}.{minor}) has no bf16 arithmetic"
+        return "bfloat16", f"{where} computes bf16 natively"
+    return "float32", f"{where} has no bf16 arithmetic"
 
 
 def usable_cores() -> int:

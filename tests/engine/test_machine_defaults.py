@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import subprocess
+
 import pytest
 
 from kvmesh import machine
@@ -29,24 +31,38 @@ def test_default_dtype_off_cpu_is_float32() -> None:
     assert machine.default_dtype("npu")[0] == "float32"
 
 
-@pytest.mark.parametrize(("capability", "dtype"), [((9, 0), "bfloat16"), ((8, 0), "bfloat16"), ((7, 5), "float32")])
+@pytest.mark.parametrize(
+    ("answer", "dtype", "why"),
+    [
+        ("NVIDIA H200, 9.0\n", "bfloat16", "the GPU (NVIDIA H200, compute capability 9.0) computes bf16 natively"),
+        ("NVIDIA A100-SXM4-80GB, 8.0\n", "bfloat16", "compute capability 8.0) computes bf16 natively"),
+        ("Tesla T4, 7.5\n", "float32", "the GPU (Tesla T4, compute capability 7.5) has no bf16 arithmetic"),
+        ("", "float32", "nvidia-smi did not say GPU 1's compute capability"),
+        ("Field \"compute_cap\" is not a valid field to query.\n", "float32", "did not say"),
+    ],
+)
 def test_default_dtype_on_a_gpu_follows_its_bf16_arithmetic(
-    monkeypatch: pytest.MonkeyPatch, capability: tuple[int, int], dtype: str
+    monkeypatch: pytest.MonkeyPatch, answer: str, dtype: str, why: str
 ) -> None:
-    import torch
+    """Asked of nvidia-smi for the GPU the device names, without torch making a CUDA context."""
+    asked = []
 
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda *_: capability)
-    monkeypatch.setattr(torch.cuda, "get_device_name", lambda *_: "a GPU")
-    got, reason = machine.default_dtype("cuda")
-    assert got == dtype and f"compute capability {capability[0]}.{capability[1]}" in reason
+    def run(argv, **_):
+        asked.append(argv)
+        return subprocess.CompletedProcess(argv, 0, stdout=answer, stderr="")
+
+    monkeypatch.setattr(machine.subprocess, "run", run)
+    got, reason = machine.default_dtype("cuda:1")
+    assert got == dtype and why in reason
+    assert asked == [["nvidia-smi", "--query-gpu=name,compute_cap", "--format=csv,noheader", "-i", "1"]]
 
 
-def test_default_dtype_on_cuda_without_a_gpu_is_float32(monkeypatch: pytest.MonkeyPatch) -> None:
-    import torch
+def test_default_dtype_on_cuda_without_nvidia_smi_is_float32(monkeypatch: pytest.MonkeyPatch) -> None:
+    def missing(argv, **_):
+        raise FileNotFoundError(argv[0])
 
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
-    assert machine.default_dtype("cuda") == ("float32", "device cuda: torch sees no GPU")
+    monkeypatch.setattr(machine.subprocess, "run", missing)
+    assert machine.default_dtype("cuda") == ("float32", "device cuda: nvidia-smi did not say GPU 0's compute capability")
 
 
 def test_worker_dtype_auto_is_resolved_before_any_engine_sees_it(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -82,7 +82,7 @@ class LLMEngine:
         self.eos_token_ids = tuple(dict.fromkeys((*self.tokenizer.eos_token_ids, *self.model_config.eos_token_ids)))
         self.device = resolve_device(config.device)
         if config.dtype == "auto":
-            config.dtype, why = default_dtype(self.device.type)
+            config.dtype, why = default_dtype(str(self.device))
             logger.info("dtype auto: %s, since %s", config.dtype, why)
         dtype = DTYPES[config.dtype]
         weights = load_weights(self.model_dir, self.model_config, dtype, self.device)

@@ -262,7 +262,7 @@ def choose_machine_defaults(args: argparse.Namespace) -> list[str]:
     said = []
     if args.dtype == "auto":
         device = getattr(args, "device", None) or "cpu"
-        args.dtype, why = default_dtype(device.split(":")[0])
+        args.dtype, why = default_dtype(device)
         said.append(f"dtype {args.dtype}: {why} (--dtype or KVMESH_DTYPE to choose)")
     if args.num_threads is None:  # chosen here, once: the workers are started with it
         workers = args.prefill + args.decode

@@ -168,7 +168,7 @@ def worker_settings(role: Role, argv: list[str] | None = None) -> WorkerSettings
     if args.engine_args is not None:
         _check_engine_args(args.engine_args, parser)
     if args.dtype == "auto":
-        args.dtype, why = default_dtype(args.device.split(":")[0])
+        args.dtype, why = default_dtype(args.device)
         logger.info("dtype auto: %s, since %s", args.dtype, why)
     slots: tuple[str, ...] = ()
     if args.identity_slots:  # the id and credentials are the identity claimed at start
