@@ -1360,6 +1360,8 @@ def _decode_step_ms(engine: LLMEngine, prompts: list[list[int]], steps: int) -> 
 ABLATIONS = (  # (name, the LlamaModel attribute that turns it on)
     ("paged decode kernel (K/V read in place)", "paged_kernel"),
     ("fused rotary + K/V store", "fused_rope"),
+    ("fused residual add + RMSNorm, silu-and-mul", "fused_elementwise"),
+    ("small-batch linear kernel (AVX512-BF16, 1-2 rows)", "small_batch_linear"),
 )
 
 
@@ -1382,9 +1384,11 @@ def run_ablation(args: argparse.Namespace) -> tuple[list[dict[str, Any]], str]:
             log.warning("ablation: the compiled kernels are not available here; skipping %s", dtype)
             continue
         _decode_tokens_per_s(engine, prompts.make(32), 4)  # warm-up
-        for _, attr in ABLATIONS:
-            setattr(model, attr, True)  # off: the others still on
+        used = [(name, attr) for name, attr in ABLATIONS if getattr(model, attr)]  # not every dtype uses each
         for name, attr in ABLATIONS:
+            if (name, attr) not in used:
+                lines.append(f"| {name} | {dtype} | not used for {dtype} on this CPU | | | |")
+        for name, attr in used:
             rates: dict[bool, list[float]] = {False: [], True: []}
             step_ms: dict[bool, list[float]] = {False: [], True: []}
             for round_index in range(args.rounds):

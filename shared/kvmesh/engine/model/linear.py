@@ -10,6 +10,11 @@ A weight is packed once, for a number of input rows oneDNN lays it out for
 rate of packed for 1 at 8 and 32 rows and no slower at 1 or 1,024 (the engine: batch-1 decode
 1.19x, a 32-sequence decode step 1.18x faster); bfloat16 is as fast either way, a little
 faster at 1 row packed for 1 (docs/benchmarks.md, "oneDNN weight packing").
+
+A bfloat16 layer may also keep its plain weight for the compiled small-batch kernel
+(``torch.ops.kvmesh.small_linear``, csrc/small_linear.cpp): inputs of at most
+``small_rows`` rows go there, where a decode step of one or two sequences is bound by
+reading the weight, which that kernel streams faster than oneDNN does.
 """
 
 from __future__ import annotations
@@ -34,11 +39,14 @@ def can_prepack(weight: torch.Tensor) -> bool:
 class Linear:
     """``y = x @ weight.T + bias`` for x (..., in_features)."""
 
-    __slots__ = ("weight", "bias", "_packed")
+    __slots__ = ("weight", "bias", "_packed", "small_rows")
 
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None, *, prepack: bool = True) -> None:
-        self.weight: torch.Tensor | None = weight  # dropped by owners once prepacked
+    def __init__(
+        self, weight: torch.Tensor, bias: torch.Tensor | None = None, *, prepack: bool = True, small_rows: int = 0
+    ) -> None:
+        self.weight: torch.Tensor | None = weight  # dropped by owners once prepacked, unless small_rows
         self.bias = bias
+        self.small_rows = small_rows  # inputs of at most this many rows go to the small-batch kernel
         self._packed: torch.Tensor | None = None
         if prepack and can_prepack(weight):
             try:
@@ -51,6 +59,8 @@ class Linear:
         return self._packed is not None
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if x.shape[0] <= self.small_rows:
+            return torch.ops.kvmesh.small_linear(x, self.weight, self.bias)
         if self._packed is not None:
             return torch.ops.mkldnn._linear_pointwise(x, self._packed, self.bias, "none", [], "")
         assert self.weight is not None

@@ -2,17 +2,20 @@
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 
 from kvmesh.engine.kv_cache import KVCachePool
-from kvmesh.engine.model import paged_kernel
+from kvmesh.engine.model import paged_kernel, small_batch
 from kvmesh.engine.model.attention import AttentionMetadata, paged_attention, write_kv
 from kvmesh.engine.model.config import ModelConfig
-from kvmesh.engine.model.linear import Linear
+from kvmesh.engine.model.linear import Linear, can_prepack
 from kvmesh.engine.model.weights import ModelWeights
+
+logger = logging.getLogger(__name__)
 
 
 class RotaryEmbedding:
@@ -62,19 +65,23 @@ class LlamaModel:
         self.config = config
         self.embed = weights.embed
         self.norm = weights.norm
-        self.lm_head = Linear(weights.lm_head, prepack=prepack)
+        compiled = device.type == "cpu" and paged_kernel.available()
+        small = small_batch.plan(weights, dtype, compiled, prepack and can_prepack(weights.embed))
+        logger.info("small-batch linear kernel: %s", small.why)
+        self.lm_head = Linear(weights.lm_head, prepack=prepack, small_rows=small.lm_head_rows)
         self.layers = [
             DecoderLayer(
                 input_norm=layer.input_norm,
-                qkv=Linear(layer.qkv, layer.qkv_bias, prepack=prepack),
-                o_proj=Linear(layer.o_proj, prepack=prepack),
+                qkv=Linear(layer.qkv, layer.qkv_bias, prepack=prepack, small_rows=small.layer_rows),
+                o_proj=Linear(layer.o_proj, prepack=prepack, small_rows=small.layer_rows),
                 post_norm=layer.post_norm,
-                gate_up=Linear(layer.gate_up, prepack=prepack),
-                down=Linear(layer.down, prepack=prepack),
+                gate_up=Linear(layer.gate_up, prepack=prepack, small_rows=small.layer_rows),
+                down=Linear(layer.down, prepack=prepack, small_rows=small.layer_rows),
             )
             for layer in weights.layers
         ]
-        if self.layers and self.layers[0].qkv.prepacked:
+        self._planned_rows = [linear.small_rows for linear in self.linears()]
+        if self.layers and self.layers[0].qkv.prepacked and not small.layer_rows:
             for layer in self.layers:  # the prepacked copies are all that is used from here on
                 for linear in (layer.qkv, layer.o_proj, layer.gate_up, layer.down):
                     linear.weight = None
@@ -86,7 +93,6 @@ class LlamaModel:
         self.q_size = config.num_heads * config.head_dim
         self.kv_size = config.num_kv_heads * config.head_dim
         self.scale = config.head_dim**-0.5
-        compiled = device.type == "cpu" and paged_kernel.available()
         # Decode attention through the compiled kernel, K/V read in place (model/paged_kernel.py),
         # for every dtype: a decode step 1.25-1.34x (float32) and 1.28-1.38x (bfloat16) faster
         # than gathering the blocks at batch 1, 8 and 32 (docs/benchmarks.md, "The compiled
@@ -94,6 +100,45 @@ class LlamaModel:
         self.paged_kernel = compiled
         # Rotary and the K/V store fused into one compiled op (same library), bit-identical.
         self.fused_rope = compiled
+        # The residual add and RMSNorm in one op, silu-and-mul in one (csrc/fused_ops.cpp),
+        # where PyTorch runs about a dozen small ops (docs/benchmarks.md, "Engine ablation").
+        self.fused_elementwise = compiled
+        # The norm each layer's output is normalized by: the next layer's input norm, the
+        # final norm after the last.
+        self.next_norms = [layer.input_norm for layer in self.layers[1:]] + [self.norm]
+
+    def linears(self) -> list[Linear]:
+        return [self.lm_head] + [lin for layer in self.layers for lin in (layer.qkv, layer.o_proj, layer.gate_up, layer.down)]
+
+    @property
+    def small_batch_linear(self) -> bool:
+        """Do small batches go to the small-batch linear kernel (where the plan kept it)?"""
+        return any(linear.small_rows for linear in self.linears())
+
+    @small_batch_linear.setter
+    def small_batch_linear(self, on: bool) -> None:  # the ablation's and the tests' switch
+        for linear, rows in zip(self.linears(), self._planned_rows, strict=True):
+            linear.small_rows = rows if on else 0
+
+    def _norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        eps = self.config.rms_norm_eps
+        if self.fused_elementwise:
+            return torch.ops.kvmesh.rms_norm(x, weight, eps)
+        return F.rms_norm(x, (self.config.hidden_size,), weight, eps)
+
+    def _add_norm(self, residual: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The residual stream plus ``delta``, and its RMSNorm by ``weight`` (fused: in place)."""
+        eps = self.config.rms_norm_eps
+        if self.fused_elementwise:
+            return residual, torch.ops.kvmesh.add_rms_norm(residual, delta, weight, eps)
+        residual = residual + delta
+        return residual, F.rms_norm(residual, (self.config.hidden_size,), weight, eps)
+
+    def _silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
+        inter = self.config.intermediate_size
+        if self.fused_elementwise:
+            return torch.ops.kvmesh.silu_mul(gate_up, inter)
+        return F.silu(gate_up[:, :inter]) * gate_up[:, inter:]
 
     @torch.inference_mode()
     def forward(
@@ -101,16 +146,12 @@ class LlamaModel:
     ) -> torch.Tensor:
         """Final hidden states (T, hidden) for the flat batch."""
         cfg = self.config
-        eps = cfg.rms_norm_eps
-        hidden_shape = (cfg.hidden_size,)
         heads, kv_heads, head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
-        inter = cfg.intermediate_size
         num_tokens = input_ids.shape[0]
         cos, sin = self.rotary.tables(positions)
-        x = F.embedding(input_ids, self.embed)
-        residual = x
+        residual = F.embedding(input_ids, self.embed)  # a new tensor: the fused ops add into it in place
+        h = self._norm(residual, self.layers[0].input_norm if self.layers else self.norm)
         for index, layer in enumerate(self.layers):
-            h = F.rms_norm(x if index == 0 else residual, hidden_shape, layer.input_norm, eps)
             qkv = layer.qkv(h)
             qk = qkv[:, : self.q_size + self.kv_size].view(num_tokens, heads + kv_heads, head_dim)
             v = qkv[:, self.q_size + self.kv_size :].view(num_tokens, kv_heads, head_dim)
@@ -122,11 +163,10 @@ class LlamaModel:
                 write_kv(k_cache, v_cache, qk[:, heads:], v, meta)
             q, k = qk[:, :heads], qk[:, heads:]
             attn = paged_attention(q, k, v, k_cache, v_cache, meta, self.scale, self.paged_kernel)
-            residual = residual + layer.o_proj(attn.view(num_tokens, self.q_size))
-            h = F.rms_norm(residual, hidden_shape, layer.post_norm, eps)
-            gate_up = layer.gate_up(h)
-            residual = residual + layer.down(F.silu(gate_up[:, :inter]) * gate_up[:, inter:])
-        return F.rms_norm(residual, hidden_shape, self.norm, eps)
+            residual, h = self._add_norm(residual, layer.o_proj(attn.view(num_tokens, self.q_size)), layer.post_norm)
+            activated = self._silu_mul(layer.gate_up(h))
+            residual, h = self._add_norm(residual, layer.down(activated), self.next_norms[index])
+        return h
 
     @torch.inference_mode()
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:

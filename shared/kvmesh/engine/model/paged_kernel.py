@@ -1,12 +1,15 @@
-"""The compiled decode-attention kernel (csrc/paged_decode.cpp): K/V read in place.
+"""The compiled CPU kernels: decode attention with K/V read in place (csrc/paged_decode.cpp,
+with rotary and the K/V store fused), and the decoder's fused elementwise steps
+(csrc/fused_ops.cpp: RMSNorm with the residual add before it, silu-and-mul).
 
-It is built with the system C++ compiler against the installed torch into the kvmesh
-cache, keyed on the source, the torch version and the CPU's flags (it is compiled with
-``-march=native``), at ``make install`` (``python -m kvmesh.engine.model.paged_kernel``)
-or else at first use, and loaded as ``torch.ops.kvmesh.paged_decode``. Without a
-compiler (or without glibc's vector math library, libmvec), or when it fails to build or
-load, ``available()`` is False with the reason in one warning line, and attention gathers
-the blocks in PyTorch as before.
+They are built as one library with the system C++ compiler against the installed torch
+into the kvmesh cache, keyed on the sources, the torch version and the CPU's flags (it is
+compiled with ``-march=native``), at ``make install``
+(``python -m kvmesh.engine.model.paged_kernel``) or else at first use, and loaded as
+``torch.ops.kvmesh.*``. Without a compiler (or without glibc's vector math library,
+libmvec), or when it fails to build or load, ``available()`` is False with the reason in
+one warning line, and the model runs its PyTorch ops as before (attention gathers the
+blocks).
 ``KVMESH_PAGED_KERNEL=0`` turns it off.
 """
 
@@ -25,7 +28,9 @@ from kvmesh.native_build import build_shared_library
 
 logger = logging.getLogger(__name__)
 
-SOURCE = Path(__file__).with_name("csrc") / "paged_decode.cpp"
+CSRC = Path(__file__).with_name("csrc")
+SOURCES = [CSRC / "paged_decode.cpp", CSRC / "fused_ops.cpp", CSRC / "small_linear.cpp"]
+HEADERS = [CSRC / "cpu_math.h"]
 DISABLE_ENV = "KVMESH_PAGED_KERNEL"
 FLAGS = ["-O3", "-fno-math-errno", "-fopenmp", "-shared", "-fPIC", "-std=c++17", "-Wno-psabi"]
 
@@ -51,7 +56,8 @@ def library_path(cache: Path | None = None, march: str = "native") -> Path:
     from kvmesh.engine.loader.default_model import cache_dir
 
     flags = " ".join([*FLAGS, f"-march={march}"])
-    key = hashlib.sha256(SOURCE.read_bytes() + torch.__version__.encode() + flags.encode() + _cpu_flags().encode()).hexdigest()[:16]
+    code = b"".join(path.read_bytes() for path in [*SOURCES, *HEADERS])
+    key = hashlib.sha256(code + torch.__version__.encode() + flags.encode() + _cpu_flags().encode()).hexdigest()[:16]
     return (cache or cache_dir()) / f"paged_decode-{key}.so"
 
 
@@ -75,7 +81,7 @@ def build(cache: Path | None = None, march: str = "native") -> Path | None:
     last_failure = build_shared_library(
         path,
         lambda output: [
-            cxx, *FLAGS, f"-march={march}", f"-D_GLIBCXX_USE_CXX11_ABI={abi}", *includes, str(SOURCE), "-o", output,
+            cxx, *FLAGS, f"-march={march}", f"-D_GLIBCXX_USE_CXX11_ABI={abi}", *includes, *map(str, SOURCES), "-o", output,
             *[f"-L{d}" for d in libdirs], *[f"-Wl,-rpath,{d}" for d in libdirs], "-lc10", "-ltorch_cpu", "-lmvec",
         ],  # fmt: skip
         timeout=600,
@@ -86,7 +92,7 @@ def build(cache: Path | None = None, march: str = "native") -> Path | None:
 
 
 def available() -> bool:
-    """Is ``torch.ops.kvmesh.paged_decode`` loaded (building and loading it on first call)?"""
+    """Are the ``torch.ops.kvmesh`` kernels loaded (building and loading them on first call)?"""
     global _state, last_failure
     if _state is not None:
         return _state

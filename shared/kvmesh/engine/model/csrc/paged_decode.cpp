@@ -17,6 +17,8 @@
 
 #include <immintrin.h>
 
+#include "cpu_math.h"
+
 #include <cmath>
 #include <type_traits>
 #include <cstdint>
@@ -27,14 +29,8 @@
 
 namespace {
 
-inline float to_float(float x) { return x; }
-inline float to_float(c10::Half x) { return static_cast<float>(x); }
-inline float to_float(c10::BFloat16 x) {  // the bits shift, which vectorizes (the c10 conversion does not)
-  uint32_t bits = static_cast<uint32_t>(x.x) << 16;
-  float out;
-  std::memcpy(&out, &bits, sizeof(out));
-  return out;
-}
+using kvmesh::cpu::exp_shifted;
+using kvmesh::cpu::to_float;
 
 constexpr int64_t kMaxDim = 256;
 
@@ -103,55 +99,6 @@ struct Paged {
   // Tasks (sequence, KV head) per thread for a context of the tables' full width.
   int64_t grain_for(int64_t dim) const { return grain(width * block_size, group, dim); }
 };
-
-// x[i] = exp(x[i] - shift) for n floats, through glibc's vector math library (libmvec, linked
-// with -lmvec; accurate to 1 ulp) in the CPU's widest vectors. GCC calls it by itself only
-// under -ffast-math, which would also drop the IEEE semantics the rest relies on: without
-// these explicit calls every exp here was a scalar expf call.
-#if defined(__AVX512F__)
-extern "C" __m512 _ZGVeN16v_expf(__m512);
-#elif defined(__AVX2__)
-extern "C" __m256 _ZGVdN8v_expf(__m256);
-#elif defined(__SSE2__)
-extern "C" __m128 _ZGVbN4v_expf(__m128);
-#endif
-inline float exp_shifted(float* x, int64_t n, float shift) {  // returns the sum of the results
-  int64_t i = 0;
-  float total = 0.f;
-#if defined(__AVX512F__)
-  const __m512 sub = _mm512_set1_ps(shift);
-  __m512 sum = _mm512_setzero_ps();
-  for (; i + 16 <= n; i += 16) {
-    const __m512 e = _ZGVeN16v_expf(_mm512_sub_ps(_mm512_loadu_ps(x + i), sub));
-    _mm512_storeu_ps(x + i, e);
-    sum = _mm512_add_ps(sum, e);
-  }
-  total = _mm512_reduce_add_ps(sum);
-#elif defined(__AVX2__)
-  const __m256 sub = _mm256_set1_ps(shift);
-  for (; i + 8 <= n; i += 8) {
-    const __m256 e = _ZGVdN8v_expf(_mm256_sub_ps(_mm256_loadu_ps(x + i), sub));
-    _mm256_storeu_ps(x + i, e);
-    alignas(32) float lanes[8];
-    _mm256_store_ps(lanes, e);
-    for (int l = 0; l < 8; ++l) total += lanes[l];
-  }
-#elif defined(__SSE2__)
-  const __m128 sub = _mm_set1_ps(shift);
-  for (; i + 4 <= n; i += 4) {
-    const __m128 e = _ZGVbN4v_expf(_mm_sub_ps(_mm_loadu_ps(x + i), sub));
-    _mm_storeu_ps(x + i, e);
-    alignas(16) float lanes[4];
-    _mm_store_ps(lanes, e);
-    for (int l = 0; l < 4; ++l) total += lanes[l];
-  }
-#endif
-  for (; i < n; ++i) {
-    x[i] = std::exp(x[i] - shift);
-    total += x[i];
-  }
-  return total;
-}
 
 // Softmax in place over each of ``group`` rows of ``len`` scores; inv[g]: 1 / row g's sum,
 // peak[g]: its largest score.

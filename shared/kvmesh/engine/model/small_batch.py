@@ -1,0 +1,56 @@
+"""Which linear layers keep their plain bfloat16 weight for the compiled small-batch kernel.
+
+``torch.ops.kvmesh.small_linear`` (csrc/small_linear.cpp) computes a linear of one or two
+rows, a decode step of one or two sequences, 1.47x (one row) and 1.19x (two) faster than
+oneDNN's prepacked weights on an AVX512-BF16 CPU; from four rows oneDNN is as fast or
+faster (docs/benchmarks.md, "The small-batch linear kernel"). It reads the plain weight,
+which a prepacked layer otherwise drops, so keeping it costs the weights' bytes again: it is
+kept for models whose copies stay within ``PLAIN_COPY_LIMIT``, and always where nothing is
+copied (a tied output layer reads the embedding, which stays anyway).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from kvmesh.engine.model.weights import ModelWeights
+
+SMALL_ROWS = 2  # inputs of at most this many rows go to the kernel
+PLAIN_COPY_LIMIT = 2**30  # bytes of plain weights kept beside the prepacked ones, at most
+
+
+@dataclass(frozen=True, slots=True)
+class SmallBatchPlan:
+    layer_rows: int  # the decoder layers' linears: small_rows (0: the kernel is not used)
+    lm_head_rows: int  # the output layer's
+    why: str  # one line for the log
+
+
+def plan(weights: ModelWeights, dtype: torch.dtype, compiled: bool, prepacked: bool) -> SmallBatchPlan:
+    """``compiled``: the kvmesh kernels are loaded; ``prepacked``: the layers drop their plain
+    weights for oneDNN's copies unless told to keep them."""
+    if not compiled:
+        return SmallBatchPlan(0, 0, "off: the compiled kernels are not loaded")
+    if dtype != torch.bfloat16:
+        return SmallBatchPlan(0, 0, f"off: it computes bfloat16 and this engine runs {str(dtype).removeprefix('torch.')}")
+    if not torch.ops.kvmesh.small_linear_available():
+        return SmallBatchPlan(0, 0, "off: this CPU has no AVX512-BF16")
+    tied = weights.lm_head is weights.embed
+    copies = sum(
+        tensor.numel() * tensor.element_size()
+        for layer in weights.layers
+        for tensor in (layer.qkv, layer.o_proj, layer.gate_up, layer.down)
+    )
+    if not tied:
+        copies += weights.lm_head.numel() * weights.lm_head.element_size()
+    if not prepacked or copies <= PLAIN_COPY_LIMIT:
+        kept = f"keeping {copies / 2**20:.0f} MiB of plain weights beside the prepacked ones" if prepacked else "no copies"
+        return SmallBatchPlan(SMALL_ROWS, SMALL_ROWS, f"on for steps of up to {SMALL_ROWS} rows ({kept})")
+    return SmallBatchPlan(
+        0,
+        SMALL_ROWS if tied else 0,
+        f"{'on for the tied output layer only' if tied else 'off'}: plain copies of the layers' weights would take "
+        f"{copies / 2**20:.0f} MiB (more than {PLAIN_COPY_LIMIT // 2**20} MiB)",
+    )
