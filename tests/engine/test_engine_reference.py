@@ -253,3 +253,55 @@ def test_shared_prefill_attention_matches_plain(model_dir, prompts):
     want = paged_attention(q, k, v, k_cache, v_cache, plain, 0.125)
     got = paged_attention(q, k, v, k_cache, v_cache, grouped, 0.125)
     torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+
+
+def test_cascade_gathers_the_prefix_once_and_never_a_stale_one(model_dir, reference, prompts, monkeypatch):
+    """Decode steps over one shared prefix gather its K/V once per layer and reuse them, with
+    the tokens of the reference. Once the prefix's blocks are taken for new content (their
+    epochs move), the kept K/V are not offered for the same block ids again."""
+    from kvmesh.engine.model import attention
+
+    gathers: list[int] = []
+    original = attention._gather_view
+    monkeypatch.setattr(attention, "_gather_view", lambda *a: gathers.append(1) or original(*a))
+    engine = make_engine(model_dir)
+    runner = engine.runner
+    runner.cascade_min_blocks = 2
+    kept: list[tuple[list[int], object]] = []
+    decode_batch = runner._decode_batch
+
+    def recording(tables, context_lens):
+        batch = decode_batch(tables, context_lens)
+        if batch.shared_prefix is not None:
+            if not kept:
+                gathers.clear()  # count the decode steps' own: the prefills before gather too
+            kept.append((batch.shared_prefix.tolist(), batch.prefix_kv))
+        return batch
+
+    monkeypatch.setattr(runner, "_decode_batch", recording)
+    batch = [prompts[5] + prompts[1] + p for p in prompts[:4]]
+    outs = engine.generate(batch, GREEDY)
+    assert [o.new_token_ids for o in outs] == [reference_greedy(reference, p, NEW_TOKENS) for p in batch]
+    assert len(kept) >= NEW_TOKENS - 1, "the decode steps were meant to share the prefix"
+    assert len({id(slots) for _, slots in kept}) == 1  # one set of kept K/V for every step
+    assert len(gathers) == 2 * engine.model_config.num_layers  # K and V once per layer, not once a step
+
+    prefix_ids = kept[0][0]
+    assert runner._gathered_prefix(prefix_ids) is kept[0][1]  # blocks unchanged: offered again
+    pool = engine.kv_manager.pool
+    retaken = pool.get_new_blocks(pool.num_free_blocks)  # every free block, the prefix's among them, for new content
+    fresh = runner._gathered_prefix(prefix_ids)
+    assert fresh is not kept[0][1] and fresh == [None] * engine.model_config.num_layers
+    pool.free_blocks(retaken)
+    assert pool.num_free_blocks == pool.num_blocks
+
+
+def test_cascade_without_the_kept_prefix_gathers_each_step(model_dir, reference, prompts):
+    """``reuse_prefix_gather`` off: the same tokens, nothing kept."""
+    engine = make_engine(model_dir)
+    engine.runner.cascade_min_blocks = 2
+    engine.runner.reuse_prefix_gather = False
+    batch = [prompts[5] + prompts[1] + p for p in prompts[:4]]
+    outs = engine.generate(batch, GREEDY)
+    assert [o.new_token_ids for o in outs] == [reference_greedy(reference, p, NEW_TOKENS) for p in batch]
+    assert engine.runner._prefix_kv is None

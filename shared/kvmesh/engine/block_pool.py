@@ -26,6 +26,7 @@ class KVBlock:
     block_id: int
     ref_cnt: int = 0
     block_hash: BlockHash | None = None
+    epoch: int = 0  # how many times the block was taken for new content: (id, epoch) names its bytes
     prev_free: KVBlock | None = field(default=None, repr=False)
     next_free: KVBlock | None = field(default=None, repr=False)
 
@@ -147,6 +148,7 @@ class BlockPool:
                 del self.cached[block.block_hash]
                 block.block_hash = None
             block.ref_cnt = 1
+            block.epoch += 1
             taken.append(block)
         if evicted:
             self._events.append(BlockRemoved(tuple(evicted)))

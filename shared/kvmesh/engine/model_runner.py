@@ -58,6 +58,13 @@ class ModelRunner:
         self.kv_manager = kv_manager
         self.block_size = kv_pool.layout.block_size
         self.device = model.device
+        # The shared prefix's K/V as the last decode steps gathered them, per layer, while
+        # consecutive steps share the same prefix (named by its blocks' ids and epochs, so a
+        # block taken for new content since is never read from here): the prefix is gathered
+        # once, not once a step. Kept only while the next step shares it.
+        self.reuse_prefix_gather = True
+        self._prefix_key: tuple[tuple[int, int], ...] | None = None
+        self._prefix_kv: list[tuple[torch.Tensor, torch.Tensor] | None] | None = None
 
     def _tensor(self, values: list[int] | list[list[int]]) -> torch.Tensor:
         return torch.tensor(values, dtype=torch.long, device=self.device)
@@ -170,12 +177,15 @@ class ModelRunner:
         bs = self.block_size
         shared = shared_prefix_blocks(tables, context_lens, bs) if len(tables) > 1 else 0
         prefix = None
+        prefix_kv = None
         if shared >= self.cascade_min_blocks:
             prefix = self._tensor(tables[0][:shared])
+            prefix_kv = self._gathered_prefix(tables[0][:shared])
             tables = [table[shared:] for table in tables]
             context_lens = [length - shared * bs for length in context_lens]
         else:
             shared = 0
+            self._prefix_key = self._prefix_kv = None
         width = max(len(t) for t in tables)
         block_tables = self._tensor([t + [0] * (width - len(t)) for t in tables]).view(len(tables), width)
         bias = None
@@ -185,7 +195,19 @@ class ModelRunner:
             visible = keys.unsqueeze(0) < self._tensor(context_lens).unsqueeze(1)
             bias = torch.zeros(visible.shape, dtype=torch.float32, device=self.device)
             bias = bias.masked_fill_(~visible, float("-inf")).view(len(tables), 1, 1, -1)
-        return DecodeBatch(block_tables, bias, prefix, lens)
+        return DecodeBatch(block_tables, bias, prefix, lens, prefix_kv)
+
+    def _gathered_prefix(self, block_ids: list[int]) -> list[tuple[torch.Tensor, torch.Tensor] | None] | None:
+        """The per-layer slots of the shared prefix's gathered K/V: the last step's (filled)
+        when it shared the same blocks, unchanged since, else new empty ones."""
+        if not self.reuse_prefix_gather:
+            self._prefix_key = self._prefix_kv = None
+            return None
+        blocks = self.kv_manager.pool.blocks
+        key = tuple((block_id, blocks[block_id].epoch) for block_id in block_ids)
+        if key != self._prefix_key or self._prefix_kv is None:
+            self._prefix_key, self._prefix_kv = key, [None] * self.model.config.num_layers
+        return self._prefix_kv
 
     def execute(self, out: SchedulerOutput) -> list[int | Exception]:
         """Run one step; returns one sampled token per request that reached its last token,

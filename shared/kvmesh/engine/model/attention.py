@@ -59,6 +59,9 @@ class DecodeBatch:
     bias: torch.Tensor | None  # (B, 1, 1, n * block_size) float32, 0 or -inf; None: masked by context_lens if set, else nothing
     shared_prefix: torch.Tensor | None = None  # (P,) block ids every sequence begins with
     context_lens: torch.Tensor | None = None  # (B,) int64 tokens each attends to; set: the kernel may run
+    # Per layer, the shared prefix's K/V once gathered (filled by the first step that gathers
+    # them, reused by the next steps on the same blocks: ModelRunner); None: gathered each step.
+    prefix_kv: list[tuple[torch.Tensor, torch.Tensor] | None] | None = None
 
 
 @dataclass(slots=True)
@@ -107,6 +110,7 @@ def _decode_attention(
     batch: DecodeBatch,
     scale: float,
     kernel: bool = False,
+    layer: int = 0,
 ) -> torch.Tensor:
     """One query per sequence: q (B, heads, dim) -> (B, heads, dim).
 
@@ -125,7 +129,8 @@ def _decode_attention(
             own_out, own_lse = torch.ops.kvmesh.paged_decode_lse(
                 q, k_cache, v_cache, batch.block_tables, batch.context_lens, scale
             )
-            prefix_out, prefix_lse = _prefix_attention(q, k_cache, v_cache, batch.shared_prefix, scale)
+            prefix_kv = _prefix_kv(k_cache, v_cache, batch, layer)
+            prefix_out, prefix_lse = _prefix_attention(q, k_cache, v_cache, batch.shared_prefix, scale, prefix_kv)
             return _merge(prefix_out, prefix_lse.unsqueeze(-1), own_out, own_lse.unsqueeze(-1)).to(q.dtype)
     num_seqs, heads, dim = q.shape
     kv_heads = k_cache.shape[2]
@@ -147,7 +152,8 @@ def _decode_attention(
     if flash:
         own_lse = torch.logsumexp(scores, dim=-1, keepdim=True)  # (B, kv_heads, group, 1)
         own_out = torch.matmul(torch.exp(scores - own_lse).to(dtype), values).view(num_seqs, heads, dim)
-        prefix_out, prefix_lse = _prefix_attention(q, k_cache, v_cache, batch.shared_prefix, scale)
+        prefix_kv = _prefix_kv(k_cache, v_cache, batch, layer)
+        prefix_out, prefix_lse = _prefix_attention(q, k_cache, v_cache, batch.shared_prefix, scale, prefix_kv)
         own_lse = own_lse.view(num_seqs, heads, 1)
         return _merge(prefix_out, prefix_lse.unsqueeze(-1), own_out, own_lse).to(dtype)
 
@@ -169,19 +175,46 @@ def _decode_attention(
     return out.to(dtype).reshape(num_seqs, heads, dim)
 
 
+def _prefix_kv(
+    k_cache: torch.Tensor, v_cache: torch.Tensor, batch: DecodeBatch, layer: int
+) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """The decode batch's shared prefix's K/V of this layer as (1, kv_heads, P, dim) views:
+    gathered by an earlier step (``batch.prefix_kv``), or now, and kept there; None when the
+    batch keeps none."""
+    slots = batch.prefix_kv
+    if slots is None or batch.shared_prefix is None:
+        return None
+    gathered = slots[layer]
+    if gathered is None:
+        gathered = slots[layer] = (
+            _gather_view(k_cache, batch.shared_prefix).unsqueeze(0),
+            _gather_view(v_cache, batch.shared_prefix).unsqueeze(0),
+        )
+    return gathered
+
+
 def _prefix_attention(
-    rows: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, prefix: torch.Tensor, scale: float
+    rows: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    prefix: torch.Tensor,
+    scale: float,
+    gathered: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Queries rows (N, heads, dim) against every token of the ``prefix`` blocks, unmasked, by
     flash attention with the query heads that share a KV head stacked as its rows (no K/V
-    repeat): the output (N, heads, dim) and each row's log-sum-exp (N, heads) float32."""
+    repeat): the output (N, heads, dim) and each row's log-sum-exp (N, heads) float32.
+    ``gathered``: the prefix's K/V already gathered (``_prefix_kv``)."""
     assert flash_attention_with_lse is not None
     num_rows, heads, dim = rows.shape
     kv_heads = k_cache.shape[2]
     per_kv = heads // kv_heads
     stacked = rows.reshape(num_rows, kv_heads, per_kv, dim).transpose(0, 1).reshape(1, kv_heads, num_rows * per_kv, dim)
-    keys = _gather_view(k_cache, prefix).unsqueeze(0)  # (1, kv_heads, P, dim)
-    values = _gather_view(v_cache, prefix).unsqueeze(0)
+    if gathered is not None:
+        keys, values = gathered
+    else:
+        keys = _gather_view(k_cache, prefix).unsqueeze(0)  # (1, kv_heads, P, dim)
+        values = _gather_view(v_cache, prefix).unsqueeze(0)
     out, lse = flash_attention_with_lse(stacked, keys, values, scale=scale)
     out = out.view(kv_heads, num_rows, per_kv, dim).transpose(0, 1).reshape(num_rows, heads, dim)
     return out, lse.view(kv_heads, num_rows, per_kv).transpose(0, 1).reshape(num_rows, heads)
@@ -205,17 +238,19 @@ def paged_attention(
     meta: AttentionMetadata,
     scale: float,
     kernel: bool = False,
+    layer: int = 0,
 ) -> torch.Tensor:
     """Attention of the flat batch; q (T, heads, dim), k/v (T, kv_heads, dim) -> (T, heads, dim).
-    ``kernel``: decode attention through the compiled kernel (see ``_decode_attention``)."""
+    ``kernel``: decode attention through the compiled kernel (see ``_decode_attention``);
+    ``layer``: which of the decode batch's kept prefix K/V (``DecodeBatch.prefix_kv``) is this one's."""
     num_decode = meta.num_decode
     if not meta.prefills and not meta.shared_prefills:
         assert meta.decode is not None
-        return _decode_attention(q, k_cache, v_cache, meta.decode, scale, kernel)
+        return _decode_attention(q, k_cache, v_cache, meta.decode, scale, kernel, layer)
     out = torch.empty_like(q)
     if num_decode:
         assert meta.decode is not None
-        out[:num_decode] = _decode_attention(q[:num_decode], k_cache, v_cache, meta.decode, scale, kernel)
+        out[:num_decode] = _decode_attention(q[:num_decode], k_cache, v_cache, meta.decode, scale, kernel, layer)
     for group in meta.shared_prefills:
         _shared_prefill_attention(q, k, v, k_cache, v_cache, group, scale, out)
     for span in meta.prefills:

@@ -162,7 +162,7 @@ class LlamaModel:
                 qk = self.rotary.apply(qk, cos, sin)
                 write_kv(k_cache, v_cache, qk[:, heads:], v, meta)
             q, k = qk[:, :heads], qk[:, heads:]
-            attn = paged_attention(q, k, v, k_cache, v_cache, meta, self.scale, self.paged_kernel)
+            attn = paged_attention(q, k, v, k_cache, v_cache, meta, self.scale, self.paged_kernel, index)
             residual, h = self._add_norm(residual, layer.o_proj(attn.view(num_tokens, self.q_size)), layer.post_norm)
             activated = self._silu_mul(layer.gate_up(h))
             residual, h = self._add_norm(residual, layer.down(activated), self.next_norms[index])

@@ -34,7 +34,7 @@ def plan(weights: ModelWeights, dtype: torch.dtype, compiled: bool, prepacked: b
     if not compiled:
         return SmallBatchPlan(0, 0, "off: the compiled kernels are not loaded")
     if dtype != torch.bfloat16:
-        return SmallBatchPlan(0, 0, f"off: it computes bfloat16 and this engine runs {str(dtype).removeprefix('torch.')}")
+        return SmallBatchPlan(0, 0, f"off: the kernel is for bfloat16; this engine runs {str(dtype).removeprefix('torch.')}")
     if not torch.ops.kvmesh.small_linear_available():
         return SmallBatchPlan(0, 0, "off: this CPU has no AVX512-BF16")
     tied = weights.lm_head is weights.embed
