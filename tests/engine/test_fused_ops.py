@@ -97,27 +97,36 @@ def test_the_model_with_the_fused_ops_on_and_off(tiny_model_dir, dtype: str) -> 
     assert engine.kv_manager.pool.num_free_blocks == engine.kv_manager.pool.num_blocks
 
 
-small_linear = pytest.mark.skipif(
-    not (paged_kernel.available() and torch.ops.kvmesh.small_linear_available()), reason="no AVX512-BF16 on this CPU"
-)
+def _small_linear(dtype: str) -> bool:
+    return paged_kernel.available() and torch.ops.kvmesh.small_linear_available(dtype)
 
 
-@small_linear
+small_linear = pytest.mark.skipif(not _small_linear("bfloat16"), reason="no AVX512-BF16 on this CPU")
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize(
     ("rows", "out_features", "in_features", "bias"),
     [(1, 96, 64, False), (2, 963, 577, True), (3, 5, 40, True), (5, 130, 160, False), (9, 64, 1536, False)],
 )
-def test_small_linear_as_accurate_as_onednn(rows: int, out_features: int, in_features: int, bias: bool) -> None:
+def test_small_linear_as_accurate_as_onednn(dtype: torch.dtype, rows: int, out_features: int, in_features: int, bias: bool) -> None:
     """Tails of every kind: rows not a multiple of the four a vector serves, outputs not of the
-    four a task takes, inputs not of the 32 a vector holds."""
+    four a task takes, inputs not of the 32 (16, 8) a vector holds."""
+    name = str(dtype).removeprefix("torch.")
+    if not _small_linear(name):
+        pytest.skip(f"no small-batch kernel for {name} on this CPU")
     gen = torch.Generator().manual_seed(rows * 1000 + in_features)
-    weight = torch.randn(out_features, in_features, generator=gen).bfloat16()
-    x = torch.randn(rows, in_features, generator=gen).bfloat16()
-    b = torch.randn(out_features, generator=gen).bfloat16() if bias else None
+    weight = torch.randn(out_features, in_features, generator=gen).to(dtype)
+    x = torch.randn(rows, in_features, generator=gen).to(dtype)
+    b = torch.randn(out_features, generator=gen).to(dtype) if bias else None
     exact = F.linear(x.double(), weight.double(), b.double() if b is not None else None)
     got = torch.ops.kvmesh.small_linear(x, weight, b)
     onednn = F.linear(x, weight, b)
-    assert got.dtype == torch.bfloat16 and got.shape == (rows, out_features)
+    assert got.dtype == dtype and got.shape == (rows, out_features)
+    if dtype == torch.float32:  # float32 sums in another order: a few units in the last place of the terms
+        bound = (x.double().abs() @ weight.double().abs().T) * 2.0**-22 * in_features**0.5
+        assert ((got.double() - exact).abs() <= bound + 1e-6).all()
+        return
     ulp = exact.abs() * 2.0**-8 + 1e-6  # half a unit: each output is its float32 sum rounded once
     assert ((got.double() - exact).abs() <= (onednn.double() - exact).abs() + 2 * ulp).all()
     assert (got == onednn).float().mean().item() > 0.99
@@ -126,7 +135,7 @@ def test_small_linear_as_accurate_as_onednn(rows: int, out_features: int, in_fea
 @small_linear
 def test_a_linear_sends_small_batches_to_the_kernel() -> None:
     weight = torch.randn(64, 96).bfloat16()
-    linear = Linear(weight, small_rows=2)
+    linear = Linear(weight, small_rows=2)  # as the plan sets it for bfloat16
     for rows in (1, 2):
         x = torch.randn(rows, 96).bfloat16()
         torch.testing.assert_close(linear(x), torch.ops.kvmesh.small_linear(x, weight, None), atol=0, rtol=0)
@@ -145,28 +154,32 @@ def _weights(dtype: torch.dtype, tied: bool) -> ModelWeights:
 
 @small_linear
 def test_the_plan_keeps_plain_weights_within_the_limit(monkeypatch) -> None:
+    rows = small_batch.SMALL_ROWS[torch.bfloat16]
     plan = small_batch.plan(_weights(torch.bfloat16, tied=True), torch.bfloat16, compiled=True, prepacked=True)
-    assert (plan.layer_rows, plan.lm_head_rows) == (small_batch.SMALL_ROWS, small_batch.SMALL_ROWS)
+    assert (plan.layer_rows, plan.lm_head_rows) == (rows, rows)
     assert "keeping 0 MiB of plain weights" in plan.why
 
     monkeypatch.setattr(small_batch, "PLAIN_COPY_LIMIT", 2000)  # the two layers' 2,304 bytes do not fit
     plan = small_batch.plan(_weights(torch.bfloat16, tied=True), torch.bfloat16, compiled=True, prepacked=True)
-    assert (plan.layer_rows, plan.lm_head_rows) == (0, small_batch.SMALL_ROWS)
+    assert (plan.layer_rows, plan.lm_head_rows) == (0, rows)
     assert plan.why.startswith("on for the tied output layer only")
     plan = small_batch.plan(_weights(torch.bfloat16, tied=False), torch.bfloat16, compiled=True, prepacked=True)
     assert (plan.layer_rows, plan.lm_head_rows) == (0, 0)
     plan = small_batch.plan(_weights(torch.bfloat16, tied=False), torch.bfloat16, compiled=True, prepacked=False)
-    assert (plan.layer_rows, plan.lm_head_rows) == (small_batch.SMALL_ROWS, small_batch.SMALL_ROWS)  # nothing copied
+    assert (plan.layer_rows, plan.lm_head_rows) == (rows, rows)  # nothing copied
 
 
-def test_the_plan_is_off_without_the_kernel_or_bfloat16() -> None:
-    plan = small_batch.plan(_weights(torch.float32, tied=True), torch.float32, compiled=True, prepacked=True)
-    assert (plan.layer_rows, plan.lm_head_rows) == (0, 0) and "float32" in plan.why
+def test_the_plan_is_off_without_the_kernel_or_its_dtype() -> None:
+    plan = small_batch.plan(_weights(torch.float16, tied=True), torch.float16, compiled=True, prepacked=True)
+    assert (plan.layer_rows, plan.lm_head_rows) == (0, 0) and "this engine runs float16" in plan.why
     plan = small_batch.plan(_weights(torch.bfloat16, tied=True), torch.bfloat16, compiled=False, prepacked=True)
     assert (plan.layer_rows, plan.lm_head_rows) == (0, 0) and "not loaded" in plan.why
-    if not torch.ops.kvmesh.small_linear_available():
+    if not torch.ops.kvmesh.small_linear_available("bfloat16"):
         plan = small_batch.plan(_weights(torch.bfloat16, tied=True), torch.bfloat16, compiled=True, prepacked=True)
-        assert plan.why == "off: this CPU has no AVX512-BF16"
+        assert plan.why == "off: bfloat16 needs AVX512-BF16, which this CPU lacks"
+    if _small_linear("float32"):
+        plan = small_batch.plan(_weights(torch.float32, tied=True), torch.float32, compiled=True, prepacked=True)
+        assert (plan.layer_rows, plan.lm_head_rows) == (4, 4)
 
 
 @small_linear
@@ -179,9 +192,10 @@ def test_the_model_with_the_small_batch_kernel_on_and_off(tiny_model_dir) -> Non
 
     config = dict(model=str(tiny_model_dir), block_size=4, num_blocks=64)
     reference = LLMEngine(EngineConfig(dtype="float32", **config))
+    reference.model.small_batch_linear = False
     engine = LLMEngine(EngineConfig(dtype="bfloat16", **config))
     assert engine.model.small_batch_linear
-    assert all(linear.small_rows == small_batch.SMALL_ROWS for linear in engine.model.linears())
+    assert all(linear.small_rows == small_batch.SMALL_ROWS[torch.bfloat16] for linear in engine.model.linears())
     params = SamplingParams(max_tokens=3, ignore_eos=True, logprobs=8)
 
     def first_logprobs(eng: LLMEngine, token: int) -> dict[int, float]:
@@ -201,4 +215,23 @@ def test_the_model_with_the_small_batch_kernel_on_and_off(tiny_model_dir) -> Non
         errors[on] = worst
     assert not engine.model.small_batch_linear
     assert errors[True] <= 2 * errors[False] + 0.02, errors
+    assert engine.kv_manager.pool.num_free_blocks == engine.kv_manager.pool.num_blocks
+
+
+@pytest.mark.skipif(not _small_linear("float32"), reason="no float32 small-batch kernel on this CPU")
+def test_float32_greedy_tokens_with_the_small_batch_kernel_on_and_off(tiny_model_dir) -> None:
+    """float32: one to four sequences decoding (the kernel's rows) give the same greedy tokens
+    with the kernel as with oneDNN."""
+    from kvmesh.engine.llm_engine import EngineConfig, LLMEngine
+    from kvmesh.engine.request import SamplingParams
+
+    engine = LLMEngine(EngineConfig(model=str(tiny_model_dir), dtype="float32", block_size=4, num_blocks=128))
+    assert all(linear.small_rows == 4 for linear in engine.model.linears())
+    prompts = [[5 + i for i in range(n)] for n in (3, 9, 14, 6)]
+    params = SamplingParams(max_tokens=16, ignore_eos=True)
+    runs = []
+    for on in (True, False):
+        engine.model.small_batch_linear = on
+        runs.append([[out.new_token_ids for out in engine.generate(prompts[:count], params)] for count in (1, 4)])
+    assert runs[0] == runs[1]
     assert engine.kv_manager.pool.num_free_blocks == engine.kv_manager.pool.num_blocks

@@ -172,7 +172,10 @@ x, w = torch.randn(300, 96) * 3, torch.randn(96)
 norm_error = (torch.ops.kvmesh.rms_norm(x, w, 1e-5) - F.rms_norm(x, (96,), w, 1e-5)).abs().max().item()
 gate_up = torch.randn(300, 320) * 4
 silu_error = (torch.ops.kvmesh.silu_mul(gate_up, 160) - F.silu(gate_up[:, :160]) * gate_up[:, 160:]).abs().max().item()
-print(worst, norm_error, silu_error, torch.ops.kvmesh.small_linear_available())
+w, x, b = torch.randn(963, 577), torch.randn(3, 577), torch.randn(963)
+linear_error = (torch.ops.kvmesh.small_linear(x, w, b).double() - F.linear(x.double(), w.double(), b.double())).abs().max().item()
+print(worst, norm_error, silu_error, linear_error, torch.ops.kvmesh.small_linear_available("bfloat16"),
+      torch.ops.kvmesh.small_linear_available("float32"))
 """
 
 
@@ -189,7 +192,8 @@ def test_the_avx2_build_matches_float64(tmp_path) -> None:
     root = Path(__file__).resolve().parents[2]
     result = subprocess.run([sys.executable, "-c", _AVX2_CHECK, str(built)], capture_output=True, text=True, cwd=root, timeout=300)
     assert result.returncode == 0, result.stderr[-2000:]
-    worst, norm_error, silu_error, small_linear = result.stdout.split()
+    worst, norm_error, silu_error, linear_error, small_bf16, small_f32 = result.stdout.split()
     assert float(worst) < 1e-6
     assert float(norm_error) < 1e-5 and float(silu_error) < 1e-5  # the fused elementwise ops, 8-float vectors
-    assert small_linear == "False"  # the small-batch kernel needs AVX512-BF16: not built for AVX2
+    # the small-batch linear: float32 with AVX2 + FMA (8-float vectors, a masked tail); no bfloat16
+    assert float(linear_error) < 1e-4 and (small_bf16, small_f32) == ("False", "True")

@@ -1,9 +1,10 @@
-"""Which linear layers keep their plain bfloat16 weight for the compiled small-batch kernel.
+"""Which linear layers keep their plain weight for the compiled small-batch kernel.
 
 ``torch.ops.kvmesh.small_linear`` (csrc/small_linear.cpp) computes a linear of one or two
-rows, a decode step of one or two sequences, 1.47x (one row) and 1.19x (two) faster than
-oneDNN's prepacked weights on an AVX512-BF16 CPU; from four rows oneDNN is as fast or
-faster (docs/benchmarks.md, "The small-batch linear kernel"). It reads the plain weight,
+rows, a decode step of one or two sequences: in bfloat16 (AVX512-BF16) 1.47x (one row) and
+1.19x (two) faster than oneDNN's prepacked weights on an Intel Xeon with AMX, as fast from
+four rows and slower from eight (docs/benchmarks.md, "The small-batch linear kernel"); in
+float32 (AVX-512 or AVX2 with FMA) likewise at one and two rows. It reads the plain weight,
 which a prepacked layer otherwise drops, so keeping it costs the weights' bytes again: it is
 kept for models whose copies stay within ``PLAIN_COPY_LIMIT``, and always where nothing is
 copied (a tied output layer reads the embedding, which stays anyway).
@@ -17,7 +18,8 @@ import torch
 
 from kvmesh.engine.model.weights import ModelWeights
 
-SMALL_ROWS = 2  # inputs of at most this many rows go to the kernel
+# Inputs of at most this many rows go to the kernel: where it was measured faster.
+SMALL_ROWS = {torch.bfloat16: 2, torch.float32: 4}
 PLAIN_COPY_LIMIT = 2**30  # bytes of plain weights kept beside the prepacked ones, at most
 
 
@@ -33,10 +35,12 @@ def plan(weights: ModelWeights, dtype: torch.dtype, compiled: bool, prepacked: b
     weights for oneDNN's copies unless told to keep them."""
     if not compiled:
         return SmallBatchPlan(0, 0, "off: the compiled kernels are not loaded")
-    if dtype != torch.bfloat16:
-        return SmallBatchPlan(0, 0, f"off: the kernel is for bfloat16; this engine runs {str(dtype).removeprefix('torch.')}")
-    if not torch.ops.kvmesh.small_linear_available():
-        return SmallBatchPlan(0, 0, "off: this CPU has no AVX512-BF16")
+    name = str(dtype).removeprefix("torch.")
+    if dtype not in (torch.bfloat16, torch.float32):
+        return SmallBatchPlan(0, 0, f"off: the kernel is for bfloat16 and float32; this engine runs {name}")
+    if not torch.ops.kvmesh.small_linear_available(name):
+        need = "AVX512-BF16" if dtype == torch.bfloat16 else "AVX-512 or AVX2 with FMA"
+        return SmallBatchPlan(0, 0, f"off: {name} needs {need}, which this CPU lacks")
     tied = weights.lm_head is weights.embed
     copies = sum(
         tensor.numel() * tensor.element_size()
@@ -47,10 +51,11 @@ def plan(weights: ModelWeights, dtype: torch.dtype, compiled: bool, prepacked: b
         copies += weights.lm_head.numel() * weights.lm_head.element_size()
     if not prepacked or copies <= PLAIN_COPY_LIMIT:
         kept = f"keeping {copies / 2**20:.0f} MiB of plain weights beside the prepacked ones" if prepacked else "no copies"
-        return SmallBatchPlan(SMALL_ROWS, SMALL_ROWS, f"on for steps of up to {SMALL_ROWS} rows ({kept})")
+        rows = SMALL_ROWS[dtype]
+        return SmallBatchPlan(rows, rows, f"on for steps of up to {rows} rows ({kept})")
     return SmallBatchPlan(
         0,
-        SMALL_ROWS if tied else 0,
+        SMALL_ROWS[dtype] if tied else 0,
         f"{'on for the tied output layer only' if tied else 'off'}: plain copies of the layers' weights would take "
         f"{copies / 2**20:.0f} MiB (more than {PLAIN_COPY_LIMIT // 2**20} MiB)",
     )
