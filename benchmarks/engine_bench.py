@@ -1361,7 +1361,7 @@ ABLATIONS = (  # (name, the LlamaModel attribute that turns it on)
     ("paged decode kernel (K/V read in place)", "paged_kernel"),
     ("fused rotary + K/V store", "fused_rope"),
     ("fused residual add + RMSNorm, silu-and-mul", "fused_elementwise"),
-    ("small-batch linear kernel (AVX512-BF16, 1-2 rows)", "small_batch_linear"),
+    ("small-batch linear kernel (bfloat16: 1-2 rows, float32: 1-4)", "small_batch_linear"),
 )
 
 

@@ -11,10 +11,10 @@ rate of packed for 1 at 8 and 32 rows and no slower at 1 or 1,024 (the engine: b
 1.19x, a 32-sequence decode step 1.18x faster); bfloat16 is as fast either way, a little
 faster at 1 row packed for 1 (docs/benchmarks.md, "oneDNN weight packing").
 
-A bfloat16 layer may also keep its plain weight for the compiled small-batch kernel
-(``torch.ops.kvmesh.small_linear``, csrc/small_linear.cpp): inputs of at most
-``small_rows`` rows go there, where a decode step of one or two sequences is bound by
-reading the weight, which that kernel streams faster than oneDNN does.
+A layer may also keep its plain weight for the compiled small-batch kernel
+(``torch.ops.kvmesh.small_linear``, csrc/small_linear.cpp; which layers and how many rows:
+small_batch.py): inputs of at most ``small_rows`` rows go there, where a decode step of a few
+sequences is bound by reading the weight, which that kernel streams faster than oneDNN does.
 """
 
 from __future__ import annotations

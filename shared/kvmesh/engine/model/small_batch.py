@@ -7,7 +7,7 @@ four rows and slower from eight (docs/benchmarks.md, "The small-batch linear ker
 float32 (AVX-512 or AVX2 with FMA) likewise at one and two rows. It reads the plain weight,
 which a prepacked layer otherwise drops, so keeping it costs the weights' bytes again: it is
 kept for models whose copies stay within ``PLAIN_COPY_LIMIT``, and always where nothing is
-copied (a tied output layer reads the embedding, which stays anyway).
+copied (the output layer's plain weight, or the embedding it is tied to, stays anyway).
 """
 
 from __future__ import annotations
@@ -41,21 +41,19 @@ def plan(weights: ModelWeights, dtype: torch.dtype, compiled: bool, prepacked: b
     if not torch.ops.kvmesh.small_linear_available(name):
         need = "AVX512-BF16" if dtype == torch.bfloat16 else "AVX-512 or AVX2 with FMA"
         return SmallBatchPlan(0, 0, f"off: {name} needs {need}, which this CPU lacks")
-    tied = weights.lm_head is weights.embed
+    rows = SMALL_ROWS[dtype]
+    # The output layer keeps its plain weight anyway (the embedding's, when tied): no copy.
     copies = sum(
         tensor.numel() * tensor.element_size()
         for layer in weights.layers
         for tensor in (layer.qkv, layer.o_proj, layer.gate_up, layer.down)
     )
-    if not tied:
-        copies += weights.lm_head.numel() * weights.lm_head.element_size()
     if not prepacked or copies <= PLAIN_COPY_LIMIT:
         kept = f"keeping {copies / 2**20:.0f} MiB of plain weights beside the prepacked ones" if prepacked else "no copies"
-        rows = SMALL_ROWS[dtype]
         return SmallBatchPlan(rows, rows, f"on for steps of up to {rows} rows ({kept})")
     return SmallBatchPlan(
         0,
-        SMALL_ROWS[dtype] if tied else 0,
-        f"{'on for the tied output layer only' if tied else 'off'}: plain copies of the layers' weights would take "
-        f"{copies / 2**20:.0f} MiB (more than {PLAIN_COPY_LIMIT // 2**20} MiB)",
+        rows,
+        f"on for the output layer only: plain copies of the layers' weights would take {copies / 2**20:.0f} MiB "
+        f"(more than {PLAIN_COPY_LIMIT // 2**20} MiB)",
     )
