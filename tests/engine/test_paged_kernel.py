@@ -168,12 +168,15 @@ for lens, dim in (([1], 64), ([1, 4, 5, 13, 16], 64), ([3, 9], 128), ([3, 9], 40
                               DecodeBatch(gathered.block_tables, gathered.bias.double()), dim**-0.5)
     worst = max(worst, (got.double() - exact).abs().max().item())
 import torch.nn.functional as F
+def relative(got, want):  # the largest error over the largest magnitude
+    return ((got.double() - want.double()).abs().max() / want.double().abs().max()).item()
+torch.manual_seed(0)
 x, w = torch.randn(300, 96) * 3, torch.randn(96)
-norm_error = (torch.ops.kvmesh.rms_norm(x, w, 1e-5) - F.rms_norm(x, (96,), w, 1e-5)).abs().max().item()
+norm_error = relative(torch.ops.kvmesh.rms_norm(x, w, 1e-5), F.rms_norm(x, (96,), w, 1e-5))
 gate_up = torch.randn(300, 320) * 4
-silu_error = (torch.ops.kvmesh.silu_mul(gate_up, 160) - F.silu(gate_up[:, :160]) * gate_up[:, 160:]).abs().max().item()
+silu_error = relative(torch.ops.kvmesh.silu_mul(gate_up, 160), F.silu(gate_up[:, :160]) * gate_up[:, 160:])
 w, x, b = torch.randn(963, 577), torch.randn(3, 577), torch.randn(963)
-linear_error = (torch.ops.kvmesh.small_linear(x, w, b).double() - F.linear(x.double(), w.double(), b.double())).abs().max().item()
+linear_error = relative(torch.ops.kvmesh.small_linear(x, w, b), F.linear(x.double(), w.double(), b.double()))
 print(worst, norm_error, silu_error, linear_error, torch.ops.kvmesh.small_linear_available("bfloat16"),
       torch.ops.kvmesh.small_linear_available("float32"))
 """
@@ -194,6 +197,6 @@ def test_the_avx2_build_matches_float64(tmp_path) -> None:
     assert result.returncode == 0, result.stderr[-2000:]
     worst, norm_error, silu_error, linear_error, small_bf16, small_f32 = result.stdout.split()
     assert float(worst) < 1e-6
-    assert float(norm_error) < 1e-5 and float(silu_error) < 1e-5  # the fused elementwise ops, 8-float vectors
+    assert float(norm_error) < 1e-6 and float(silu_error) < 1e-6  # the fused elementwise ops, 8-float vectors (relative)
     # the small-batch linear: float32 with AVX2 + FMA (8-float vectors, a masked tail); no bfloat16
-    assert float(linear_error) < 1e-4 and (small_bf16, small_f32) == ("False", "True")
+    assert float(linear_error) < 1e-6 and (small_bf16, small_f32) == ("False", "True")
