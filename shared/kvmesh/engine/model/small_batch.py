@@ -1,10 +1,11 @@
 """Which linear layers keep their plain weight for the compiled small-batch kernel.
 
-``torch.ops.kvmesh.small_linear`` (csrc/small_linear.cpp) computes a linear of one or two
-rows, a decode step of one or two sequences: in bfloat16 (AVX512-BF16) 1.47x (one row) and
-1.19x (two) faster than oneDNN's prepacked weights on an Intel Xeon with AMX, as fast from
-four rows and slower from eight (docs/benchmarks.md, "The small-batch linear kernel"); in
-float32 (AVX-512 or AVX2 with FMA) likewise at one and two rows. It reads the plain weight,
+``torch.ops.kvmesh.small_linear`` (csrc/small_linear.cpp) computes a linear of the few rows
+of a decode step of a few sequences. Measured on an Intel Xeon with AMX against oneDNN's
+prepacked weights (docs/benchmarks.md, "Fused norms, a small-batch linear kernel and a kept
+prefix gather"): bfloat16 (AVX512-BF16) 1.47x faster at one row, 1.19-1.32x at two, even at
+four, slower from eight; float32 (AVX-512, or AVX2 with FMA) 1.2x faster at one to four
+rows. Hence ``SMALL_ROWS``. It reads the plain weight,
 which a prepacked layer otherwise drops, so keeping it costs the weights' bytes again: it is
 kept for models whose copies stay within ``PLAIN_COPY_LIMIT``, and always where nothing is
 copied (the output layer's plain weight, or the embedding it is tied to, stays anyway).
