@@ -1,0 +1,118 @@
+"""The compiled small-batch linear kernel and the fused elementwise ops, per call, against
+what they replace, in one run (issue 12):
+
+1. ``torch.ops.kvmesh.small_linear`` against oneDNN's prepacked weights (``Linear`` without
+   ``small_rows``) on the default model's shapes (qkv, o, gate-up, down, LM head) at 1-4 rows,
+   each dtype; 80 weights of each shape rotated (3 of the LM head) so they come from memory,
+   as in a model; the sum over a decode step's 30 layers and the LM head.
+2. ``add_rms_norm`` against ``F.rms_norm(x + d)``, and ``silu_mul`` against
+   ``F.silu(g) * u``, at 1, 16 and 2,048 rows.
+
+    .venv/bin/python benchmarks/small_ops_bench.py --out docs/benchmarks-small-ops.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import sys
+import time
+from collections.abc import Callable, Iterator
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from kvmesh.engine.model import paged_kernel
+from kvmesh.engine.model.linear import Linear
+from kvmesh.machine import cpu_flags, cpu_model
+
+SHAPES = {"qkv": (960, 576), "o": (576, 576), "gate_up": (3072, 576), "down": (576, 1536), "lm_head": (49152, 576)}
+LAYERS = 30
+
+
+def per_call_s(call: Callable[[], Any], repeats: int) -> float:
+    for _ in range(10):
+        call()
+    started = time.perf_counter()
+    for _ in range(repeats):
+        call()
+    return (time.perf_counter() - started) / repeats
+
+
+def linear_rows(dtype: torch.dtype, rows: int) -> dict[str, Any]:
+    result: dict[str, Any] = {"dtype": str(dtype).removeprefix("torch."), "rows": rows, "us": {}}
+    step = {"onednn": 0.0, "small_linear": 0.0}
+    for name, (out_features, in_features) in SHAPES.items():
+        count = 3 if name == "lm_head" else 80
+        weights = [torch.randn(out_features, in_features).to(dtype) for _ in range(count)]
+        packed = [Linear(w) for w in weights]
+        x = torch.randn(rows, in_features).to(dtype)
+        packed_turns, plain_turns = itertools.cycle(packed), itertools.cycle(weights)
+
+        def onednn(turns: Iterator[Linear] = packed_turns, x: torch.Tensor = x) -> torch.Tensor:
+            return next(turns)(x)
+
+        def small(turns: Iterator[torch.Tensor] = plain_turns, x: torch.Tensor = x) -> torch.Tensor:
+            return torch.ops.kvmesh.small_linear(x, next(turns), None)
+
+        repeats = 30 if name == "lm_head" else 300
+        times = {"onednn": per_call_s(onednn, repeats), "small_linear": per_call_s(small, repeats)}
+        result["us"][name] = {k: round(v * 1e6, 1) for k, v in times.items()}
+        for key, value in times.items():
+            step[key] += value * (1 if name == "lm_head" else LAYERS)
+    result["decode_step_linears_ms"] = {k: round(v * 1e3, 2) for k, v in step.items()}
+    return result
+
+
+def elementwise(dtype: torch.dtype, rows: int) -> dict[str, Any]:
+    x, d, w = torch.randn(rows, 576).to(dtype), torch.randn(rows, 576).to(dtype), torch.randn(576).to(dtype)
+    gate_up = torch.randn(rows, 3072).to(dtype)
+    repeats = 20 if rows > 256 else 300
+    times = {
+        "add_rms_norm torch": per_call_s(lambda: F.rms_norm(x + d, (576,), w, 1e-5), repeats),
+        "add_rms_norm fused": per_call_s(lambda: torch.ops.kvmesh.add_rms_norm(x.clone(), d, w, 1e-5), repeats),
+        "silu_mul torch": per_call_s(lambda: F.silu(gate_up[:, :1536]) * gate_up[:, 1536:], repeats),
+        "silu_mul fused": per_call_s(lambda: torch.ops.kvmesh.silu_mul(gate_up, 1536), repeats),
+    }
+    return {"dtype": str(dtype).removeprefix("torch."), "rows": rows, "us": {k: round(v * 1e6, 1) for k, v in times.items()}}
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--out", type=Path)
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    if not paged_kernel.available():
+        print(f"the compiled kernels are not available: {paged_kernel.last_failure}", file=sys.stderr)
+        return 1
+    report: dict[str, Any] = {
+        "command": " ".join([sys.executable, *sys.argv]),
+        "date_utc": f"{datetime.now(UTC):%Y-%m-%d %H:%M:%S}",
+        "cpu": cpu_model(),
+        "cpu_flags": cpu_flags(),
+        "torch": torch.__version__,
+        "threads": args.threads,
+        "linear": [],
+        "elementwise": [],
+    }
+    for dtype in (torch.bfloat16, torch.float32):
+        name = str(dtype).removeprefix("torch.")
+        if torch.ops.kvmesh.small_linear_available(name):
+            for rows in (1, 2, 4):
+                report["linear"].append(linear_rows(dtype, rows))
+                print(json.dumps(report["linear"][-1]), flush=True)
+        for rows in (1, 16, 2048):
+            report["elementwise"].append(elementwise(dtype, rows))
+            print(json.dumps(report["elementwise"][-1]), flush=True)
+    if args.out:
+        args.out.write_text(json.dumps(report, indent=2) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
