@@ -8,6 +8,8 @@ from __future__ import annotations
 import json
 import random
 import re
+import subprocess
+import sys
 
 import jsonschema
 import pytest
@@ -306,3 +308,24 @@ def test_a_compiled_grammar_is_reused_by_copy(compiler: GrammarCompiler, monkeyp
     [token] = [t for t in range(compiler.vocab_size) if before[t] and t not in compiler.eos_token_ids][:1]
     first.advance([token])
     assert torch.equal(second.allowed(), before)  # the copy's state is its own
+
+
+EXIT_WHILE_WARMING = """
+import sys, time
+from kvmesh.engine.structured import GrammarCompiler
+from kvmesh.engine.tokenizer import Tokenizer
+
+GrammarCompiler(Tokenizer.from_dir(sys.argv[1]), int(sys.argv[2]), [0]).warm()
+time.sleep(float(sys.argv[3]))
+"""
+
+
+def test_a_process_ending_while_the_grammar_warms_exits_cleanly(default_model_dir):
+    """The warm-up builds llguidance's tokenizer for the default model's 49k vocabulary (about
+    0.25 s, outside the GIL); a process that ends meanwhile (a ``kvmesh generate`` that was
+    quick) exits with 0, not with a crash at finalization, whenever in the warm-up it ends."""
+    vocab_size = json.loads((default_model_dir / "config.json").read_text())["vocab_size"]
+    for delay in ("0", "0.05", "0.1", "0.2"):
+        args = [sys.executable, "-c", EXIT_WHILE_WARMING, str(default_model_dir), str(vocab_size), delay]
+        done = subprocess.run(args, capture_output=True, text=True, timeout=120)
+        assert done.returncode == 0, (delay, done.returncode, done.stderr[-2000:])

@@ -203,7 +203,12 @@ class GrammarCompiler:
     def warm(self) -> threading.Thread:
         """Build llguidance's tokenizer and compute one mask in a background thread (about 1 s
         on a 49k vocabulary, which the first guided request would otherwise spend on the
-        engine's thread); a request that comes first waits for the tokenizer only."""
+        engine's thread); a request that comes first waits for the tokenizer only.
+
+        Not a daemon thread: the process waits for it at exit. A daemon thread still inside
+        llguidance when the interpreter finalizes is ended by a forced unwind through
+        llguidance's Rust frames, which crashes the process (SIGSEGV): a ``kvmesh generate``
+        that finished within the warm-up's first second died at exit one time in three."""
 
         def work() -> None:
             try:
@@ -211,7 +216,7 @@ class GrammarCompiler:
             except Exception:  # noqa: BLE001 - the first guided request reports it
                 logger.warning("warming the grammar compiler failed", exc_info=True)
 
-        thread = threading.Thread(target=work, name="grammar-warm", daemon=True)
+        thread = threading.Thread(target=work, name="grammar-warm")
         thread.start()
         return thread
 
