@@ -36,7 +36,7 @@ def _case(
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize(("lens", "dim"), [([1], 64), ([7], 64), ([1, 4, 5, 13, 16], 64), ([3, 9], 128), ([3, 9], 40)])
+@pytest.mark.parametrize(("lens", "dim"), [([1], 64), ([7], 64), ([1, 4, 5, 13, 16], 64), ([3, 9], 128), ([3, 9], 40), ([2, 15, 33, 70], 64)])
 def test_kernel_matches_gather_and_float64(dtype: torch.dtype, lens: list[int], dim: int) -> None:
     """64 and 128: the unrolled paths (AVX512-BF16 for bfloat16 where the CPU has it); 40: generic."""
     q, k_cache, v_cache, gathered, kernel = _case(dtype, lens, dim)

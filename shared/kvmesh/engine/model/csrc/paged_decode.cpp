@@ -33,6 +33,7 @@ using kvmesh::cpu::exp_shifted;
 using kvmesh::cpu::to_float;
 
 constexpr int64_t kMaxDim = 256;
+constexpr int64_t kBlocksAhead = 2;  // how many K/V blocks ahead of the one read are fetched
 
 // Tasks per thread: enough work (~200k multiply-adds) that waking the pool pays off, so a
 // short batch-1 step runs on the calling thread.
@@ -53,6 +54,7 @@ struct Paged {
   O* op;
   float* lsep;  // nullptr: no log-sum-exp wanted
   int64_t qs, qh, kb, kt, kh, vb, vt, vh;
+  int64_t row_bytes;  // one K (V) row of one head
 
   Paged(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& tables, const at::Tensor& lens,
         double scale_, at::Tensor& out, float* lse)
@@ -61,7 +63,7 @@ struct Paged {
         kp(static_cast<const P*>(k.const_data_ptr())), vp(static_cast<const P*>(v.const_data_ptr())),
         tp(tables.const_data_ptr<int64_t>()), lp(lens.const_data_ptr<int64_t>()), op(static_cast<O*>(out.data_ptr())),
         lsep(lse), qs(q.stride(0)), qh(q.stride(1)), kb(k.stride(0)), kt(k.stride(1)), kh(k.stride(2)), vb(v.stride(0)),
-        vt(v.stride(1)), vh(v.stride(2)) {}
+        vt(v.stride(1)), vh(v.stride(2)), row_bytes(q.size(2) * static_cast<int64_t>(sizeof(P))) {}
 
   const int64_t* table(int64_t s) const { return tp + s * width; }
   const P* query(int64_t s, int64_t head) const { return qp + s * qs + head * qh; }
@@ -73,22 +75,40 @@ struct Paged {
   }
   // f(pos, row) for the first len key (value) rows of KV head h, block by block: a pointer
   // step per row, not a division by the block size. The blocks lie anywhere in the pool, so
-  // the next block's rows are prefetched as a block begins.
+  // each row's load waits on memory unless fetched ahead (prefetching one cache line of each
+  // row of the next block only, bfloat16 attention read K/V at 8-9 GB/s): every cache line of
+  // the rows kBlocksAhead blocks on is prefetched as a block begins (the first blocks' at the
+  // start), and in the keys' pass this block's value rows too, to L2 (they are read after the
+  // softmax; a task's few tens of KB stay there).
   template <typename F>
-  void each_key(const int64_t* table, int64_t len, int64_t h, F&& f) const { rows(kp, kb, kt, kh, table, len, h, f); }
+  void each_key(const int64_t* table, int64_t len, int64_t h, F&& f) const {
+    rows(kp, kb, kt, kh, table, len, h, f, vp, vb, vt, vh);
+  }
   template <typename F>
-  void each_value(const int64_t* table, int64_t len, int64_t h, F&& f) const { rows(vp, vb, vt, vh, table, len, h, f); }
+  void each_value(const int64_t* table, int64_t len, int64_t h, F&& f) const {
+    rows(vp, vb, vt, vh, table, len, h, f, nullptr, 0, 0, 0);
+  }
+  // Every cache line of ``count`` rows from ``first`` (rows ``tstride`` elements apart).
+  template <int Hint>
+  void prefetch_rows(const P* first, int64_t tstride, int64_t count) const {
+    for (int64_t r = 0; r < count; ++r) {
+      const char* row = reinterpret_cast<const char*>(first + r * tstride);
+      for (int64_t line = 0; line < row_bytes; line += 64) _mm_prefetch(row + line, static_cast<_mm_hint>(Hint));
+    }
+  }
   template <typename F>
   void rows(const P* base, int64_t bstride, int64_t tstride, int64_t hstride, const int64_t* table, int64_t len,
-            int64_t h, F& f) const {
-    for (int64_t start = 0, b = 0; start < len; start += block_size, ++b) {
-      const P* row = base + table[b] * bstride + h * hstride;
-      const int64_t end = start + block_size < len ? start + block_size : len;
-      if (end < len) {
-        const char* next = reinterpret_cast<const char*>(base + table[b + 1] * bstride + h * hstride);
-        for (int64_t r = 0; r < block_size; ++r) _mm_prefetch(next + r * tstride * sizeof(P), _MM_HINT_T0);
-      }
-      for (int64_t pos = start; pos < end; ++pos, row += tstride) f(pos, row);
+            int64_t h, F& f, const P* also, int64_t also_bstride, int64_t also_tstride, int64_t also_hstride) const {
+    const int64_t blocks = (len + block_size - 1) / block_size;
+    auto count = [&](int64_t b) { return len - b * block_size < block_size ? len - b * block_size : block_size; };
+    auto first = [&](const P* pool, int64_t bs, int64_t hs, int64_t b) { return pool + table[b] * bs + h * hs; };
+    for (int64_t b = 0; b < blocks && b < kBlocksAhead; ++b) prefetch_rows<_MM_HINT_T0>(first(base, bstride, hstride, b), tstride, count(b));
+    for (int64_t b = 0; b < blocks; ++b) {
+      if (b + kBlocksAhead < blocks)
+        prefetch_rows<_MM_HINT_T0>(first(base, bstride, hstride, b + kBlocksAhead), tstride, count(b + kBlocksAhead));
+      if (also != nullptr) prefetch_rows<_MM_HINT_T1>(first(also, also_bstride, also_hstride, b), also_tstride, count(b));
+      const P* row = first(base, bstride, hstride, b);
+      for (int64_t pos = b * block_size, end = pos + count(b); pos < end; ++pos, row += tstride) f(pos, row);
     }
   }
   O* output(int64_t s, int64_t head, int64_t dim) const { return op + (s * heads + head) * dim; }
