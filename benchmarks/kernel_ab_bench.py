@@ -1,0 +1,244 @@
+"""The compiled CPU kernels of this tree against those of an earlier commit, in one run.
+
+A change inside ``csrc/`` cannot be switched on and off in one process (both builds define
+the same ``torch.ops.kvmesh`` operators), so each side runs in a fresh process of its own,
+the sides alternating round by round (the order flips each round), the machine's drift
+falling on both alike. The baseline's sources (``csrc/`` at ``--baseline``) are built with
+this tree's compiler flags into a cache directory of their own, under the name this tree's
+loader looks for, so that everything but the kernel library is this tree's code.
+
+Each process measures, for each dtype:
+  decode attention   ``torch.ops.kvmesh.paged_decode`` over the 30 layers of the default
+                     model's shape (9 query heads, 3 KV heads of 64), ``--seqs`` sequences of
+                     each ``--contexts`` length, their blocks scattered over a pool as large as
+                     ``kvmesh up``'s default (256 MiB a worker), per layer strided as the
+                     engine's views are: ms for all layers, and the K/V bytes read per second;
+  decode step        the default model's engine at ``--batches`` sequences of 128-token
+                     prompts: the median time of a decode step (all sequences in decode).
+
+    .venv/bin/python benchmarks/kernel_ab_bench.py --baseline 6019319 --json docs/benchmarks-kernel-ab.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from datetime import UTC, datetime
+from pathlib import Path
+
+import torch
+
+from kvmesh.engine.model import paged_kernel
+from kvmesh.machine import cpu_flags, cpu_model
+
+CHILD_ENV = "KVMESH_KERNEL_AB_CHILD"
+LAYERS, HEADS, KV_HEADS, DIM, BLOCK = 30, 9, 3, 64, 16
+
+
+def attention_ms(dtype: torch.dtype, seqs: int, context: int, repeats: int) -> dict:
+    """paged_decode over every layer of a pool whose blocks lie scattered."""
+    gen = torch.Generator().manual_seed(context)
+    pool_bytes = 256 * 2**20
+    per_block = LAYERS * 2 * BLOCK * KV_HEADS * DIM * torch.tensor([], dtype=dtype).element_size()
+    blocks = pool_bytes // per_block
+    pool = torch.randn(blocks, LAYERS, 2, BLOCK, KV_HEADS, DIM, generator=gen).to(dtype)  # KVCachePool's layout
+    width = -(-context // BLOCK)
+    tables = torch.randperm(blocks, generator=gen)[: seqs * width].view(seqs, width).contiguous()
+    lens = torch.full((seqs,), context, dtype=torch.int64)
+    q = torch.randn(seqs, HEADS, DIM, generator=gen).to(dtype)
+    views = [(pool[:, layer, 0], pool[:, layer, 1]) for layer in range(LAYERS)]
+
+    def all_layers() -> None:
+        for k_cache, v_cache in views:
+            torch.ops.kvmesh.paged_decode(q, k_cache, v_cache, tables, lens, DIM**-0.5)
+
+    all_layers()
+    times = []
+    for _ in range(repeats):
+        started = time.perf_counter()
+        all_layers()
+        times.append(time.perf_counter() - started)
+    ms = statistics.median(times) * 1e3
+    kv_bytes = seqs * context * KV_HEADS * DIM * 2 * pool.element_size() * LAYERS
+    return {"seqs": seqs, "context": context, "ms": round(ms, 3), "gb_s": round(kv_bytes / ms / 1e6, 2)}
+
+
+def step_ms(dtype: str, batch: int, steps: int) -> float:
+    """Median decode step of the default model's engine with ``batch`` sequences in decode."""
+    from kvmesh.engine.llm_engine import EngineConfig, LLMEngine
+    from kvmesh.engine.request import SamplingParams
+
+    engine = LLMEngine(EngineConfig(dtype=dtype, enable_prefix_caching=False))
+    gen = torch.Generator().manual_seed(batch)
+    vocab = engine.model_config.vocab_size
+    for i, prompt in enumerate(torch.randint(100, vocab - 100, (batch, 128), generator=gen).tolist()):
+        engine.add_request(f"r{i}", prompt, SamplingParams(max_tokens=steps + 40, ignore_eos=True))
+    while engine.last_step_tokens != batch:  # until every sequence is decoding
+        engine.step()
+    for _ in range(3):
+        engine.step()
+    times = []
+    for _ in range(steps):
+        started = time.perf_counter()
+        engine.step()
+        times.append(time.perf_counter() - started)
+    return round(statistics.median(times) * 1e3, 3)
+
+
+def child(args: argparse.Namespace) -> int:
+    if not paged_kernel.available():
+        print(json.dumps({"error": paged_kernel.last_failure}))
+        return 1
+    out: dict = {"library": str(paged_kernel.library_path()), "dtypes": {}}
+    for dtype in args.dtypes:
+        torch_dtype = getattr(torch, dtype)
+        out["dtypes"][dtype] = {
+            "attention": [attention_ms(torch_dtype, args.seqs, c, args.repeats) for c in args.contexts],
+            "step_ms": {str(b): step_ms(dtype, b, args.steps) for b in args.batches},
+        }
+    print(json.dumps(out))
+    return 0
+
+
+def build_into(cache: Path, csrc: Path | None) -> Path:
+    """The kernel library built from ``csrc`` (this tree's when None) into ``cache``, under the
+    name this tree's loader looks for there."""
+    cache.mkdir(parents=True, exist_ok=True)
+    wanted = paged_kernel.library_path(cache)
+    if csrc is None:
+        built = paged_kernel.build(cache)
+    else:
+        sources, headers = paged_kernel.SOURCES, paged_kernel.HEADERS
+        paged_kernel.SOURCES = [csrc / p.name for p in sources]
+        paged_kernel.HEADERS = [csrc / p.name for p in headers]
+        try:
+            built = paged_kernel.build(cache / "baseline")
+        finally:
+            paged_kernel.SOURCES, paged_kernel.HEADERS = sources, headers
+        if built is not None:
+            shutil.copy(built, wanted)
+    if built is None:
+        raise SystemExit(f"building the kernel from {csrc or 'this tree'} failed: {paged_kernel.last_failure}")
+    return wanted
+
+
+def baseline_sources(rev: str, into: Path) -> Path:
+    into.mkdir(parents=True, exist_ok=True)
+    root = subprocess.run(["git", "rev-parse", "--show-toplevel"], capture_output=True, text=True, check=True).stdout.strip()
+    for path in [*paged_kernel.SOURCES, *paged_kernel.HEADERS]:
+        rel = path.resolve().relative_to(root)
+        shown = subprocess.run(["git", "show", f"{rev}:{rel}"], capture_output=True, check=True, cwd=root)
+        (into / path.name).write_bytes(shown.stdout)
+    return into
+
+
+def run_side(args: argparse.Namespace, cache: Path) -> dict:
+    env = {**os.environ, CHILD_ENV: "1", "KVMESH_CACHE_DIR": str(cache)}
+    done = subprocess.run([sys.executable, __file__, *sys.argv[1:]], capture_output=True, text=True, env=env, timeout=1800)
+    if done.returncode != 0:
+        raise SystemExit(f"a measuring process failed:\n{done.stderr[-3000:]}")
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def summarize(sides: dict[str, list[dict]], dtypes: list[str]) -> list[dict]:
+    rows = []
+    for dtype in dtypes:
+        first = sides["tree"][0]["dtypes"][dtype]
+        for i, cell in enumerate(first["attention"]):
+            ms = {s: [r["dtypes"][dtype]["attention"][i]["ms"] for r in runs] for s, runs in sides.items()}
+            gb = {s: [r["dtypes"][dtype]["attention"][i]["gb_s"] for r in runs] for s, runs in sides.items()}
+            rows.append({"dtype": dtype, "what": f"decode attention, {cell['seqs']} x {cell['context']} tokens, 30 layers",
+                         "baseline_ms": statistics.median(ms["baseline"]), "tree_ms": statistics.median(ms["tree"]),
+                         "baseline_gb_s": statistics.median(gb["baseline"]), "tree_gb_s": statistics.median(gb["tree"]),
+                         "baseline_rounds": ms["baseline"], "tree_rounds": ms["tree"]})  # fmt: skip
+        for batch in first["step_ms"]:
+            ms = {s: [r["dtypes"][dtype]["step_ms"][batch] for r in runs] for s, runs in sides.items()}
+            rows.append({"dtype": dtype, "what": f"decode step, {batch} sequences",
+                         "baseline_ms": statistics.median(ms["baseline"]), "tree_ms": statistics.median(ms["tree"]),
+                         "baseline_rounds": ms["baseline"], "tree_rounds": ms["tree"]})  # fmt: skip
+    for row in rows:
+        row["speedup"] = round(row["baseline_ms"] / row["tree_ms"], 3)
+    return rows
+
+
+def markdown(report: dict) -> str:
+    lines = [
+        f"Command: `{report['command']}`  ",
+        f"Machine: {report['cpu']}, {os.cpu_count()} cores, flags: {report['flags_named']}; torch {report['torch']}; "
+        f"this tree {report['commit']} against the kernels of {report['baseline']}; {report['rounds']} rounds, "
+        "a fresh process a side a round, alternating",
+        "",
+        "| dtype | what | baseline (ms) | this tree (ms) | speedup | K/V read, baseline -> this tree (GB/s) |",
+        "|---|---|---:|---:|---:|---|",
+    ]
+    for r in report["rows"]:
+        rate = f"{r['baseline_gb_s']} -> {r['tree_gb_s']}" if "tree_gb_s" in r else ""
+        lines.append(f"| {r['dtype']} | {r['what']} | {r['baseline_ms']:.2f} | {r['tree_ms']:.2f} | {r['speedup']:.2f}x | {rate} |")
+    return "\n".join(lines) + "\n"
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--baseline", required=True, help="the commit whose csrc/ is the baseline")
+    parser.add_argument("--dtypes", type=lambda s: s.split(","), default=None,
+                        help="default: float32, and bfloat16 where the CPU has AVX512-BF16")  # fmt: skip
+    parser.add_argument("--seqs", type=int, default=32)
+    parser.add_argument("--contexts", type=lambda s: [int(x) for x in s.split(",")], default=[150, 300])
+    parser.add_argument("--batches", type=lambda s: [int(x) for x in s.split(",")], default=[1, 32])
+    parser.add_argument("--steps", type=int, default=15)
+    parser.add_argument("--repeats", type=int, default=7)
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--json", type=Path)
+    parser.add_argument("--markdown", type=Path)
+    args = parser.parse_args()
+    flags = cpu_flags()
+    if args.dtypes is None:
+        args.dtypes = ["float32", *(["bfloat16"] if "avx512_bf16" in flags.split() else [])]
+    if os.environ.get(CHILD_ENV):
+        return child(args)
+
+    from kvmesh.engine.loader.default_model import cache_dir
+
+    work = Path(tempfile.mkdtemp(prefix="kernel-ab-"))
+    caches = {"tree": work / "tree", "baseline": work / "baseline"}
+    build_into(caches["tree"], None)
+    build_into(caches["baseline"], baseline_sources(args.baseline, work / "baseline-csrc"))
+    models = cache_dir() / "models"  # the converted default model, not converted again per side
+    for cache in caches.values():
+        if models.exists():
+            (cache / "models").symlink_to(models)
+    started = datetime.now(UTC).strftime("%Y-%m-%d %H:%M UTC")
+    load_before = os.getloadavg()
+    sides: dict[str, list[dict]] = {"baseline": [], "tree": []}
+    for round_index in range(args.rounds):
+        order = ["baseline", "tree"] if round_index % 2 == 0 else ["tree", "baseline"]
+        for side in order:
+            sides[side].append(run_side(args, caches[side]))
+            print(f"round {round_index + 1}: {side} done", file=sys.stderr)
+    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
+    dirty = subprocess.run(["git", "status", "--porcelain", "--", "shared"], capture_output=True, text=True).stdout.strip()
+    named = [f for f in ("avx512f", "avx512_bf16", "avx512_vnni", "amx_bf16", "amx_tile", "avx2") if f in flags.split()]
+    report = {"started": started, "command": " ".join([Path(sys.executable).name, *sys.argv]), "cpu": cpu_model(),
+              "cpu_flags": flags, "flags_named": ", ".join(named), "torch": torch.__version__,
+              "commit": commit + (" (with uncommitted changes)" if dirty else ""), "baseline": args.baseline,
+              "rounds": args.rounds, "load_before": load_before, "load_after": os.getloadavg(),
+              "rows": summarize(sides, args.dtypes), "raw": sides}  # fmt: skip
+    shutil.rmtree(work, ignore_errors=True)
+    text = markdown(report)
+    print(text)
+    if args.json:
+        args.json.write_text(json.dumps(report, indent=1) + "\n")
+    if args.markdown:
+        args.markdown.write_text(text)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
