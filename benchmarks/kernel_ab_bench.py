@@ -11,8 +11,8 @@ Each process measures, for each dtype:
   decode attention   ``torch.ops.kvmesh.paged_decode`` over the 30 layers of the default
                      model's shape (9 query heads, 3 KV heads of 64), ``--seqs`` sequences of
                      each ``--contexts`` length, their blocks scattered over a pool as large as
-                     ``kvmesh up``'s default (256 MiB a worker), per layer strided as the
-                     engine's views are: ms for all layers, and the K/V bytes read per second;
+                     ``kvmesh up``'s default (256 MiB a worker; twice what the sequences take
+                     where that is more), per layer strided as the engine's views are: ms for all layers, and the K/V bytes read per second;
   decode step        the default model's engine at ``--batches`` sequences of 128-token
                      prompts: the median time of a decode step (all sequences in decode).
 
@@ -47,9 +47,9 @@ def attention_ms(dtype: torch.dtype, seqs: int, context: int, repeats: int) -> d
     gen = torch.Generator().manual_seed(context)
     pool_bytes = 256 * 2**20
     per_block = LAYERS * 2 * BLOCK * KV_HEADS * DIM * torch.tensor([], dtype=dtype).element_size()
-    blocks = pool_bytes // per_block
-    pool = torch.randn(blocks, LAYERS, 2, BLOCK, KV_HEADS, DIM, generator=gen).to(dtype)  # KVCachePool's layout
     width = -(-context // BLOCK)
+    blocks = max(pool_bytes // per_block, 2 * seqs * width)  # at least twice what the sequences take
+    pool = torch.randn(blocks, LAYERS, 2, BLOCK, KV_HEADS, DIM, generator=gen).to(dtype)  # KVCachePool's layout
     tables = torch.randperm(blocks, generator=gen)[: seqs * width].view(seqs, width).contiguous()
     lens = torch.full((seqs,), context, dtype=torch.int64)
     q = torch.randn(seqs, HEADS, DIM, generator=gen).to(dtype)
