@@ -376,7 +376,8 @@ def test_the_services_options_reach_the_services(tmp_path, default_model_dir):
     the workers' (a request naming it is served), CORS is on, and each flag is on the command
     line of the services it belongs to (the mesh-wide deadline in their environment). With no
     ``--dtype`` / KVMESH_DTYPE (the suite's float32 removed) and no ``--num-threads``, the
-    machine decides both and ``kvmesh up`` says so."""
+    machine decides both and ``kvmesh up`` says so; the worker runs that dtype with the
+    compiled kernels (its log says they loaded and the small-batch linear is on)."""
     origin = "http://localhost:3000"
     up = start_up(
         tmp_path, default_model_dir, "--prefill", "0", "--decode", "1",
@@ -425,6 +426,11 @@ def test_the_services_options_reach_the_services(tmp_path, default_model_dir):
         assert "--max-num-seqs" not in router and "--cors-allow-origins" not in worker
         assert "KVMESH_REQUEST_DEADLINE=600.0" in environment("router")
         assert "KVMESH_REQUEST_DEADLINE=600.0" in environment("decode-1")
+        # the machine's dtype runs the compiled kernels in the worker, not PyTorch's fallbacks
+        worker_log = (up.workdir / "logs" / "decode-1.log").read_text()
+        assert "compiled CPU kernels loaded" in worker_log, worker_log[-3000:]
+        assert "compiled decode attention unavailable" not in worker_log, worker_log[-3000:]
+        assert "small-batch linear kernel: on for steps of up to" in worker_log, worker_log[-3000:]
         assert up.stop() == (0, pytest.approx(0, abs=10))
     finally:
         up.cleanup()
