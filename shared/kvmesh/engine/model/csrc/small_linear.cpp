@@ -121,7 +121,7 @@ inline void dot_rows(const typename Ops::Elem* w, int64_t K, const typename Ops:
 // R weight rows (outputs n0..n0+R) against every row of x.
 template <typename Ops, int R>
 inline void rows_against_x(const typename Ops::Elem* w, int64_t K, const typename Ops::Elem* x, int64_t xs, int64_t M,
-                           int64_t n0, int64_t N, const float* bias, typename Ops::Out* y) {
+                           int64_t n0, int64_t N, const typename Ops::Out* bias, typename Ops::Out* y) {
   float sums[kXRows][kRows];
   for (int64_t m0 = 0; m0 < M; m0 += kXRows) {
     const typename Ops::Elem* xm = x + m0 * xs;
@@ -135,25 +135,28 @@ inline void rows_against_x(const typename Ops::Elem* w, int64_t K, const typenam
     }
     for (int64_t m = 0; m < mb; ++m)
       for (int r = 0; r < R; ++r) {
-        const float b = bias != nullptr ? bias[n0 + r] : 0.f;
+        const float b = bias != nullptr ? kvmesh::cpu::to_float(bias[n0 + r]) : 0.f;
         y[(m0 + m) * N + n0 + r] = kvmesh::cpu::from_float<typename Ops::Out>(sums[m][r] + b);
       }
   }
 }
 
 template <typename Ops>
-void linear_rows(const at::Tensor& x, const at::Tensor& w, const float* bias, at::Tensor& y) {
+void linear_rows(const at::Tensor& x, const at::Tensor& w, const c10::optional<at::Tensor>& bias, at::Tensor& y) {
   using Elem = typename Ops::Elem;
   const int64_t M = x.size(0), N = w.size(0), K = w.size(1), xs = x.stride(0);
   const auto* wp = static_cast<const Elem*>(w.const_data_ptr());
   const auto* xp = static_cast<const Elem*>(x.const_data_ptr());
   auto* yp = static_cast<typename Ops::Out*>(y.data_ptr());
+  // the bias in the output's dtype, read where it lies (converted only if it came in another)
+  const at::Tensor b = bias.has_value() && bias->defined() ? bias->to(y.scalar_type()).contiguous() : at::Tensor();
+  const auto* bias_p = b.defined() ? static_cast<const typename Ops::Out*>(b.const_data_ptr()) : nullptr;
   const int64_t groups = N / kRows;
   at::parallel_for(0, groups, 1, [&](int64_t begin, int64_t end) {
     for (int64_t g = begin; g < end; ++g)
-      rows_against_x<Ops, kRows>(wp + g * kRows * K, K, xp, xs, M, g * kRows, N, bias, yp);
+      rows_against_x<Ops, kRows>(wp + g * kRows * K, K, xp, xs, M, g * kRows, N, bias_p, yp);
   });
-  for (int64_t n = groups * kRows; n < N; ++n) rows_against_x<Ops, 1>(wp + n * K, K, xp, xs, M, n, N, bias, yp);
+  for (int64_t n = groups * kRows; n < N; ++n) rows_against_x<Ops, 1>(wp + n * K, K, xp, xs, M, n, N, bias_p, yp);
 }
 
 at::Tensor small_linear(const at::Tensor& x, const at::Tensor& w, const c10::optional<at::Tensor>& bias) {
@@ -161,22 +164,18 @@ at::Tensor small_linear(const at::Tensor& x, const at::Tensor& w, const c10::opt
   TORCH_CHECK(x.device().is_cpu() && w.scalar_type() == dtype, "small_linear: CPU tensors of one dtype");
   TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1 && w.dim() == 2 && w.is_contiguous() && x.size(1) == w.size(1),
               "small_linear: x (M, K) rows contiguous, w (N, K) contiguous");
-  at::Tensor bias_float;
-  if (bias.has_value() && bias->defined()) {
+  if (bias.has_value() && bias->defined())
     TORCH_CHECK(bias->dim() == 1 && bias->size(0) == w.size(0), "small_linear: bias (N)");
-    bias_float = bias->to(at::kFloat).contiguous();
-  }
-  const float* bp = bias_float.defined() ? bias_float.const_data_ptr<float>() : nullptr;
   auto y = at::empty({x.size(0), w.size(0)}, x.options());
 #if defined(KVMESH_SMALL_LINEAR_BF16)
   if (dtype == at::kBFloat16) {
-    linear_rows<Bf16Dot>(x, w, bp, y);
+    linear_rows<Bf16Dot>(x, w, bias, y);
     return y;
   }
 #endif
 #if defined(KVMESH_SMALL_LINEAR_F32)
   if (dtype == at::kFloat) {
-    linear_rows<F32Fma>(x, w, bp, y);
+    linear_rows<F32Fma>(x, w, bias, y);
     return y;
   }
 #endif
