@@ -236,7 +236,10 @@ def _generate(args: argparse.Namespace) -> int:
         logit_bias=dict(args.logit_bias),
     )
     logger.info("loading the model")
-    engine = LLMEngine(EngineConfig(model=args.model, dtype=args.dtype, device=args.device, kv_cache_bytes=256 * 2**20))
+    # no warm-up of the grammar compiler: generate has no structured output, and the warm-up
+    # would take a core for a second of a short run
+    config = EngineConfig(model=args.model, dtype=args.dtype, device=args.device, kv_cache_bytes=256 * 2**20, warm_grammar=False)
+    engine = LLMEngine(config)
     tokenizer = engine.tokenizer
     text = args.prompt
     if args.chat:

@@ -10,6 +10,7 @@ import random
 import re
 import subprocess
 import sys
+import threading
 
 import jsonschema
 import pytest
@@ -329,3 +330,14 @@ def test_a_process_ending_while_the_grammar_warms_exits_cleanly(default_model_di
         args = [sys.executable, "-c", EXIT_WHILE_WARMING, str(default_model_dir), str(vocab_size), delay]
         done = subprocess.run(args, capture_output=True, text=True, timeout=120)
         assert done.returncode == 0, (delay, done.returncode, done.stderr[-2000:])
+
+
+def test_an_engine_without_the_warm_up_compiles_on_the_first_guided_request(tiny_model_dir):
+    """``warm_grammar=False`` (``kvmesh generate``): no warm-up thread starts, and a guided
+    request still gets a grammar (llguidance's tokenizer built on its first step)."""
+    before = {t for t in threading.enumerate() if t.name == "grammar-warm"}
+    engine = LLMEngine(EngineConfig(model=str(tiny_model_dir), num_blocks=256, warm_grammar=False))
+    assert not {t for t in threading.enumerate() if t.name == "grammar-warm"} - before  # none new
+    prompt = engine.tokenizer.encode("Answer:")
+    [out] = run_all(engine, [prompt], [SamplingParams(max_tokens=60, guided=GuidedDecoding("regex", "[a-z]{3,5}"))])
+    assert out.error is None and re.fullmatch("[a-z]{3,5}", out.text), out.text

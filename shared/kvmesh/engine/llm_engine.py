@@ -51,6 +51,7 @@ class EngineConfig:
     num_threads: int | None = None
     prepack_weights: bool = True  # oneDNN-prepacked linear weights on CPU (see model/linear.py)
     max_failed_steps: int = 3  # this many failed steps in a row and the engine gives up
+    warm_grammar: bool = True  # build llguidance's tokenizer in the background at start, not on the first guided request
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES and self.dtype != "auto":
@@ -107,7 +108,8 @@ class LLMEngine:
         self._texts: dict[str, OutputText] = {}
         # structured output: llguidance's tokenizer is built off this thread now, not on the first guided request's step
         self._grammars = GrammarCompiler(self.tokenizer, self.model_config.vocab_size, self.eos_token_ids)
-        self._grammars.warm()
+        if config.warm_grammar:
+            self._grammars.warm()
         self._failed_steps = 0  # steps in a row whose batch raised
         self.last_step_tokens = 0  # tokens the last step scheduled; 0: no room for anything
         self.num_preemptions = 0  # requests preempted (recomputed later) since the start
