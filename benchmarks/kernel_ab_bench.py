@@ -72,24 +72,15 @@ def attention_ms(dtype: torch.dtype, seqs: int, context: int, repeats: int) -> d
 
 def step_ms(dtype: str, batch: int, steps: int) -> float:
     """Median decode step of the default model's engine with ``batch`` sequences in decode."""
+    from engine_bench import _decode_step_ms  # a sibling script: this one runs from benchmarks/
+
     from kvmesh.engine.llm_engine import EngineConfig, LLMEngine
-    from kvmesh.engine.request import SamplingParams
 
     engine = LLMEngine(EngineConfig(dtype=dtype, enable_prefix_caching=False))
     gen = torch.Generator().manual_seed(batch)
     vocab = engine.model_config.vocab_size
-    for i, prompt in enumerate(torch.randint(100, vocab - 100, (batch, 128), generator=gen).tolist()):
-        engine.add_request(f"r{i}", prompt, SamplingParams(max_tokens=steps + 40, ignore_eos=True))
-    while engine.last_step_tokens != batch:  # until every sequence is decoding
-        engine.step()
-    for _ in range(3):
-        engine.step()
-    times = []
-    for _ in range(steps):
-        started = time.perf_counter()
-        engine.step()
-        times.append(time.perf_counter() - started)
-    return round(statistics.median(times) * 1e3, 3)
+    _decode_step_ms(engine, torch.randint(100, vocab - 100, (batch, 128), generator=gen).tolist(), 3)  # warm
+    return round(_decode_step_ms(engine, torch.randint(100, vocab - 100, (batch, 128), generator=gen).tolist(), steps), 3)
 
 
 def child(args: argparse.Namespace) -> int:
