@@ -7,7 +7,9 @@ ops), so a before/after comparison runs this script once per tree, alternating, 
                      .venv/bin/python benchmarks/decode_step.py; done
 
 Each run prints one JSON line: the commit, whether the tree had uncommitted changes, the CPU
-and its flags, and the median step (ms) per dtype.
+and its flags, and the median step (ms) per dtype. ``kernel_ab_bench.py`` does the same
+against an earlier commit's kernel sources without a stash (it builds them into a cache of
+their own), with this script's measure.
 """
 
 from __future__ import annotations

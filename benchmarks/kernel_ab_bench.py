@@ -71,16 +71,11 @@ def attention_ms(dtype: torch.dtype, seqs: int, context: int, repeats: int) -> d
 
 
 def step_ms(dtype: str, batch: int, steps: int) -> float:
-    """Median decode step of the default model's engine with ``batch`` sequences in decode."""
-    from engine_bench import _decode_step_ms  # a sibling script: this one runs from benchmarks/
+    """Median decode step of the default model's engine with ``batch`` sequences decoding
+    ``steps`` tokens (decode_step.py's measure; this script runs from benchmarks/)."""
+    from decode_step import median_step_ms
 
-    from kvmesh.engine.llm_engine import EngineConfig, LLMEngine
-
-    engine = LLMEngine(EngineConfig(dtype=dtype, enable_prefix_caching=False))
-    gen = torch.Generator().manual_seed(batch)
-    vocab = engine.model_config.vocab_size
-    _decode_step_ms(engine, torch.randint(100, vocab - 100, (batch, 128), generator=gen).tolist(), 3)  # warm
-    return round(_decode_step_ms(engine, torch.randint(100, vocab - 100, (batch, 128), generator=gen).tolist(), steps), 3)
+    return round(median_step_ms(dtype, batch, 128, steps, rounds=1, threads=torch.get_num_threads()), 3)
 
 
 def child(args: argparse.Namespace) -> int:
@@ -98,36 +93,29 @@ def child(args: argparse.Namespace) -> int:
     return 0
 
 
-def build_into(cache: Path, csrc: Path | None) -> Path:
-    """The kernel library built from ``csrc`` (this tree's when None) into ``cache``, under the
-    name this tree's loader looks for there."""
+def build_into(cache: Path, csrc: Path) -> Path:
+    """The kernel library built from ``csrc`` into ``cache``, under the name this tree's
+    loader looks for there (its key is of this tree's sources)."""
     cache.mkdir(parents=True, exist_ok=True)
-    wanted = paged_kernel.library_path(cache)
-    if csrc is None:
-        built = paged_kernel.build(cache)
-    else:
-        sources, headers = paged_kernel.SOURCES, paged_kernel.HEADERS
-        paged_kernel.SOURCES = [csrc / p.name for p in sources]
-        paged_kernel.HEADERS = [csrc / p.name for p in headers]
-        try:
-            built = paged_kernel.build(cache / "baseline")
-        finally:
-            paged_kernel.SOURCES, paged_kernel.HEADERS = sources, headers
-        if built is not None:
-            shutil.copy(built, wanted)
+    built = paged_kernel.build(cache / "built", csrc=csrc)
     if built is None:
-        raise SystemExit(f"building the kernel from {csrc or 'this tree'} failed: {paged_kernel.last_failure}")
+        raise SystemExit(f"building the kernel from {csrc} failed: {paged_kernel.last_failure}")
+    wanted = paged_kernel.library_path(cache)
+    shutil.copy(built, wanted)
     return wanted
 
 
 def baseline_sources(rev: str, into: Path) -> Path:
     into.mkdir(parents=True, exist_ok=True)
-    root = subprocess.run(["git", "rev-parse", "--show-toplevel"], capture_output=True, text=True, check=True).stdout.strip()
-    for path in [*paged_kernel.SOURCES, *paged_kernel.HEADERS]:
-        rel = path.resolve().relative_to(root)
-        shown = subprocess.run(["git", "show", f"{rev}:{rel}"], capture_output=True, check=True, cwd=root)
-        (into / path.name).write_bytes(shown.stdout)
+    rel = paged_kernel.CSRC.resolve().relative_to(_repo_root())
+    for name in [*paged_kernel.SOURCES, *paged_kernel.HEADERS]:
+        shown = subprocess.run(["git", "show", f"{rev}:{rel / name}"], capture_output=True, check=True, cwd=_repo_root())
+        (into / name).write_bytes(shown.stdout)
     return into
+
+
+def _repo_root() -> Path:
+    return Path(subprocess.run(["git", "rev-parse", "--show-toplevel"], capture_output=True, text=True, check=True).stdout.strip())
 
 
 def run_side(args: argparse.Namespace, cache: Path) -> dict:
@@ -199,7 +187,7 @@ def main() -> int:
 
     work = Path(tempfile.mkdtemp(prefix="kernel-ab-"))
     caches = {"tree": work / "tree", "baseline": work / "baseline"}
-    build_into(caches["tree"], None)
+    build_into(caches["tree"], paged_kernel.CSRC)
     build_into(caches["baseline"], baseline_sources(args.baseline, work / "baseline-csrc"))
     models = cache_dir() / "models"  # the converted default model, not converted again per side
     for cache in caches.values():

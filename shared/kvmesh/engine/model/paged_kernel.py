@@ -29,8 +29,8 @@ from kvmesh.native_build import build_shared_library
 logger = logging.getLogger(__name__)
 
 CSRC = Path(__file__).with_name("csrc")
-SOURCES = [CSRC / "paged_decode.cpp", CSRC / "fused_ops.cpp", CSRC / "small_linear.cpp"]
-HEADERS = [CSRC / "cpu_math.h"]
+SOURCES = ["paged_decode.cpp", "fused_ops.cpp", "small_linear.cpp"]  # in CSRC (or another csrc folder)
+HEADERS = ["cpu_math.h"]
 DISABLE_ENV = "KVMESH_PAGED_KERNEL"
 FLAGS = ["-O3", "-fno-math-errno", "-fopenmp", "-shared", "-fPIC", "-std=c++17", "-Wno-psabi"]
 
@@ -52,21 +52,22 @@ def compiler() -> str | None:
     return os.environ.get("CXX") or shutil.which("c++") or shutil.which("g++") or shutil.which("clang++")
 
 
-def library_path(cache: Path | None = None, march: str = "native") -> Path:
+def library_path(cache: Path | None = None, march: str = "native", csrc: Path = CSRC) -> Path:
     from kvmesh.engine.loader.default_model import cache_dir
 
     flags = " ".join([*FLAGS, f"-march={march}"])
-    code = b"".join(path.read_bytes() for path in [*SOURCES, *HEADERS])
+    code = b"".join((csrc / name).read_bytes() for name in [*SOURCES, *HEADERS])
     key = hashlib.sha256(code + torch.__version__.encode() + flags.encode() + _cpu_flags().encode()).hexdigest()[:16]
     return (cache or cache_dir()) / f"paged_decode-{key}.so"
 
 
-def build(cache: Path | None = None, march: str = "native") -> Path | None:
+def build(cache: Path | None = None, march: str = "native", csrc: Path = CSRC) -> Path | None:
     """The compiled kernel, built now if needed (atomically); None when it cannot be.
     ``march``: the instruction set it is compiled for (the tests also build ``x86-64-v3``,
-    AVX2 without AVX-512, to check that path on a machine that has more)."""
+    AVX2 without AVX-512, to check that path on a machine that has more); ``csrc``: the
+    folder of the sources (benchmarks/kernel_ab_bench.py builds an earlier commit's)."""
     global last_failure
-    path = library_path(cache, march)
+    path = library_path(cache, march, csrc)
     if path.exists():
         return path
     cxx = compiler()
@@ -81,7 +82,7 @@ def build(cache: Path | None = None, march: str = "native") -> Path | None:
     last_failure = build_shared_library(
         path,
         lambda output: [
-            cxx, *FLAGS, f"-march={march}", f"-D_GLIBCXX_USE_CXX11_ABI={abi}", *includes, *map(str, SOURCES), "-o", output,
+            cxx, *FLAGS, f"-march={march}", f"-D_GLIBCXX_USE_CXX11_ABI={abi}", *includes, *[str(csrc / name) for name in SOURCES], "-o", output,
             *[f"-L{d}" for d in libdirs], *[f"-Wl,-rpath,{d}" for d in libdirs], "-lc10", "-ltorch_cpu", "-lmvec",
         ],  # fmt: skip
         timeout=600,
