@@ -1362,6 +1362,7 @@ ABLATIONS = (  # (name, the LlamaModel attribute that turns it on)
     ("fused rotary + K/V store", "fused_rope"),
     ("fused residual add + RMSNorm, silu-and-mul", "fused_elementwise"),
     ("small-batch linear kernel (bfloat16: 1-2 rows, float32: 1-4)", "small_batch_linear"),
+    ("AMX tile linear kernel (bfloat16: 3-64 rows)", "tile_linear"),
 )
 
 

@@ -2,13 +2,16 @@
 what they replace, in one run (issue 12):
 
 1. ``torch.ops.kvmesh.small_linear`` against oneDNN's prepacked weights (``Linear`` without
-   ``small_rows``) on the default model's shapes (qkv, o, gate-up, down, LM head) at 1-4 rows,
-   each dtype; 80 weights of each shape rotated (3 of the LM head) so they come from memory,
-   as in a model; the sum over a decode step's 30 layers and the LM head.
+   ``small_rows``) on the default model's shapes (qkv, o, gate-up, down, LM head) at 1-4 rows
+   (``--rows``), each dtype, and on a CPU with AMX ``torch.ops.kvmesh.amx_linear`` (the
+   weights in AMX tiles) beside them in bfloat16; 80 weights of each shape rotated (3 of the
+   LM head) so they come from memory, as in a model; the sum over a decode step's 30 layers
+   and the LM head.
 2. ``add_rms_norm`` against ``F.rms_norm(x + d)``, and ``silu_mul`` against
    ``F.silu(g) * u``, at 1, 16 and 2,048 rows.
 
     .venv/bin/python benchmarks/small_ops_bench.py --out docs/benchmarks-small-ops.json
+    .venv/bin/python benchmarks/small_ops_bench.py --rows 1,2,4,8,16,32,64,128 --dtypes bfloat16 --skip-elementwise
 """
 
 from __future__ import annotations
@@ -26,7 +29,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from kvmesh.engine.model import paged_kernel
+from kvmesh.engine.model import paged_kernel, small_batch
 from kvmesh.engine.model.linear import Linear
 from kvmesh.machine import cpu_flags, cpu_model
 
@@ -45,13 +48,15 @@ def per_call_s(call: Callable[[], Any], repeats: int) -> float:
 
 def linear_rows(dtype: torch.dtype, rows: int) -> dict[str, Any]:
     result: dict[str, Any] = {"dtype": str(dtype).removeprefix("torch."), "rows": rows, "us": {}}
-    step = {"onednn": 0.0, "small_linear": 0.0}
+    tiles_here = dtype == torch.bfloat16 and small_batch.amx_available()
+    step = {"onednn": 0.0, "small_linear": 0.0} | ({"amx_linear": 0.0} if tiles_here else {})
     for name, (out_features, in_features) in SHAPES.items():
         count = 3 if name == "lm_head" else 80
         weights = [torch.randn(out_features, in_features).to(dtype) for _ in range(count)]
         packed = [Linear(w) for w in weights]
+        tiles = [torch.ops.kvmesh.amx_pack(w) for w in weights] if tiles_here else []
         x = torch.randn(rows, in_features).to(dtype)
-        packed_turns, plain_turns = itertools.cycle(packed), itertools.cycle(weights)
+        packed_turns, plain_turns, tile_turns = itertools.cycle(packed), itertools.cycle(weights), itertools.cycle(tiles)
 
         def onednn(turns: Iterator[Linear] = packed_turns, x: torch.Tensor = x) -> torch.Tensor:
             return next(turns)(x)
@@ -59,8 +64,13 @@ def linear_rows(dtype: torch.dtype, rows: int) -> dict[str, Any]:
         def small(turns: Iterator[torch.Tensor] = plain_turns, x: torch.Tensor = x) -> torch.Tensor:
             return torch.ops.kvmesh.small_linear(x, next(turns), None)
 
+        def amx(turns: Iterator[torch.Tensor] = tile_turns, x: torch.Tensor = x, n: int = out_features) -> torch.Tensor:
+            return torch.ops.kvmesh.amx_linear(x, next(turns), n, None)
+
         repeats = 30 if name == "lm_head" else 300
         times = {"onednn": per_call_s(onednn, repeats), "small_linear": per_call_s(small, repeats)}
+        if tiles_here:
+            times["amx_linear"] = per_call_s(amx, repeats)
         result["us"][name] = {k: round(v * 1e6, 1) for k, v in times.items()}
         for key, value in times.items():
             step[key] += value * (1 if name == "lm_head" else LAYERS)
@@ -84,6 +94,9 @@ def elementwise(dtype: torch.dtype, rows: int) -> dict[str, Any]:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--rows", default="1,2,4", help="comma-separated row counts for the linears")
+    parser.add_argument("--dtypes", default="bfloat16,float32")
+    parser.add_argument("--skip-elementwise", action="store_true")
     parser.add_argument("--out", type=Path)
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
@@ -100,13 +113,13 @@ def main() -> int:
         "linear": [],
         "elementwise": [],
     }
-    for dtype in (torch.bfloat16, torch.float32):
-        name = str(dtype).removeprefix("torch.")
+    for name in args.dtypes.split(","):
+        dtype = getattr(torch, name)
         if torch.ops.kvmesh.small_linear_available(name):
-            for rows in (1, 2, 4):
+            for rows in (int(r) for r in args.rows.split(",")):
                 report["linear"].append(linear_rows(dtype, rows))
                 print(json.dumps(report["linear"][-1]), flush=True)
-        for rows in (1, 16, 2048):
+        for rows in () if args.skip_elementwise else (1, 16, 2048):
             report["elementwise"].append(elementwise(dtype, rows))
             print(json.dumps(report["elementwise"][-1]), flush=True)
     if args.out:

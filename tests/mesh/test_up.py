@@ -430,7 +430,7 @@ def test_the_services_options_reach_the_services(tmp_path, default_model_dir):
         worker_log = (up.workdir / "logs" / "decode-1.log").read_text()
         assert "compiled CPU kernels loaded" in worker_log, worker_log[-3000:]
         assert "compiled decode attention unavailable" not in worker_log, worker_log[-3000:]
-        assert "small-batch linear kernel: on for steps of up to" in worker_log, worker_log[-3000:]
+        assert "small-batch linear kernel: on" in worker_log, worker_log[-3000:]
         assert up.stop() == (0, pytest.approx(0, abs=10))
     finally:
         up.cleanup()

@@ -15,6 +15,9 @@ A layer may also keep its plain weight for the compiled small-batch kernel
 (``torch.ops.kvmesh.small_linear``, csrc/small_linear.cpp; which layers and how many rows:
 small_batch.py): inputs of at most ``small_rows`` rows go there, where a decode step of a few
 sequences is bound by reading the weight, which that kernel streams faster than oneDNN does.
+On a CPU with AMX a bfloat16 layer may also keep a copy of its weight in AMX tiles
+(``torch.ops.kvmesh.amx_pack``, csrc/amx_linear.cpp): inputs of more than ``small_rows`` and
+at most ``tile_rows`` rows go there.
 """
 
 from __future__ import annotations
@@ -39,14 +42,24 @@ def can_prepack(weight: torch.Tensor) -> bool:
 class Linear:
     """``y = x @ weight.T + bias`` for x (..., in_features)."""
 
-    __slots__ = ("weight", "bias", "_packed", "small_rows")
+    __slots__ = ("weight", "bias", "_packed", "small_rows", "tiles", "tile_rows", "out_features")
 
     def __init__(
-        self, weight: torch.Tensor, bias: torch.Tensor | None = None, *, prepack: bool = True, small_rows: int = 0
+        self,
+        weight: torch.Tensor,
+        bias: torch.Tensor | None = None,
+        *,
+        prepack: bool = True,
+        small_rows: int = 0,
+        tile_rows: int = 0,
     ) -> None:
         self.weight: torch.Tensor | None = weight  # dropped by owners once prepacked, unless small_rows
         self.bias = bias
+        self.out_features = weight.shape[0]
         self.small_rows = small_rows  # inputs of at most this many rows go to the small-batch kernel
+        # the weight in AMX tiles, for inputs of more than small_rows and at most tile_rows rows
+        self.tiles = torch.ops.kvmesh.amx_pack(weight) if tile_rows else None
+        self.tile_rows = tile_rows
         self._packed: torch.Tensor | None = None
         if prepack and can_prepack(weight):
             try:
@@ -59,8 +72,11 @@ class Linear:
         return self._packed is not None
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        if x.shape[0] <= self.small_rows:
+        rows = x.shape[0]
+        if rows <= self.small_rows:
             return torch.ops.kvmesh.small_linear(x, self.weight, self.bias)
+        if rows <= self.tile_rows:
+            return torch.ops.kvmesh.amx_linear(x, self.tiles, self.out_features, self.bias)
         if self._packed is not None:
             return torch.ops.mkldnn._linear_pointwise(x, self._packed, self.bias, "none", [], "")
         assert self.weight is not None

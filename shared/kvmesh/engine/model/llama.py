@@ -68,19 +68,20 @@ class LlamaModel:
         compiled = device.type == "cpu" and paged_kernel.available()
         small = small_batch.plan(weights, dtype, compiled, prepack and can_prepack(weights.embed))
         logger.info("small-batch linear kernel: %s", small.why)
-        self.lm_head = Linear(weights.lm_head, prepack=prepack, small_rows=small.lm_head_rows)
+        tiles = small.tile_rows
+        self.lm_head = Linear(weights.lm_head, prepack=prepack, small_rows=small.lm_head_rows, tile_rows=tiles)
         self.layers = [
             DecoderLayer(
                 input_norm=layer.input_norm,
-                qkv=Linear(layer.qkv, layer.qkv_bias, prepack=prepack, small_rows=small.layer_rows),
-                o_proj=Linear(layer.o_proj, prepack=prepack, small_rows=small.layer_rows),
+                qkv=Linear(layer.qkv, layer.qkv_bias, prepack=prepack, small_rows=small.layer_rows, tile_rows=tiles),
+                o_proj=Linear(layer.o_proj, prepack=prepack, small_rows=small.layer_rows, tile_rows=tiles),
                 post_norm=layer.post_norm,
-                gate_up=Linear(layer.gate_up, prepack=prepack, small_rows=small.layer_rows),
-                down=Linear(layer.down, prepack=prepack, small_rows=small.layer_rows),
+                gate_up=Linear(layer.gate_up, prepack=prepack, small_rows=small.layer_rows, tile_rows=tiles),
+                down=Linear(layer.down, prepack=prepack, small_rows=small.layer_rows, tile_rows=tiles),
             )
             for layer in weights.layers
         ]
-        self._planned_rows = [linear.small_rows for linear in self.linears()]
+        self._plan = small
         if self.layers and self.layers[0].qkv.prepacked and not small.layer_rows:
             for layer in self.layers:  # the prepacked copies are all that is used from here on
                 for linear in (layer.qkv, layer.o_proj, layer.gate_up, layer.down):
@@ -117,8 +118,19 @@ class LlamaModel:
 
     @small_batch_linear.setter
     def small_batch_linear(self, on: bool) -> None:  # the ablation's and the tests' switch
-        for linear, rows in zip(self.linears(), self._planned_rows, strict=True):
-            linear.small_rows = rows if on else 0
+        self.lm_head.small_rows = self._plan.lm_head_rows if on else 0
+        for linear in self.linears()[1:]:
+            linear.small_rows = self._plan.layer_rows if on else 0
+
+    @property
+    def tile_linear(self) -> bool:
+        """Do bfloat16 batches of up to ``small_batch.TILE_ROWS`` rows go to the AMX tile kernel?"""
+        return any(linear.tile_rows for linear in self.linears())
+
+    @tile_linear.setter
+    def tile_linear(self, on: bool) -> None:  # the ablation's and the tests' switch
+        for linear in self.linears():
+            linear.tile_rows = self._plan.tile_rows if on else 0
 
     def _norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         eps = self.config.rms_norm_eps

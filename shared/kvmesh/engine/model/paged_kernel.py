@@ -1,6 +1,7 @@
 """The compiled CPU kernels: decode attention with K/V read in place (csrc/paged_decode.cpp,
 with rotary and the K/V store fused), and the decoder's fused elementwise steps
-(csrc/fused_ops.cpp: RMSNorm with the residual add before it, silu-and-mul).
+(csrc/fused_ops.cpp: RMSNorm with the residual add before it, silu-and-mul), and the decode
+step's linears (csrc/small_linear.cpp for a few rows, csrc/amx_linear.cpp on AMX tiles).
 
 They are built as one library with the system C++ compiler against the installed torch
 into the kvmesh cache, keyed on the sources, the torch version and the CPU's flags (it is
@@ -29,7 +30,7 @@ from kvmesh.native_build import build_shared_library
 logger = logging.getLogger(__name__)
 
 CSRC = Path(__file__).with_name("csrc")
-SOURCES = ["paged_decode.cpp", "fused_ops.cpp", "small_linear.cpp"]  # in CSRC (or another csrc folder)
+SOURCES = ["paged_decode.cpp", "fused_ops.cpp", "small_linear.cpp", "amx_linear.cpp"]  # in CSRC (or another csrc folder)
 HEADERS = ["cpu_math.h"]
 DISABLE_ENV = "KVMESH_PAGED_KERNEL"
 FLAGS = ["-O3", "-fno-math-errno", "-fopenmp", "-shared", "-fPIC", "-std=c++17", "-Wno-psabi"]
@@ -106,7 +107,7 @@ def available() -> bool:
         try:
             torch.ops.load_library(str(path))
             _state = True
-            logger.info("compiled CPU kernels loaded (decode attention, fused norms, small-batch linear): %s", path.name)
+            logger.info("compiled CPU kernels loaded (decode attention, fused norms, small-batch and AMX linears): %s", path.name)
         except (OSError, RuntimeError) as exc:
             last_failure = f"loading {path} failed: {exc}"
     if not _state:

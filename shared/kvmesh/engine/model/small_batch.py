@@ -1,4 +1,5 @@
-"""Which linear layers keep their plain weight for the compiled small-batch kernel.
+"""Which linear layers keep their plain weight for the compiled small-batch kernel, and which
+get a copy in AMX tiles for the tile kernel.
 
 ``torch.ops.kvmesh.small_linear`` (csrc/small_linear.cpp) computes a linear of the few rows
 of a decode step of a few sequences. Measured on an Intel Xeon with AMX against oneDNN's
@@ -9,6 +10,14 @@ rows. Hence ``SMALL_ROWS``. It reads the plain weight,
 which a prepacked layer otherwise drops, so keeping it costs the weights' bytes again: it is
 kept for models whose copies stay within ``PLAIN_COPY_LIMIT``, and always where nothing is
 copied (the output layer's plain weight, or the embedding it is tied to, stays anyway).
+
+On a CPU with AMX, bfloat16 inputs of more rows than that, up to ``TILE_ROWS``, go to
+``torch.ops.kvmesh.amx_linear`` (csrc/amx_linear.cpp), which reads a copy of the weight
+repacked into AMX tiles (``amx_pack``, the same bytes again, the output layer's included):
+a 32-sequence decode step's linears in 12.8 against oneDNN's 18.5 ms, 8 sequences' 10.2
+against 16.2 (docs/benchmarks.md, "An AMX tile kernel for the decode step's linears"). The
+tiles come first where both copies do not fit the limit: they serve every row count up to
+``TILE_ROWS``.
 """
 
 from __future__ import annotations
@@ -21,7 +30,10 @@ from kvmesh.engine.model.weights import ModelWeights
 
 # Inputs of at most this many rows go to the kernel: where it was measured faster.
 SMALL_ROWS = {torch.bfloat16: 2, torch.float32: 4}
-PLAIN_COPY_LIMIT = 2**30  # bytes of plain weights kept beside the prepacked ones, at most
+# bfloat16 inputs of more rows than SMALL_ROWS and at most this many go to the AMX tile kernel:
+# faster than oneDNN at every row count measured up to 64, even with it from 96.
+TILE_ROWS = 64
+PLAIN_COPY_LIMIT = 2**30  # bytes of weight copies (plain, tiles) kept beside the prepacked ones, at most
 
 
 @dataclass(frozen=True, slots=True)
@@ -29,6 +41,12 @@ class SmallBatchPlan:
     layer_rows: int  # the decoder layers' linears: small_rows (0: the kernel is not used)
     lm_head_rows: int  # the output layer's
     why: str  # one line for the log
+    tile_rows: int = 0  # every linear: inputs of more than its small_rows and at most this many go to the AMX tiles
+
+
+def amx_available() -> bool:
+    """Is the AMX tile kernel built here, with the tile state granted (the kernels loaded)?"""
+    return bool(torch.ops.kvmesh.amx_available())
 
 
 def plan(weights: ModelWeights, dtype: torch.dtype, compiled: bool, prepacked: bool) -> SmallBatchPlan:
@@ -39,22 +57,42 @@ def plan(weights: ModelWeights, dtype: torch.dtype, compiled: bool, prepacked: b
     name = str(dtype).removeprefix("torch.")
     if dtype not in (torch.bfloat16, torch.float32):
         return SmallBatchPlan(0, 0, f"off: the kernel is for bfloat16 and float32; this engine runs {name}")
-    if not torch.ops.kvmesh.small_linear_available(name):
+    small = torch.ops.kvmesh.small_linear_available(name)
+    tiles = dtype == torch.bfloat16 and amx_available()
+    if not small and not tiles:
         need = "AVX512-BF16" if dtype == torch.bfloat16 else "AVX-512 or AVX2 with FMA"
         return SmallBatchPlan(0, 0, f"off: {name} needs {need}, which this CPU lacks")
-    rows = SMALL_ROWS[dtype]
-    # The output layer keeps its plain weight anyway (the embedding's, when tied): no copy.
-    copies = sum(
+    rows = SMALL_ROWS[dtype] if small else 0
+    layers = sum(
         tensor.numel() * tensor.element_size()
         for layer in weights.layers
         for tensor in (layer.qkv, layer.o_proj, layer.gate_up, layer.down)
     )
-    if not prepacked or copies <= PLAIN_COPY_LIMIT:
-        kept = f"keeping {copies / 2**20:.0f} MiB of plain weights beside the prepacked ones" if prepacked else "no copies"
-        return SmallBatchPlan(rows, rows, f"on for steps of up to {rows} rows ({kept})")
+    # The output layer keeps its plain weight anyway (the embedding's, when tied): no copy.
+    plain = layers if prepacked and rows else 0
+    tile_copies = layers + weights.lm_head.numel() * weights.lm_head.element_size() if tiles else 0
+    tile_words = f"AMX tiles for {rows + 1}-{TILE_ROWS} rows ({tile_copies / 2**20:.0f} MiB)" if tiles else ""
+    if plain + tile_copies <= PLAIN_COPY_LIMIT:
+        kept = f"keeping {plain / 2**20:.0f} MiB of plain weights beside the prepacked ones" if prepacked else "no copies"
+        small_words = f"small-batch kernel for up to {rows} rows ({kept})" if rows else ""
+        return SmallBatchPlan(rows, rows, "on: " + "; ".join(w for w in (small_words, tile_words) if w), TILE_ROWS if tiles else 0)
+    if tiles and tile_copies <= PLAIN_COPY_LIMIT:
+        return SmallBatchPlan(
+            0,
+            rows,
+            f"on: AMX tiles for 1-{TILE_ROWS} rows ({tile_copies / 2**20:.0f} MiB), the small-batch kernel for the output "
+            f"layer only (plain copies of the layers' weights too would pass {PLAIN_COPY_LIMIT // 2**20} MiB)",
+            TILE_ROWS,
+        )
+    too_big = f"AMX tiles of the weights would take {tile_copies / 2**20:.0f} MiB, more than {PLAIN_COPY_LIMIT // 2**20} MiB"
+    if rows and plain <= PLAIN_COPY_LIMIT:
+        kept = f"keeping {plain / 2**20:.0f} MiB of plain weights beside the prepacked ones" if prepacked else "no copies"
+        return SmallBatchPlan(rows, rows, f"on: small-batch kernel for up to {rows} rows ({kept}); no {too_big}")
+    if not rows:
+        return SmallBatchPlan(0, 0, f"off: {too_big}")
     return SmallBatchPlan(
         0,
         rows,
-        f"on for the output layer only: plain copies of the layers' weights would take {copies / 2**20:.0f} MiB "
+        f"on for the output layer only: copies of the layers' weights would take {(plain + tile_copies) / 2**20:.0f} MiB "
         f"(more than {PLAIN_COPY_LIMIT // 2**20} MiB)",
     )
