@@ -14,10 +14,10 @@ copied (the output layer's plain weight, or the embedding it is tied to, stays a
 On a CPU with AMX, bfloat16 inputs of more rows than that, up to ``TILE_ROWS``, go to
 ``torch.ops.kvmesh.amx_linear`` (csrc/amx_linear.cpp), which reads a copy of the weight
 repacked into AMX tiles (``amx_pack``, the same bytes again, the output layer's included):
-a 32-sequence decode step's linears in 12.8 against oneDNN's 18.5 ms, 8 sequences' 10.2
-against 16.2 (docs/benchmarks.md, "An AMX tile kernel for the decode step's linears"). The
-tiles come first where both copies do not fit the limit: they serve every row count up to
-``TILE_ROWS``.
+a decode step's linears at 32 rows in 13.5 against oneDNN's 19.9 ms, at 16 rows 11.5 against
+14.7 (benchmarks/small_ops_bench.py; docs/benchmarks.md, "An AMX tile kernel for the decode
+step's linears"). The tiles come first where both copies do not fit the limit: they serve
+every row count up to ``TILE_ROWS``.
 """
 
 from __future__ import annotations
@@ -71,23 +71,23 @@ def plan(weights: ModelWeights, dtype: torch.dtype, compiled: bool, prepacked: b
     # The output layer keeps its plain weight anyway (the embedding's, when tied): no copy.
     plain = layers if prepacked and rows else 0
     tile_copies = layers + weights.lm_head.numel() * weights.lm_head.element_size() if tiles else 0
-    tile_words = f"AMX tiles for {rows + 1}-{TILE_ROWS} rows ({tile_copies / 2**20:.0f} MiB)" if tiles else ""
+    kept = f"keeping {plain / 2**20:.0f} MiB of plain weights beside the prepacked ones" if prepacked else "no copies"
+    small_words = f"small-batch kernel for up to {rows} rows ({kept})"
     if plain + tile_copies <= PLAIN_COPY_LIMIT:
-        kept = f"keeping {plain / 2**20:.0f} MiB of plain weights beside the prepacked ones" if prepacked else "no copies"
-        small_words = f"small-batch kernel for up to {rows} rows ({kept})" if rows else ""
-        return SmallBatchPlan(rows, rows, "on: " + "; ".join(w for w in (small_words, tile_words) if w), TILE_ROWS if tiles else 0)
+        tile_words = f"AMX tiles for {rows + 1}-{TILE_ROWS} rows ({tile_copies / 2**20:.0f} MiB)" if tiles else ""
+        return SmallBatchPlan(rows, rows, "on: " + "; ".join(w for w in (small_words if rows else "", tile_words) if w), TILE_ROWS if tiles else 0)
     if tiles and tile_copies <= PLAIN_COPY_LIMIT:
+        head = ", the small-batch kernel for the output layer only" if rows else ""
         return SmallBatchPlan(
             0,
             rows,
-            f"on: AMX tiles for 1-{TILE_ROWS} rows ({tile_copies / 2**20:.0f} MiB), the small-batch kernel for the output "
-            f"layer only (plain copies of the layers' weights too would pass {PLAIN_COPY_LIMIT // 2**20} MiB)",
+            f"on: AMX tiles for 1-{TILE_ROWS} rows ({tile_copies / 2**20:.0f} MiB){head} (plain copies of the layers' "
+            f"weights too would pass {PLAIN_COPY_LIMIT // 2**20} MiB)",
             TILE_ROWS,
         )
     too_big = f"AMX tiles of the weights would take {tile_copies / 2**20:.0f} MiB, more than {PLAIN_COPY_LIMIT // 2**20} MiB"
     if rows and plain <= PLAIN_COPY_LIMIT:
-        kept = f"keeping {plain / 2**20:.0f} MiB of plain weights beside the prepacked ones" if prepacked else "no copies"
-        return SmallBatchPlan(rows, rows, f"on: small-batch kernel for up to {rows} rows ({kept}); no {too_big}")
+        return SmallBatchPlan(rows, rows, f"on: {small_words}; no {too_big}")
     if not rows:
         return SmallBatchPlan(0, 0, f"off: {too_big}")
     return SmallBatchPlan(
