@@ -104,6 +104,13 @@ def _small_linear(dtype: str) -> bool:
 small_linear = pytest.mark.skipif(not _small_linear("bfloat16"), reason="no AVX512-BF16 on this CPU")
 
 
+def logprob_gap(want: dict[int, float], got: dict[int, float]) -> float:
+    """The largest difference between two top-k log-probability maps, over their common tokens."""
+    common = want.keys() & got.keys()
+    assert common
+    return max(abs(got[t] - want[t]) for t in common)
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize(
     ("rows", "out_features", "in_features", "bias"),
@@ -207,10 +214,7 @@ def test_the_model_with_the_small_batch_kernel_on_and_off(tiny_model_dir) -> Non
         engine.model.small_batch_linear = on
         worst = 0.0
         for token in (5, 17, 40, 101):
-            want, got = first_logprobs(reference, token), first_logprobs(engine, token)
-            common = want.keys() & got.keys()
-            assert common
-            worst = max(worst, *(abs(got[t] - want[t]) for t in common))
+            worst = max(worst, logprob_gap(first_logprobs(reference, token), first_logprobs(engine, token)))
         errors[on] = worst
     assert not engine.model.small_batch_linear
     assert errors[True] <= 2 * errors[False] + 0.02, errors
