@@ -27,6 +27,7 @@ import httpx
 import nats
 import pytest
 
+from kvmesh.engine.model import paged_kernel, small_batch
 from kvmesh.machine import default_dtype, threads_per_worker, usable_cores
 from kvmesh.protocol import Subjects, WorkerStats
 from kvmesh.security.tls import client_context
@@ -377,7 +378,8 @@ def test_the_services_options_reach_the_services(tmp_path, default_model_dir):
     line of the services it belongs to (the mesh-wide deadline in their environment). With no
     ``--dtype`` / KVMESH_DTYPE (the suite's float32 removed) and no ``--num-threads``, the
     machine decides both and ``kvmesh up`` says so; the worker runs that dtype with the
-    compiled kernels (its log says they loaded and the small-batch linear is on)."""
+    compiled kernels (its log says they loaded and the small-batch linear is on, and on a CPU
+    with AMX in bfloat16 the tile kernel too)."""
     origin = "http://localhost:3000"
     up = start_up(
         tmp_path, default_model_dir, "--prefill", "0", "--decode", "1",
@@ -431,6 +433,8 @@ def test_the_services_options_reach_the_services(tmp_path, default_model_dir):
         assert "compiled CPU kernels loaded" in worker_log, worker_log[-3000:]
         assert "compiled decode attention unavailable" not in worker_log, worker_log[-3000:]
         assert "small-batch linear kernel: on" in worker_log, worker_log[-3000:]
+        if dtype == "bfloat16" and paged_kernel.available() and small_batch.amx_available():  # an AMX CPU: the tiles too
+            assert f"AMX tiles for 3-{small_batch.TILE_ROWS} rows" in worker_log, worker_log[-3000:]
         assert up.stop() == (0, pytest.approx(0, abs=10))
     finally:
         up.cleanup()

@@ -29,6 +29,8 @@
 #define KVMESH_AMX_LINEAR 1
 #include <immintrin.h>
 #include <sys/syscall.h>
+
+#include "cpu_math.h"
 #include <unistd.h>
 #endif
 
@@ -95,17 +97,13 @@ inline void group_sums(const char* w, int64_t k_tiles, const char* x, int64_t x_
   }
 }
 
-inline __m512 bf16_to_float(__m256i bits) {
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(bits), 16));
-}
-
 // sums (rows, 32) plus the bias, rounded, into y's rows at outputs [n0, n0 + width).
 inline void write_rows(const float* sums, int64_t rows, const uint16_t* bias, uint16_t* y, int64_t y_row, int64_t n0,
                        int64_t width) {
   for (int64_t h = 0; h < width; h += kTileN) {
     const int64_t count = width - h < kTileN ? width - h : kTileN;
     const __mmask16 mask = static_cast<__mmask16>((1u << count) - 1);
-    const __m512 b = bias != nullptr ? bf16_to_float(_mm256_maskz_loadu_epi16(mask, bias + n0 + h)) : _mm512_setzero_ps();
+    const __m512 b = bias != nullptr ? kvmesh::cpu::bf16x16_to_float(_mm256_maskz_loadu_epi16(mask, bias + n0 + h)) : _mm512_setzero_ps();
     for (int64_t m = 0; m < rows; ++m) {
       const __m512 v = _mm512_add_ps(_mm512_load_ps(sums + m * kGroupN + h), b);
       _mm256_mask_storeu_epi16(y + m * y_row + n0 + h, mask, reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(v)));

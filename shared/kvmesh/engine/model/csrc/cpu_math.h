@@ -1,5 +1,5 @@
-// Helpers the compiled CPU kernels share: float32 from and to each dtype's bits, and exp
-// over a row of floats in the CPU's widest vectors.
+// Helpers the compiled CPU kernels share: float32 from and to each dtype's bits (one value,
+// or 16 bfloat16 at once), and exp over a row of floats in the CPU's widest vectors.
 #pragma once
 
 #include <c10/util/BFloat16.h>
@@ -40,6 +40,13 @@ inline c10::BFloat16 from_float<c10::BFloat16>(float x) {
   out.x = static_cast<uint16_t>(x != x ? 0x7FC0u : rounded);
   return out;
 }
+
+#if defined(__AVX512F__)
+// 16 bfloat16 values (their bits) widened to float32, exactly: the bits shift.
+inline __m512 bf16x16_to_float(__m256i bits) {
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(bits), 16));
+}
+#endif
 
 // x[i] = exp(x[i] - shift) for n floats, through glibc's vector math library (libmvec, linked
 // with -lmvec; accurate to 1 ulp) in the CPU's widest vectors. GCC calls it by itself only

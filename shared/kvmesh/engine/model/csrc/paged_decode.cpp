@@ -307,10 +307,8 @@ void run_bf16(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& 
         for (int64_t c = 0; c < kVecs; ++c) acc[g][c] = _mm512_setzero_ps();
       a.each_value(table, len, h, [&](int64_t pos, const uint16_t* vrow) {
         __m512 vv[kVecs];
-        for (int64_t c = 0; c < kVecs; ++c) {
-          __m512i wide = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(vrow + c * 16)));
-          vv[c] = _mm512_castsi512_ps(_mm512_slli_epi32(wide, 16));
-        }
+        for (int64_t c = 0; c < kVecs; ++c)
+          vv[c] = kvmesh::cpu::bf16x16_to_float(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(vrow + c * 16)));
         for (int64_t g = 0; g < group; ++g) {
           const __m512 w = _mm512_set1_ps(scores[g * len + pos]);
           for (int64_t c = 0; c < kVecs; ++c) acc[g][c] = _mm512_fmadd_ps(w, vv[c], acc[g][c]);
