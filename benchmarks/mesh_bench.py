@@ -5,15 +5,24 @@
    one range per block.
 2. Latency at low load: time to first token and inter-token latency through the mesh
    (router -> prefill worker -> KV pulled -> decode worker -> SSE) against the same engine
-   in-process, sequential requests, interleaved rounds.
+   in-process, sequential requests, interleaved rounds. "Added" is reported two ways: the
+   difference of the two sides' p50s, and the median of the paired differences (each
+   prompt goes to both sides back to back, so the pair shares the machine's state; less
+   noisy). With ``--baseline-tree DIR`` a second mesh, `kvmesh up` from another checkout
+   (the code before a change; it needs `.venv` and `shared/kvmesh/services` linked as
+   `vllm_interleaved_bench.py --baseline-tree` says), is up at the same time and takes
+   every prompt too, the order of the three sides turning from prompt to prompt.
 
     .venv/bin/python benchmarks/mesh_bench.py --markdown docs/benchmarks-mesh.md
+    .venv/bin/python benchmarks/mesh_bench.py --sizes-mib 1 --transfer-rounds 1 --requests 20 \
+        --baseline-tree /work/wt-base
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import logging
 import os
@@ -141,32 +150,54 @@ async def through_mesh(client: httpx.AsyncClient, prompt: list[int], new_tokens:
     return times[0] - started, [b - a for a, b in zip(times, times[1:])]
 
 
+def start_baseline(args: argparse.Namespace, workdir: Path):
+    """`kvmesh up` from ``args.baseline_tree`` with the mesh's options (one process per
+    service, as `LocalMesh` starts them)."""
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    import vllm_serving_bench as vsb
+
+    up_args = argparse.Namespace(kv_cache_mib=256, dtype=args.dtype, ready_timeout=300.0, vllm_python=vsb.default_vllm_python())
+    return vsb.start_kvmesh_up("mesh-base", up_args, workdir, ["--num-threads", str(args.threads)], tree=args.baseline_tree)
+
+
 async def latency_bench(args: argparse.Namespace) -> dict:
     workdir = Path(tempfile.mkdtemp(prefix="kvmesh-bench-"))
     options = MeshOptions(kv_cache_mib=256, num_threads=args.threads, dtype=args.dtype)
     mesh = LocalMesh(options, workdir)
     await asyncio.to_thread(mesh.start, lambda m: logger.info("mesh: %s", m))
+    baseline = await asyncio.to_thread(start_baseline, args, workdir) if args.baseline_tree else None
     engine = await AsyncEngine.create(EngineConfig(dtype=args.dtype, kv_cache_bytes=256 * 2**20, num_threads=args.threads))
     prompts = prompts_for(engine.engine.tokenizer, args.requests * args.rounds + 2, args.prompt_tokens)
-    results = {"in_process": {"ttft": [], "itl": []}, "mesh": {"ttft": [], "itl": []}}
+    sides = ["in_process", "mesh", *(["baseline"] if baseline else [])]
+    results: dict[str, dict[str, list[float]]] = {side: {"ttft": [], "itl": []} for side in sides}
     try:
-        async with httpx.AsyncClient(base_url=mesh.base_url, timeout=120) as client:
-            await through_mesh(client, prompts[-1], 4)  # warm-up both
-            await in_process(engine, prompts[-2], 4, "warm")
+        async with contextlib.AsyncExitStack() as stack:
+            clients = {"mesh": await stack.enter_async_context(httpx.AsyncClient(base_url=mesh.base_url, timeout=120))}
+            if baseline:
+                clients["baseline"] = await stack.enter_async_context(httpx.AsyncClient(base_url=baseline.base_url, timeout=120))
+
+            async def one(side: str, prompt: list[int], new_tokens: int, rid: str) -> tuple[float, list[float]]:
+                if side == "in_process":
+                    return await in_process(engine, prompt, new_tokens, rid)
+                return await through_mesh(clients[side], prompt, new_tokens)
+
+            for side in sides:  # warm-up
+                await one(side, prompts[-1] if side != "in_process" else prompts[-2], 4, "warm")
             index = 0
             for round_number in range(args.rounds):
                 for _ in range(args.requests):
                     prompt = prompts[index]  # a fresh prompt each time: no prefix-cache help
                     index += 1
-                    ttft, itl = await in_process(engine, prompt, args.new_tokens, f"r{index}")
-                    results["in_process"]["ttft"].append(ttft)
-                    results["in_process"]["itl"].extend(itl)
-                    ttft, itl = await through_mesh(client, prompt, args.new_tokens)
-                    results["mesh"]["ttft"].append(ttft)
-                    results["mesh"]["itl"].extend(itl)
+                    turn = index % len(sides)
+                    for side in sides[turn:] + sides[:turn]:
+                        ttft, itl = await one(side, prompt, args.new_tokens, f"r{index}")
+                        results[side]["ttft"].append(ttft)
+                        results[side]["itl"].extend(itl)
                 logger.info("latency round %d done", round_number)
     finally:
         await engine.shutdown()
+        if baseline is not None:
+            await asyncio.to_thread(baseline.stop)
         await asyncio.to_thread(mesh.stop)
 
     def pct(values: list[float], q: float) -> float:
@@ -181,7 +212,11 @@ async def latency_bench(args: argparse.Namespace) -> dict:
             "itl_p50_ms": pct(values["itl"], 0.5),
             "itl_mean_ms": statistics.mean(values["itl"]) * 1e3,
             "requests": len(values["ttft"]),
+            "ttft_ms": [round(t * 1e3, 3) for t in values["ttft"]],
         }
+        if side != "in_process":  # each prompt's TTFT here less its TTFT in-process
+            paired = [m - p for m, p in zip(values["ttft"], results["in_process"]["ttft"], strict=True)]
+            summary[side]["ttft_added_paired_p50_ms"] = statistics.median(paired) * 1e3
     return summary
 
 
@@ -218,10 +253,25 @@ def markdown(args: argparse.Namespace, transfer: list[dict], latency: dict | Non
             "| metric | in-process engine | through the mesh | added |",
             "|---|---:|---:|---:|",
             f"| TTFT p50 (ms) | {local['ttft_p50_ms']:.1f} | {mesh['ttft_p50_ms']:.1f} | {mesh['ttft_p50_ms'] - local['ttft_p50_ms']:+.1f} ms |",
+            f"| TTFT added, median of paired differences (ms) | | | {mesh['ttft_added_paired_p50_ms']:+.1f} ms |",
             f"| TTFT p90 (ms) | {local['ttft_p90_ms']:.1f} | {mesh['ttft_p90_ms']:.1f} | {mesh['ttft_p90_ms'] - local['ttft_p90_ms']:+.1f} ms |",
             f"| inter-token p50 (ms) | {local['itl_p50_ms']:.2f} | {mesh['itl_p50_ms']:.2f} | {100 * (mesh['itl_p50_ms'] / local['itl_p50_ms'] - 1):+.1f} % |",
             f"| inter-token mean (ms) | {local['itl_mean_ms']:.2f} | {mesh['itl_mean_ms']:.2f} | {100 * (mesh['itl_mean_ms'] / local['itl_mean_ms'] - 1):+.1f} % |",
         ]
+        base = latency.get("baseline")
+        if base:
+            lines += [
+                "",
+                f"The mesh from `{args.baseline_tree}` (the code before), up at the same time, every prompt sent to all three:",
+                "",
+                "| metric | this tree's mesh | the baseline's mesh |",
+                "|---|---:|---:|",
+                f"| TTFT p50 (ms) | {mesh['ttft_p50_ms']:.1f} | {base['ttft_p50_ms']:.1f} |",
+                f"| TTFT added, median of paired differences (ms) | {mesh['ttft_added_paired_p50_ms']:+.1f} | {base['ttft_added_paired_p50_ms']:+.1f} |",
+                f"| TTFT p90 (ms) | {mesh['ttft_p90_ms']:.1f} | {base['ttft_p90_ms']:.1f} |",
+                f"| inter-token p50 (ms) | {mesh['itl_p50_ms']:.2f} | {base['itl_p50_ms']:.2f} |",
+                f"| inter-token mean (ms) | {mesh['itl_mean_ms']:.2f} | {base['itl_mean_ms']:.2f} |",
+            ]
     return "\n".join(lines) + "\n"
 
 
@@ -237,6 +287,7 @@ def main() -> None:
     parser.add_argument("--requests", type=int, default=10, help="per round and side")
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--skip-latency", action="store_true")
+    parser.add_argument("--baseline-tree", type=Path, help="also a mesh from this checkout (`kvmesh up`), up at the same time")
     parser.add_argument("--out", type=Path, help="raw numbers as JSON")
     parser.add_argument("--markdown", type=Path, help="append the tables to this file")
     args = parser.parse_args()

@@ -5,9 +5,13 @@ pull (a NATS message, which also counts the bytes, and the lease revoked); if th
 side dies the lease expires and the watch here frees the blocks. A local deadline frees
 them too if etcd itself is unreachable. Whatever happens, the blocks are freed once.
 
-The etcd write happens beside the reply to the router, not before it: two etcd round trips
-would otherwise sit in every request's time to first token. Until it lands, the local
-deadline alone guards the blocks.
+The etcd write happens after the reply to the router, not before it (two etcd round trips
+would otherwise sit in every request's time to first token), and only once the pin has
+been held ``WRITE_DELAY``: most pulls come within milliseconds of the reply, and a key
+written and revoked in that time guards nothing the local deadline does not, while its
+three etcd writes (lease, key, revoke: raft and a WAL sync each) take the CPU that the
+first token's way back to the router and the pull need. Until the key lands, the local
+deadline alone guards the blocks, as it does while etcd is unreachable.
 
 Each pin has a random token, made with it and handed out only in the KV handle (or the
 lend reply): a release must carry it (compared in constant time), so a worker can release
@@ -29,6 +33,8 @@ from kvmesh.cluster.etcd_store import ClusterError, EtcdStore
 
 logger = logging.getLogger(__name__)
 
+WRITE_DELAY = 1.0  # seconds a pin is held before its etcd key is written (a pin pulled sooner never is)
+
 
 @dataclass(slots=True)
 class Pin:
@@ -48,14 +54,17 @@ class PinTable:
         prefix: str,
         ttl: int,
         release_blocks: Callable[[str], Awaitable[bool]],
+        write_delay: float = WRITE_DELAY,
     ) -> None:
         self.store = store
+        self.write_delay = write_delay
         self.prefix = prefix
         self.ttl = ttl
         self._release_blocks = release_blocks
         self.pins: dict[str, Pin] = {}
         self.released = 0
         self.expired = 0
+        self.unwritten = 0  # pins released before their etcd key was due
         self._tasks: list[asyncio.Task] = []
         self._writes: set[asyncio.Task] = set()
 
@@ -75,7 +84,8 @@ class PinTable:
             await self.release(request_id, reason="shutdown")
 
     def pin(self, request_id: str, value: bytes, num_bytes: int, *, borrower: str | None = None, num_blocks: int = 0) -> Pin:
-        """Hold a request's blocks from now; the etcd key follows in the background."""
+        """Hold a request's blocks from now; the etcd key follows in the background, if the
+        pin is still held ``write_delay`` seconds from now."""
         pin = Pin(
             request_id, num_bytes, time.monotonic() + self.ttl + 5, secrets.token_urlsafe(16), borrower, num_blocks
         )
@@ -86,6 +96,11 @@ class PinTable:
         return pin
 
     async def _write(self, pin: Pin, value: bytes) -> None:
+        if self.write_delay > 0:
+            await asyncio.sleep(self.write_delay)
+        if self.pins.get(pin.request_id) is not pin:  # pulled (or otherwise released) already
+            self.unwritten += 1
+            return
         try:
             lease_id = await self.store.grant(self.ttl)
             await self.store.put(self.prefix + pin.request_id, value, lease=lease_id)

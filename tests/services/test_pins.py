@@ -64,11 +64,37 @@ async def test_unpulled_pin_is_freed_when_its_lease_expires(store):
     await table.stop()
 
 
+async def test_a_pin_pulled_before_its_write_is_due_never_touches_etcd(store):
+    blocks = Blocks()
+    table = PinTable(store, PREFIX, ttl=30, release_blocks=blocks, write_delay=0.3)
+    await table.start()
+    pin = table.pin("r6", b"p1", 4096)
+    await asyncio.sleep(0.05)  # a pull's usual time
+    assert await table.release("r6", reason="pulled") is pin
+    await until(lambda: table.unwritten == 1)
+    await asyncio.sleep(0.3)
+    assert pin.lease_id is None and await store.get(PREFIX + "r6") is None
+    assert blocks.released == ["r6"] and table.released == 1
+    await table.stop()
+
+
+async def test_a_pin_held_past_the_delay_is_written_after_it(store):
+    table = PinTable(store, PREFIX, ttl=30, release_blocks=Blocks(), write_delay=0.3)
+    await table.start()
+    pin = table.pin("r7", b"p1", 4096)
+    await asyncio.sleep(0.15)
+    assert await store.get(PREFIX + "r7") is None  # not yet due
+    await until(lambda: pin.lease_id is not None)
+    assert await store.get(PREFIX + "r7") is not None
+    await table.stop()
+
+
 async def test_release_before_the_etcd_write_lands_revokes_after(store):
     blocks = Blocks()
-    table = PinTable(store, PREFIX, ttl=30, release_blocks=blocks)
+    table = PinTable(store, PREFIX, ttl=30, release_blocks=blocks, write_delay=0)
     await table.start()
     pin = table.pin("r3", b"p1", 4096)
+    await asyncio.sleep(0)  # the write has started
     await table.release("r3", reason="pulled")  # before the background write finished
     await until(lambda: pin.lease_id is not None)
     for _ in range(50):
