@@ -150,6 +150,20 @@ async def through_mesh(client: httpx.AsyncClient, prompt: list[int], new_tokens:
     return times[0] - started, [b - a for a, b in zip(times, times[1:])]
 
 
+def cpu_seconds(pids_path: Path) -> dict[str, float]:
+    """CPU seconds (user + system) each process of a mesh has used so far, by name, from
+    the mesh's ``pids.json`` (`LocalMesh` writes it; `kvmesh up` is one)."""
+    ticks = os.sysconf("SC_CLK_TCK")
+    used = {}
+    for name, pid in json.loads(pids_path.read_text())["processes"].items():
+        try:
+            fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        used[name] = (int(fields[11]) + int(fields[12])) / ticks  # utime, stime
+    return used
+
+
 def start_baseline(args: argparse.Namespace, workdir: Path):
     """`kvmesh up` from ``args.baseline_tree`` with the mesh's options (one process per
     service, as `LocalMesh` starts them)."""
@@ -183,6 +197,8 @@ async def latency_bench(args: argparse.Namespace) -> dict:
 
             for side in sides:  # warm-up
                 await one(side, prompts[-1] if side != "in_process" else prompts[-2], 4, "warm")
+            pids = {"mesh": mesh.pids_path, **({"baseline": baseline.workdir / "mesh" / "pids.json"} if baseline else {})}
+            cpu_before = {side: cpu_seconds(path) for side, path in pids.items()}
             index = 0
             for round_number in range(args.rounds):
                 for _ in range(args.requests):
@@ -194,6 +210,7 @@ async def latency_bench(args: argparse.Namespace) -> dict:
                         results[side]["ttft"].append(ttft)
                         results[side]["itl"].extend(itl)
                 logger.info("latency round %d done", round_number)
+            cpu_after = {side: cpu_seconds(path) for side, path in pids.items()}
     finally:
         await engine.shutdown()
         if baseline is not None:
@@ -217,6 +234,12 @@ async def latency_bench(args: argparse.Namespace) -> dict:
         if side != "in_process":  # each prompt's TTFT here less its TTFT in-process
             paired = [m - p for m, p in zip(values["ttft"], results["in_process"]["ttft"], strict=True)]
             summary[side]["ttft_added_paired_p50_ms"] = statistics.median(paired) * 1e3
+            # each service's CPU per request over the measured rounds
+            summary[side]["cpu_ms_per_request"] = {
+                name: round((cpu_after[side][name] - start) * 1e3 / len(values["ttft"]), 2)
+                for name, start in cpu_before[side].items()
+                if name in cpu_after[side]
+            }
     return summary
 
 
@@ -271,6 +294,10 @@ def markdown(args: argparse.Namespace, transfer: list[dict], latency: dict | Non
                 f"| TTFT p90 (ms) | {mesh['ttft_p90_ms']:.1f} | {base['ttft_p90_ms']:.1f} |",
                 f"| inter-token p50 (ms) | {mesh['itl_p50_ms']:.2f} | {base['itl_p50_ms']:.2f} |",
                 f"| inter-token mean (ms) | {mesh['itl_mean_ms']:.2f} | {base['itl_mean_ms']:.2f} |",
+                *(
+                    f"| CPU over the rounds a request, idle work included: {name} (ms) | {mesh['cpu_ms_per_request'].get(name, 0):.2f} | {base['cpu_ms_per_request'].get(name, 0):.2f} |"
+                    for name in mesh["cpu_ms_per_request"]
+                ),
             ]
     return "\n".join(lines) + "\n"
 
