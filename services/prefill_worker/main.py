@@ -55,7 +55,9 @@ class PrefillWorker:
     async def start(self) -> None:
         rt = self.runtime
         await rt.start()
-        self.pins = PinTable(rt.store, rt.keys.pins(rt.worker_id), rt.settings.pin_ttl, rt.engine.release_export)
+        self.pins = PinTable(
+            rt.store, rt.keys.pins(rt.worker_id), rt.settings.pin_ttl, rt.engine.release_export, write_delay=rt.settings.pin_write_delay
+        )
         await self.pins.start()
         rt.on_close(self.pins.stop)
         rt.pin_count = lambda: len(self.pins)

@@ -7,7 +7,7 @@ them too if etcd itself is unreachable. Whatever happens, the blocks are freed o
 
 The etcd write happens after the reply to the router, not before it (two etcd round trips
 would otherwise sit in every request's time to first token), and only once the pin has
-been held ``WRITE_DELAY``: most pulls come within milliseconds of the reply, and a key
+been held ``write_delay`` (``--pin-write-delay``, 1 s by default): most pulls come within milliseconds of the reply, and a key
 written and revoked in that time guards nothing the local deadline does not, while its
 three etcd writes (lease, key, revoke: raft and a WAL sync each) take the CPU that the
 first token's way back to the router and the pull need. Until the key lands, the local
@@ -33,8 +33,6 @@ from kvmesh.cluster.etcd_store import ClusterError, EtcdStore
 
 logger = logging.getLogger(__name__)
 
-WRITE_DELAY = 1.0  # seconds a pin is held before its etcd key is written (a pin pulled sooner never is)
-
 
 @dataclass(slots=True)
 class Pin:
@@ -54,7 +52,8 @@ class PinTable:
         prefix: str,
         ttl: int,
         release_blocks: Callable[[str], Awaitable[bool]],
-        write_delay: float = WRITE_DELAY,
+        *,
+        write_delay: float,
     ) -> None:
         self.store = store
         self.write_delay = write_delay

@@ -27,7 +27,7 @@ def mesh(tmp_path_factory, default_model_dir):
     # pin_ttl 30: a pin left behind would outlive every wait below.
     mesh = make_mesh(
         tmp_path_factory.mktemp("cancel"), default_model_dir, prefill=2, decode=1, pin_ttl=30,
-        env={"KVMESH_FAULT_PULL_DELAY": str(PULL_DELAY)},
+        env={"KVMESH_FAULT_PULL_DELAY": str(PULL_DELAY), "KVMESH_PIN_WRITE_DELAY": "0"},  # pins in etcd at once: a test deletes one
     )  # fmt: skip
     try:
         yield mesh

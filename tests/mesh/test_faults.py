@@ -29,7 +29,9 @@ async def wait_gone(mesh: LocalMesh, role: str, worker_id: str, timeout: float) 
 
 
 async def test_prefill_killed_before_the_pull_is_retried(tmp_path, default_model_dir):
-    mesh = make_mesh(tmp_path, default_model_dir, prefill=2, decode=1, env={"KVMESH_FAULT_PULL_DELAY": "1.5"})
+    mesh = make_mesh(  # the pin's etcd key at once: it is how the test sees the prefill done
+        tmp_path, default_model_dir, prefill=2, decode=1, env={"KVMESH_FAULT_PULL_DELAY": "1.5", "KVMESH_PIN_WRITE_DELAY": "0"}
+    )
     try:
         body = {"model": MODEL, "prompt": "The capital of France is", "max_tokens": 8, "temperature": 0}
         want = (await post(mesh.base_url, "/v1/completions", body)).json()["choices"][0]["text"]

@@ -384,7 +384,7 @@ def test_the_services_options_reach_the_services(tmp_path, default_model_dir):
     up = start_up(
         tmp_path, default_model_dir, "--prefill", "0", "--decode", "1",
         "--served-model-name", "foo", "--cors-allow-origins", origin, "--max-num-seqs", "4",
-        "--generation-config", "vllm", "--request-deadline", "600", unset=("KVMESH_DTYPE",),
+        "--generation-config", "vllm", "--request-deadline", "600", "--pin-write-delay", "0.5", unset=("KVMESH_DTYPE",),
     )  # fmt: skip
     try:
         dtype, why = default_dtype()
@@ -423,6 +423,7 @@ def test_the_services_options_reach_the_services(tmp_path, default_model_dir):
             (worker, "--max-num-seqs", "4"),
             (worker, "--dtype", dtype),
             (worker, "--num-threads", str(threads)),
+            (worker, "--pin-write-delay", "0.5"),
         ]:
             assert argv[argv.index(flag) + 1] == value, (flag, argv)
         assert "--max-num-seqs" not in router and "--cors-allow-origins" not in worker

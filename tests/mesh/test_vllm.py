@@ -583,7 +583,7 @@ def trio(tmp_path_factory, default_model_dir, vllm_python, reference):
     _one_mesh_at_a_time()  # the first mesh is done with (these tests run last)
     local = make_mesh(
         tmp_path_factory.mktemp("vllm-trio"), default_model_dir, prefill=2, decode=1, engine="vllm", kv_cache_mib=64,
-        env={"KVMESH_FAULT_PULL_DELAY": "1.5"},
+        env={"KVMESH_FAULT_PULL_DELAY": "1.5", "KVMESH_PIN_WRITE_DELAY": "0"},  # pins in etcd at once: the tests act on them
     )  # fmt: skip
     try:
         yield local

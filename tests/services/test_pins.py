@@ -38,7 +38,7 @@ async def until(predicate, timeout: float = 10.0) -> None:
 
 async def test_pulled_pin_is_released_once_and_its_key_goes(store):
     blocks = Blocks()
-    table = PinTable(store, PREFIX, ttl=5, release_blocks=blocks)
+    table = PinTable(store, PREFIX, ttl=5, release_blocks=blocks, write_delay=0)
     await table.start()
     pin = table.pin("r1", b"p1", 4096)
     await until(lambda: pin.lease_id is not None)
@@ -56,7 +56,7 @@ async def test_pulled_pin_is_released_once_and_its_key_goes(store):
 
 async def test_unpulled_pin_is_freed_when_its_lease_expires(store):
     blocks = Blocks()
-    table = PinTable(store, PREFIX, ttl=1, release_blocks=blocks)
+    table = PinTable(store, PREFIX, ttl=1, release_blocks=blocks, write_delay=0)
     await table.start()
     table.pin("r2", b"p1", 4096)
     await until(lambda: blocks.released == ["r2"], timeout=8)  # the TTL is really waited out
@@ -108,7 +108,7 @@ async def test_release_before_the_etcd_write_lands_revokes_after(store):
 
 async def test_stop_frees_what_is_still_pinned(store):
     blocks = Blocks()
-    table = PinTable(store, PREFIX, ttl=30, release_blocks=blocks)
+    table = PinTable(store, PREFIX, ttl=30, release_blocks=blocks, write_delay=1.0)
     await table.start()
     table.pin("r4", b"p1", 1)
     table.pin("r5", b"p1", 1)

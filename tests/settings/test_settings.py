@@ -133,6 +133,7 @@ def test_worker_settings_from_flags() -> None:
     default = worker_settings("decode", MESH)
     assert default.engine == EngineSettings(dtype=auto) and default.worker_id != worker_settings("decode", MESH).worker_id
     assert (default.lease_ttl, default.pin_ttl, default.drain_timeout, default.fault_pull_delay) == (5, 30, 60.0, 0.0)
+    assert default.pin_write_delay == 1.0 and worker_settings("prefill", [*MESH, "--pin-write-delay", "0"]).pin_write_delay == 0
 
 
 def test_worker_settings_from_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -192,6 +193,8 @@ def test_a_worker_flag_beats_its_variable(monkeypatch: pytest.MonkeyPatch) -> No
         ("KVMESH_FAULT_PULL_DELAY", "x", "KVMESH_FAULT_PULL_DELAY='x': invalid float value: 'x'"),
         ("KVMESH_ENGINE_ARGS", "[1]", "--engine-args: must be a JSON object of EngineArgs fields"),
         ("KVMESH_HEARTBEAT_INTERVAL", "9", "the heartbeat interval must be positive and shorter than the silence timeout"),
+        ("KVMESH_PIN_WRITE_DELAY", "30", "--pin-write-delay must be at least 0 and less than --pin-ttl (30), not 30"),
+        ("KVMESH_PIN_WRITE_DELAY", "-1", "--pin-write-delay must be at least 0 and less than --pin-ttl (30), not -1"),
         ("KVMESH_DTYPE", "fp8", "KVMESH_DTYPE='fp8': invalid choice: 'fp8' (choose from 'float32', 'bfloat16', 'float16', 'auto')"),
     ],
 )

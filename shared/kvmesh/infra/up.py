@@ -116,6 +116,7 @@ SERVICE_OPTIONS = (
     ServiceOption("--engine-args", "workers", 'vllm: more EngineArgs as a JSON object, e.g. \'{"enforce_eager": false}\'', {"metavar": "JSON"}),
     ServiceOption("--drain-timeout", "workers", "seconds a stopping worker finishes its work in (default: 60)", {"type": _positive(float, zero=True)}),
     ServiceOption("--load-interval", "workers", "seconds between a worker's load reports (default: 0.5)", POSITIVE_FLOAT),
+    ServiceOption("--pin-write-delay", "workers", "seconds a pin is held before its etcd key is written (default: 1; 0: at once)", {"type": _positive(float, zero=True)}),
     ServiceOption("--request-deadline", "env", "seconds a whole request may take, retries included (default: 1800)", POSITIVE_FLOAT, env="KVMESH_REQUEST_DEADLINE"),
     ServiceOption("--silence-timeout", "env", "a worker silent this long about a request is given up on (default: 5)", POSITIVE_FLOAT, env="KVMESH_SILENCE_TIMEOUT"),
     ServiceOption("--heartbeat-interval", "env", "seconds between a worker's progress messages (default: 0.5)", POSITIVE_FLOAT, env="KVMESH_HEARTBEAT_INTERVAL"),

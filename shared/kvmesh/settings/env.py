@@ -111,6 +111,9 @@ NUM_THREADS = _var("KVMESH_NUM_THREADS", int, WORKERS, "torch threads (0: torch'
 ADVERTISE_HOST = _var("KVMESH_ADVERTISE_HOST", str, WORKERS, "the address peers reach the transfer engine at (auto: this host's)")
 LEASE_TTL = _var("KVMESH_LEASE_TTL", int, WORKERS, "seconds a dead worker stays in etcd")
 PIN_TTL = _var("KVMESH_PIN_TTL", int, WORKERS, "seconds a prefill's blocks wait for the decode side's pull")
+PIN_WRITE_DELAY = _var(
+    "KVMESH_PIN_WRITE_DELAY", float, WORKERS, "seconds a pin is held before its etcd key is written (0: at once)"
+)
 LOAD_INTERVAL = _var("KVMESH_LOAD_INTERVAL", float, WORKERS, "seconds between load reports")
 TRANSFER_PORTS = _var("KVMESH_TRANSFER_PORTS", str, WORKERS, "MIN-MAX: the ports of the Mooncake transfer engine")
 DRAIN_TIMEOUT = _var("KVMESH_DRAIN_TIMEOUT", float, WORKERS, "seconds a stopping worker finishes its work in")

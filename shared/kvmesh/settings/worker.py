@@ -59,6 +59,9 @@ class WorkerSettings:
     advertise_host: str = "127.0.0.1"  # the address peers reach this worker's transfer engine at
     lease_ttl: int = 5  # seconds: a dead worker leaves etcd within this
     pin_ttl: int = 30  # seconds a prefill's blocks wait for the decode side's pull
+    # seconds a pin is held before its etcd key is written (``prefill_worker.pins``): a pull that
+    # comes sooner, the usual case, costs etcd nothing; 0 writes every pin at once
+    pin_write_delay: float = 1.0
     transfer_port_range: tuple[int, int] | None = None  # where Mooncake listens (both ports); None: its default
     # seconds a decode worker waits in line for room for a pull (at most pin_ttl - 5): a busy decode
     # worker's pulls queue rather than come back overloaded (each then prefilled again)
@@ -121,6 +124,10 @@ def worker_parser(role: Role) -> SettingsParser:
     )  # fmt: skip
     option("--lease-ttl", env=env.LEASE_TTL, type=int, default=5)
     option("--pin-ttl", env=env.PIN_TTL, type=int, default=30)
+    option(
+        "--pin-write-delay", env=env.PIN_WRITE_DELAY, type=float, default=1.0,
+        help="seconds a prefill's pin is held before its etcd key is written; a pull that comes sooner costs etcd nothing (0: at once) (KVMESH_PIN_WRITE_DELAY)",
+    )  # fmt: skip
     option("--load-interval", env=env.LOAD_INTERVAL, type=float, default=0.5)
     option(
         "--transfer-ports", env=env.TRANSFER_PORTS, metavar="MIN-MAX",
@@ -181,6 +188,8 @@ def worker_settings(role: Role, argv: list[str] | None = None) -> WorkerSettings
         except SlotError as exc:
             parser.error(str(exc))
         args.nats_credentials = args.etcd_credentials = slots[0]  # checked here like any; replaced at the claim
+    if not 0 <= args.pin_write_delay < args.pin_ttl:
+        parser.error(f"--pin-write-delay must be at least 0 and less than --pin-ttl ({args.pin_ttl}), not {args.pin_write_delay:g}")
     mesh = mesh_settings(args, parser)
     try:
         # Mooncake's own MC_MIN_RPC_PORT / MC_MAX_RPC_PORT, when set, are the range it uses:
