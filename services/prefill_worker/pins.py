@@ -5,13 +5,14 @@ pull (a NATS message, which also counts the bytes, and the lease revoked); if th
 side dies the lease expires and the watch here frees the blocks. A local deadline frees
 them too if etcd itself is unreachable. Whatever happens, the blocks are freed once.
 
-The etcd write happens after the reply to the router, not before it (two etcd round trips
-would otherwise sit in every request's time to first token), and only once the pin has
-been held ``write_delay`` (``--pin-write-delay``, 1 s by default): most pulls come within milliseconds of the reply, and a key
-written and revoked in that time guards nothing the local deadline does not, while its
-three etcd writes (lease, key, revoke: raft and a WAL sync each) take the CPU that the
-first token's way back to the router and the pull need. Until the key lands, the local
-deadline alone guards the blocks, as it does while etcd is unreachable.
+The etcd write never comes before the reply to the router (two etcd round trips would
+otherwise sit in every request's time to first token), and it waits until the pin has been
+held ``write_delay`` seconds (``--pin-write-delay``, 1 s by default; 0: beside the reply).
+Most pulls come within milliseconds of the reply, and a key written and revoked in that time
+guards nothing the local deadline does not, while its three etcd writes (lease, key, revoke:
+a raft round and a WAL sync each) take the CPU that the first token's way back to the router
+and the pull need. Until the key lands, the local deadline alone guards the blocks, as it
+does while etcd is unreachable.
 
 Each pin has a random token, made with it and handed out only in the KV handle (or the
 lend reply): a release must carry it (compared in constant time), so a worker can release
@@ -56,9 +57,9 @@ class PinTable:
         write_delay: float,
     ) -> None:
         self.store = store
-        self.write_delay = write_delay
         self.prefix = prefix
         self.ttl = ttl
+        self.write_delay = write_delay
         self._release_blocks = release_blocks
         self.pins: dict[str, Pin] = {}
         self.released = 0
