@@ -238,6 +238,8 @@ def check_service_args(args: argparse.Namespace) -> None:
             raise UpUsageError(f"--engine-args: not JSON ({exc})") from None
         if not isinstance(engine_args, dict):
             raise UpUsageError("--engine-args: must be a JSON object of EngineArgs fields")
+    if args.pin_write_delay is not None and args.pin_write_delay >= args.pin_ttl:
+        raise UpUsageError(f"--pin-write-delay must be less than --pin-ttl ({args.pin_ttl}), not {args.pin_write_delay:g}")
     if args.engine != "vllm":
         for flag in VLLM_ONLY:
             if getattr(args, flag.removeprefix("--").replace("-", "_")) is not None:
