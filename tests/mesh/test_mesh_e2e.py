@@ -111,6 +111,34 @@ async def test_kv_crossed_through_mooncake_and_nothing_leaks(mesh):
         assert stats.num_in_use == 0 and stats.num_held == 0 and stats.pins == 0
 
 
+async def test_a_pin_pulled_at_once_never_reaches_etcd(mesh):
+    """A prefill's pin is written to etcd only once held ``--pin-write-delay`` (1 s): a
+    request served through the API, whose pull comes milliseconds after the prefill, costs
+    etcd no pin key (the code before wrote one and revoked it for every request)."""
+    from kvmesh.cluster.etcd_store import EtcdStore
+    from kvmesh.protocol import Keys
+
+    pins = Keys("default").pins("prefill-1")
+    async with EtcdStore([mesh.etcd.endpoint], **mesh.etcd.store_options()) as store:
+        _, before = await store.get_prefix(pins)
+        answer = await post(mesh.base_url, "/v1/completions", completion_body(PROMPTS[1]))
+        assert answer.status_code == 200, answer.text
+        await asyncio.sleep(1.5)  # past the delay: a pin still held would be written by now
+        assert (await worker_stats(mesh.nats.url, "default", "prefill-1")).pins == 0
+
+        seen: list[str] = []  # every change under the prefix since ``before``
+
+        async def watch() -> None:
+            async for event in store.watch_prefix(pins, start_revision=before + 1):
+                seen.append(f"{event.kind} {event.key}")
+
+        watching = asyncio.create_task(watch())
+        await asyncio.sleep(1.0)
+        watching.cancel()
+        await asyncio.gather(watching, return_exceptions=True)
+    assert seen == []
+
+
 async def test_one_trace_spans_all_three_services(mesh, sink):
     before = {s.trace_id for s in sink.snapshot()}
     response = await post(mesh.base_url, "/v1/completions", completion_body(PROMPTS[1]))
