@@ -22,6 +22,7 @@ from typing import Any, TypeVar
 from kvmesh.engine.kv_cache_manager import PoolStats
 from kvmesh.engine.llm_engine import EngineConfig, LLMEngine
 from kvmesh.engine.outputs import RequestOutput, StepObserver
+from kvmesh.engine.own_thread import run_in_own_thread
 from kvmesh.engine.request import SamplingParams
 from kvmesh.errors import EngineDeadError
 
@@ -52,8 +53,9 @@ class AsyncEngine:
 
     @classmethod
     async def create(cls, config: EngineConfig | None = None) -> AsyncEngine:
-        """Load the model off the event loop, then start the engine thread."""
-        engine = await asyncio.to_thread(LLMEngine, config)
+        """Load the model off the event loop (on a thread that ends with the loading:
+        ``own_thread`` says why), then start the engine thread."""
+        engine = await run_in_own_thread(lambda: LLMEngine(config), "kvmesh-engine-load")
         return cls(engine)
 
     # -- the engine thread ---------------------------------------------------------------

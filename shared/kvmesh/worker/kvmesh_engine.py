@@ -4,11 +4,11 @@ The one module of the worker that knows that engine's insides."""
 
 from __future__ import annotations
 
-import asyncio
 from dataclasses import fields
 
 from kvmesh.engine.async_engine import AsyncEngine
 from kvmesh.engine.llm_engine import EngineConfig, LLMEngine
+from kvmesh.engine.own_thread import run_in_own_thread
 from kvmesh.transfer.layout import KVMESH_ARRANGEMENT, PoolLayout
 from kvmesh.worker.engine_api import Engine
 from kvmesh.settings.worker import EngineSettings
@@ -23,8 +23,9 @@ class KvmeshEngine(AsyncEngine):
 
     @classmethod
     async def create(cls, config: EngineConfig | None = None) -> KvmeshEngine:
-        """Load the model off the event loop, then start the engine thread."""
-        return cls(await asyncio.to_thread(LLMEngine, config))
+        """Load the model off the event loop (on a thread that ends with the loading:
+        ``kvmesh.engine.own_thread`` says why), then start the engine thread."""
+        return cls(await run_in_own_thread(lambda: LLMEngine(config), "kvmesh-engine-load"))
 
     @classmethod
     async def start(cls, s: EngineSettings) -> KvmeshEngine:

@@ -26,6 +26,7 @@ from pathlib import Path
 from typing import Any, cast
 
 from kvmesh.engine.async_engine import AsyncEngine, StepObserver
+from kvmesh.engine.own_thread import run_in_own_thread
 from kvmesh.engine.loader.default_model import resolve_model, served_model_name
 from kvmesh.hashing import hash_token_blocks
 from kvmesh.transfer.layout import ITEMSIZE, PoolLayout
@@ -54,8 +55,9 @@ class VllmEngine(AsyncEngine):
 
     @classmethod
     async def start(cls, s: EngineSettings) -> VllmEngine:
-        """The engine a worker's settings describe, loaded off the event loop."""
-        return await asyncio.to_thread(cls.build, s)
+        """The engine a worker's settings describe, loaded off the event loop on a thread
+        that ends with the loading (``kvmesh.engine.own_thread`` says why)."""
+        return await run_in_own_thread(lambda: cls.build(s), "vllm-engine-load")
 
     @classmethod
     def build(cls, s: EngineSettings) -> VllmEngine:
