@@ -33,8 +33,10 @@ import sys
 import tempfile
 import threading
 import time
+from collections.abc import Callable
 from datetime import datetime, UTC
 from pathlib import Path
+from typing import TypeVar
 
 import httpx
 import torch
@@ -50,6 +52,8 @@ from kvmesh.transfer.runs import BlockRun
 logger = logging.getLogger("mesh_bench")
 
 MODEL = "SmolLM2-135M-Instruct"
+
+T = TypeVar("T")
 
 
 # ----------------------------------------------------------------------------- transfer
@@ -302,6 +306,25 @@ def markdown(args: argparse.Namespace, transfer: list[dict], latency: dict | Non
     return "\n".join(lines) + "\n"
 
 
+def on_a_thread_that_ends(work: Callable[[], T]) -> T:
+    """``work()`` on a new thread, waited for; its result, or its exception raised here."""
+    outcome: list[T] = []
+    failure: list[BaseException] = []
+
+    def run() -> None:
+        try:
+            outcome.append(work())
+        except BaseException as exc:  # noqa: BLE001 - raised again in the caller
+            failure.append(exc)
+
+    thread = threading.Thread(target=run, name="transfer-bench")
+    thread.start()
+    thread.join()
+    if failure:
+        raise failure[0]
+    return outcome[0]
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--sizes-mib", default="1,4,16,64")
@@ -319,7 +342,10 @@ def main() -> None:
     parser.add_argument("--markdown", type=Path, help="append the tables to this file")
     args = parser.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    transfer = transfer_bench([int(s) for s in args.sizes_mib.split(",")], args.transfer_rounds, args.block_kib * 1024)
+    # on a thread that ends: its torch work would otherwise leave this (main) thread an OpenMP
+    # pool for good, and the in-process engine's steps would run at half speed beside it
+    # (``kvmesh.engine.own_thread``), as they did before 2841f30's change to this script
+    transfer = on_a_thread_that_ends(lambda: transfer_bench([int(s) for s in args.sizes_mib.split(",")], args.transfer_rounds, args.block_kib * 1024))
     latency = None if args.skip_latency else asyncio.run(latency_bench(args))
     report = markdown(args, transfer, latency)
     print(report)
