@@ -33,16 +33,15 @@ import sys
 import tempfile
 import threading
 import time
-from collections.abc import Callable
 from datetime import datetime, UTC
 from pathlib import Path
-from typing import TypeVar
 
 import httpx
 import torch
 
 from kvmesh.engine.async_engine import AsyncEngine
 from kvmesh.engine.llm_engine import EngineConfig
+from kvmesh.engine.own_thread import call_in_own_thread
 from kvmesh.engine.request import SamplingParams
 from kvmesh.infra.local_mesh import LocalMesh, MeshOptions
 from kvmesh.machine import cpu_model
@@ -52,8 +51,6 @@ from kvmesh.transfer.runs import BlockRun
 logger = logging.getLogger("mesh_bench")
 
 MODEL = "SmolLM2-135M-Instruct"
-
-T = TypeVar("T")
 
 
 # ----------------------------------------------------------------------------- transfer
@@ -306,25 +303,6 @@ def markdown(args: argparse.Namespace, transfer: list[dict], latency: dict | Non
     return "\n".join(lines) + "\n"
 
 
-def on_a_thread_that_ends(work: Callable[[], T]) -> T:
-    """``work()`` on a new thread, waited for; its result, or its exception raised here."""
-    outcome: list[T] = []
-    failure: list[BaseException] = []
-
-    def run() -> None:
-        try:
-            outcome.append(work())
-        except BaseException as exc:  # noqa: BLE001 - raised again in the caller
-            failure.append(exc)
-
-    thread = threading.Thread(target=run, name="transfer-bench")
-    thread.start()
-    thread.join()
-    if failure:
-        raise failure[0]
-    return outcome[0]
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--sizes-mib", default="1,4,16,64")
@@ -344,8 +322,10 @@ def main() -> None:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     # on a thread that ends: its torch work would otherwise leave this (main) thread an OpenMP
     # pool for good, and the in-process engine's steps would run at half speed beside it
-    # (``kvmesh.engine.own_thread``), as they did before 2841f30's change to this script
-    transfer = on_a_thread_that_ends(lambda: transfer_bench([int(s) for s in args.sizes_mib.split(",")], args.transfer_rounds, args.block_kib * 1024))
+    # (``kvmesh.engine.own_thread``)
+    transfer = call_in_own_thread(
+        lambda: transfer_bench([int(s) for s in args.sizes_mib.split(",")], args.transfer_rounds, args.block_kib * 1024), "transfer-bench"
+    )
     latency = None if args.skip_latency else asyncio.run(latency_bench(args))
     report = markdown(args, transfer, latency)
     print(report)

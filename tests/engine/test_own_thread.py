@@ -13,7 +13,7 @@ import pytest
 from kvmesh.engine import async_engine
 from kvmesh.engine.async_engine import AsyncEngine
 from kvmesh.engine.llm_engine import EngineConfig, LLMEngine
-from kvmesh.engine.own_thread import run_in_own_thread
+from kvmesh.engine.own_thread import call_in_own_thread, run_in_own_thread
 from kvmesh.engine.request import SamplingParams
 from kvmesh.worker import kvmesh_engine, vllm_engine
 from kvmesh.worker.kvmesh_engine import KvmeshEngine
@@ -60,6 +60,21 @@ async def test_the_event_loop_runs_meanwhile():
     await run_in_own_thread(lambda: time.sleep(0.3), "loading")
     ticker.cancel()
     assert ticks >= 10
+
+
+def test_the_blocking_form_returns_or_raises_after_its_thread_ended():
+    ran_on: list[threading.Thread] = []
+
+    def work(fail: bool) -> str:
+        ran_on.append(threading.current_thread())
+        if fail:
+            raise RuntimeError("transfer failed")
+        return "done"
+
+    assert call_in_own_thread(lambda: work(False), "transfer") == "done"
+    with pytest.raises(RuntimeError, match="transfer failed"):
+        call_in_own_thread(lambda: work(True), "transfer")
+    assert len(ran_on) == 2 and not any(t.is_alive() or t is threading.current_thread() for t in ran_on)
 
 
 @pytest.fixture

@@ -17,11 +17,41 @@ from __future__ import annotations
 import asyncio
 import threading
 from collections.abc import Callable
-from typing import TypeVar
+from typing import Generic, TypeVar
 
 T = TypeVar("T")
 
-__all__ = ["run_in_own_thread"]
+__all__ = ["call_in_own_thread", "run_in_own_thread"]
+
+
+class _Outcome(Generic[T]):
+    """What ``work()`` returned or raised on the thread that ran it, for the caller."""
+
+    def __init__(self, work: Callable[[], T]) -> None:
+        self.work = work
+        self.value: list[T] = []
+        self.failure: list[BaseException] = []
+
+    def run(self) -> None:
+        try:
+            self.value.append(self.work())
+        except BaseException as exc:  # noqa: BLE001 - raised again in the caller
+            self.failure.append(exc)
+
+    def result(self) -> T:
+        if self.failure:
+            raise self.failure[0]
+        return self.value[0]
+
+
+def call_in_own_thread(work: Callable[[], T], name: str) -> T:
+    """``work()`` on a new thread called ``name``, the caller blocked until that thread has
+    ended; its result, or its exception raised here (for scripts without an event loop)."""
+    outcome = _Outcome(work)
+    thread = threading.Thread(target=outcome.run, name=name)
+    thread.start()
+    thread.join()
+    return outcome.result()
 
 
 async def run_in_own_thread(work: Callable[[], T], name: str) -> T:
@@ -31,28 +61,21 @@ async def run_in_own_thread(work: Callable[[], T], name: str) -> T:
     is dropped."""
     loop = asyncio.get_running_loop()
     done = loop.create_future()
-    outcome: list[T] = []
-    failure: list[BaseException] = []
+    outcome = _Outcome(work)
 
     def run() -> None:
+        outcome.run()
         try:
-            outcome.append(work())
-        except BaseException as exc:  # noqa: BLE001 - handed to the awaiting caller
-            failure.append(exc)
-        finally:
-            try:
-                loop.call_soon_threadsafe(_finish, done)
-            except RuntimeError:  # the event loop closed meanwhile: nobody is waiting
-                pass
+            loop.call_soon_threadsafe(_finish, done)
+        except RuntimeError:  # the event loop closed meanwhile: nobody is waiting
+            pass
 
     thread = threading.Thread(target=run, name=name, daemon=True)
     thread.start()
     await done
     # ``run`` has returned; the thread's own clean-up (its OpenMP pool) follows at once
     await asyncio.to_thread(thread.join)
-    if failure:
-        raise failure[0]
-    return outcome[0]
+    return outcome.result()
 
 
 def _finish(done: asyncio.Future) -> None:
