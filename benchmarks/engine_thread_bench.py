@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import random
 import statistics
 import subprocess
 import sys
@@ -32,8 +33,6 @@ VARIANTS = {
 
 
 async def measure(variant: str, dtype: str, threads: int, batch: int, new_tokens: int, model: str | None = None) -> dict:
-    import random
-
     from kvmesh.engine.async_engine import AsyncEngine
     from kvmesh.engine.llm_engine import EngineConfig, LLMEngine
     from kvmesh.engine.request import SamplingParams

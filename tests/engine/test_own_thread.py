@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import threading
 import time
+from typing import cast
 
 import pytest
 
@@ -16,6 +17,7 @@ from kvmesh.engine.llm_engine import EngineConfig, LLMEngine
 from kvmesh.engine.own_thread import call_in_own_thread, run_in_own_thread
 from kvmesh.engine.request import SamplingParams
 from kvmesh.worker import kvmesh_engine, vllm_engine
+from kvmesh.worker.engines import create_engine
 from kvmesh.worker.kvmesh_engine import KvmeshEngine
 from kvmesh.worker.vllm_engine import VllmEngine
 from kvmesh.settings.worker import EngineSettings
@@ -96,11 +98,21 @@ def tiny(model_dir) -> EngineConfig:
     return EngineConfig(model=str(model_dir), block_size=4, num_blocks=64, num_threads=2)
 
 
-@pytest.mark.parametrize("create", [AsyncEngine.create, KvmeshEngine.create], ids=["AsyncEngine", "KvmeshEngine"])
+async def through_the_worker(model_dir) -> KvmeshEngine:
+    """As a worker loads its engine: ``create_engine`` with the worker's engine settings."""
+    settings = EngineSettings(model=str(model_dir), block_size=4, kv_cache_bytes=4 * 2**20, num_threads=2)
+    return cast(KvmeshEngine, await create_engine(settings))
+
+
+@pytest.mark.parametrize(
+    "create",
+    [lambda model_dir: AsyncEngine.create(tiny(model_dir)), through_the_worker],
+    ids=["AsyncEngine.create", "the worker's create_engine"],
+)
 async def test_an_engine_is_loaded_on_a_thread_that_has_ended(create, built_on, tiny_model_dir):
     # the code before loaded it with asyncio.to_thread: on the default executor's thread,
     # which lives on (with its OpenMP pool) while the engine thread steps
-    async with await create(tiny(tiny_model_dir)) as engine:
+    async with await create(tiny_model_dir) as engine:
         (loader,) = built_on
         assert loader is not threading.current_thread() and loader is not engine._thread
         assert not loader.is_alive()
