@@ -143,8 +143,8 @@ class Request:
     num_preemptions: int = 0
     # Disaggregation: keep the blocks after the first token instead of decoding on.
     export_kv: bool = False
-    # A stream already under way elsewhere (its worker died; its client is mid-answer):
-    # queued first, and admitted without the growth reserve holding it back.
+    # A retry (its first worker died, or was too busy): queued first. Admitted without the
+    # growth reserve holding it back only where its client is mid-answer (``mid_answer``).
     resumed: bool = False
     # With ``sampling.logprobs``: one per output token (None where it came from elsewhere, as
     # an import's first token); with ``sampling.prompt_logprobs``: one per prompt token, the
@@ -166,6 +166,13 @@ class Request:
             import torch  # here, so that the protocol (which imports SamplingParams) does not load it
 
             self.generator = torch.Generator().manual_seed(self.sampling.seed)
+
+    @property
+    def mid_answer(self) -> bool:
+        """A retry whose client already has part of its answer (the prompt ends with the
+        tokens an earlier attempt sent): it only needs the blocks, never waits for the
+        reserve. A retry that had sent nothing yet (a worker too busy) waits like new work."""
+        return self.resumed and self.sampling.prior_output_tokens > 0
 
     @property
     def num_prompt_tokens(self) -> int:

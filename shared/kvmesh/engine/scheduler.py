@@ -82,8 +82,8 @@ class Scheduler:
             raise ValueError(f"request id {request_id!r} still has exported KV blocks held")
 
     def add_request(self, req: Request, *, first: bool = False) -> None:
-        """Queue a request; with ``first`` ahead of those waiting and exempt from the growth
-        reserve (a stream already under way whose worker died: its client is mid-answer)."""
+        """Queue a request; with ``first`` ahead of those waiting (a retry), and exempt from
+        the growth reserve where its client is mid-answer (``Request.mid_answer``)."""
         self.check_new_id(req.request_id)
         if req.num_tokens >= self.config.max_model_len:
             raise ValueError(
@@ -186,7 +186,7 @@ class Scheduler:
             if self.config.reserve_growth:
                 if growths is None:
                     growths = self._growths(ratio)
-                if growths and not req.resumed and not self._fits_beside(req, hits, growths, ratio):
+                if growths and not req.mid_answer and not self._fits_beside(req, hits, growths, ratio):
                     self.reserved_blocks = self.reserve.peak_blocks(growths)
                     break
             if self.kv.allocate_slots(req, num_new, hits) is None:
