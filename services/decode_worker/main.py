@@ -176,7 +176,9 @@ class DecodeWorker:
             if rt.settings.fault_pull_delay:
                 await asyncio.sleep(rt.settings.fault_pull_delay)
             with rt.tracer.start_as_current_span("kv_transfer") as span:
-                block_ids = await self._allocate_import(request.request_id, kv.num_tokens, request.sampling.to_params(), resumed=request.resumed)
+                block_ids = await self._allocate_import(
+                    request.request_id, kv.num_tokens, request.sampling.to_params(), resumed=request.resumed, pin_ttl=kv.pin_ttl
+                )
                 # A cancel while waiting for room or reading the blocks gives them back (below).
                 try:
                     runs = coalesce(kv.block_ids, block_ids)
@@ -216,19 +218,22 @@ class DecodeWorker:
         if not held:
             raise MeshError(ErrorCode.KV_LOST, f"{producer}, {request_id}: {why}")
 
-    async def _allocate_import(self, request_id: str, num_tokens: int, params: SamplingParams, *, resumed: bool = False) -> list[int]:
+    async def _allocate_import(
+        self, request_id: str, num_tokens: int, params: SamplingParams, *, resumed: bool = False, pin_ttl: float | None = None
+    ) -> list[int]:
         """Blocks for an import. A new request is admitted only while every running one
         still has room to grow by a block, and where the engine's own admission takes it
         (kvmesh's keeps room for the running requests' expected growth): else they would
         preempt each other and recompute, and nobody gets anywhere. A ``resumed`` stream,
         whose client is mid-answer, only needs the blocks. While there is no room, wait in line (``ImportLine``) up to ``import_wait``
-        seconds (and 5 s less than the prefill's pin lasts) for running requests to give
+        seconds (and 5 s less than the prefill's pin lasts: ``pin_ttl``, the producer's, from
+        the handle; this worker's own where the handle has none) for running requests to give
         some back (the router hears heartbeats meanwhile)."""
         rt = self.runtime
         loop = asyncio.get_running_loop()
         # A retry waits less: another decode worker (one just restarted, say) may have room.
         # No wait outlives the prefill's pin of the blocks to pull.
-        wait = min(rt.settings.import_wait, max(1.0, rt.settings.pin_ttl - PIN_MARGIN))
+        wait = min(rt.settings.import_wait, max(1.0, (pin_ttl or rt.settings.pin_ttl) - PIN_MARGIN))
         give_up = loop.time() + (min(RESUMED_IMPORT_WAIT, wait) if resumed else wait)
         needed = -(-num_tokens // rt.engine.kv_layout.block_size)
         ticket = self.import_line.join(retried=resumed)

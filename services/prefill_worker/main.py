@@ -156,6 +156,7 @@ class PrefillWorker:
                 pin_key=rt.keys.pin(rt.worker_id, rid),
                 pin_token=pin.token,
                 producer_started_at=self.started_at,
+                pin_ttl=float(rt.settings.pin_ttl),
             )
             response = PrefillResponse(
                 request_id=rid,

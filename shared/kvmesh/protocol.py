@@ -339,6 +339,9 @@ class KVHandle(Message):
     pin_key: str
     pin_token: str  # a secret of the pin, made with it: a release must carry it
     producer_started_at: float  # the producer's incarnation (``WorkerRecord.started_at``)
+    # seconds the producer holds the blocks for the pull (its ``--pin-ttl``): a decode worker's
+    # wait for room ends before it; None (a producer before this field): the decode worker's own
+    pin_ttl: float | None = Field(default=None, gt=0)
 
 
 class PeerPrefix(Message):

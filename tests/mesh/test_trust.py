@@ -338,6 +338,7 @@ async def test_a_release_needs_its_pins_token(mesh):
         prefill = PrefillRequest(request_id="pinned-1", prompt_token_ids=list(range(300, 340)), sampling=SamplingSpec(max_tokens=4))
         [answer] = await send_work(admin, S.prefill("prefill-1"), prefill.encode(), S.stream("test", "pin", "prefill"))
         assert isinstance(answer, PrefillResponse) and answer.kv is not None
+        assert answer.kv.pin_ttl == 30  # the producer's --pin-ttl (MeshOptions' default): bounds the decode side's wait
         assert (await worker_stats(mesh.nats.url, "default", "prefill-1", **mesh.nats.connect_options())).pins == 1
         for guess in ("", "guessed", answer.kv.pin_token[:-1] + "x"):
             await worker.nc.publish(S.release("prefill-1"), ReleaseRequest(request_id="pinned-1", pin_token=guess).encode())

@@ -114,6 +114,17 @@ async def test_no_wait_outlives_the_prefills_pin():
     assert 0.9 < loop.time() - started < 2
 
 
+async def test_the_producers_pin_bounds_the_wait_not_this_workers():
+    # a prefill worker whose pins last 6 s (its --pin-ttl), this decode worker's 30: the wait
+    # ends after 1 s, leaving the pull 5 s of the producer's pin
+    engine = Engine(free=2, running=0)
+    loop = asyncio.get_running_loop()
+    started = loop.time()
+    with pytest.raises(MeshError):
+        await asyncio.wait_for(worker(engine, import_wait=25, pin_ttl=30)._allocate_import("big", 64, SamplingParams(), pin_ttl=6.0), 5)
+    assert 0.9 < loop.time() - started < 2
+
+
 def test_pulls_waiting_in_line_count_as_waiting_in_the_load_the_router_hears():
     rt = WorkerRuntime(WorkerSettings(role="decode", mesh=MeshSettings("nats://127.0.0.1:1", ("127.0.0.1:1",))))
     load = {"running": 3, "waiting": 1, "free_blocks": 0}
