@@ -39,7 +39,7 @@ def reference_greedy(model, prompt: list[int], max_new_tokens: int) -> list[int]
     for _ in range(max_new_tokens):
         token = int(out.logits[0, -1].argmax())
         tokens.append(token)
-        out = model(torch.tensor([[token]], device=model.device), past_key_values=out.past_key_values, use_cache=True)
+        out = model(torch.tensor([[token]], device=model.device), cache=out.cache, use_cache=True)
     return tokens
 
 
