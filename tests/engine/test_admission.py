@@ -49,32 +49,33 @@ def test_a_request_is_admitted_only_where_the_running_ones_can_grow() -> None:
     assert sched.kv.stats().num_in_use == 0 and sched.reserved_blocks == 0  # nobody waits: nothing kept back
 
 
-def resumed_c(prior_output_tokens: int):
-    """Three requests, the third a retry whose prompt ends with ``prior_output_tokens``
-    tokens an earlier attempt sent, and a fourth new one."""
-    a, b, _ = three_requests()
-    c = new_req("c", [20 + t for t in range(8)], max_tokens=8, ignore_eos=True, prior_output_tokens=prior_output_tokens)
-    return a, b, c, new_req("d", [40 + t for t in range(8)], max_tokens=8, ignore_eos=True)
-
-
-def test_a_resumed_stream_is_not_held_back() -> None:
-    # a stream whose worker died is mid-answer: it goes first and is admitted where its
-    # prompt fits now, even where the reserve would keep a new request waiting
+def a_retry_arrives(prior_output_tokens: int):
+    """a and b running, d waiting for the reserve, then c queued as a retry (``first``) whose
+    prompt ends with ``prior_output_tokens`` tokens an earlier attempt sent: the scheduler and
+    the four requests."""
     sched = make(10, reserve_growth=True)
     sched.reserve.usages.append(1.0)
-    a, b, c, d = resumed_c(prior_output_tokens=2)
+    a, b, _ = three_requests()
+    c = new_req("c", [20 + t for t in range(8)], max_tokens=8, ignore_eos=True, prior_output_tokens=prior_output_tokens)
+    d = new_req("d", [40 + t for t in range(8)], max_tokens=8, ignore_eos=True)
     for r in (a, b, d):
         sched.add_request(r)
     step(sched)
     assert running(sched) == ["a", "b"] and waiting(sched) == ["d"]
     sched.add_request(c, first=True)
-    assert c.mid_answer
+    return sched, (a, b, c, d)
+
+
+def test_a_resumed_stream_is_not_held_back() -> None:
+    # a stream whose worker died is mid-answer: it goes first and is admitted where its
+    # prompt fits now, even where the reserve would keep a new request waiting
+    sched, reqs = a_retry_arrives(prior_output_tokens=2)
+    assert reqs[2].mid_answer
     _, plan = step(sched)
     assert ("c", 8, True) in plan and waiting(sched) == ["d"]
     assert sched.reserved_blocks > 0  # d still waits for the reserve
-    while sched.has_unfinished():
-        step(sched)
-    assert [r.output_token_ids for r in (a, b, c, d)] == [[1000 + i for i in range(8)]] * 4
+    run_all(sched, [])
+    assert [r.output_token_ids for r in reqs] == [[1000 + i for i in range(8)]] * 4
     assert sched.kv.stats().num_in_use == 0
 
 
@@ -82,18 +83,13 @@ def test_a_retry_that_sent_nothing_goes_first_but_waits_for_the_reserve() -> Non
     # a retry of a request whose worker was too busy (``--prefill 0``: no token sent yet) is
     # queued ahead of new work but admitted by the same rule: else overloaded retries would
     # fill the pool past what the running requests need to grow, and preempt each other
-    sched = make(10, reserve_growth=True)
-    sched.reserve.usages.append(1.0)
-    a, b, c, d = resumed_c(prior_output_tokens=0)
-    for r in (a, b, d):
-        sched.add_request(r)
-    step(sched)
-    sched.add_request(c, first=True)
-    assert not c.mid_answer and waiting(sched) == ["c", "d"]
+    sched, reqs = a_retry_arrives(prior_output_tokens=0)
+    assert not reqs[2].mid_answer and waiting(sched) == ["c", "d"]
     _, plan = step(sched)
     assert all(rid != "c" for rid, _, _ in plan) and waiting(sched) == ["c", "d"]
-    assert run_all(sched, []) == 0
-    assert [r.output_token_ids for r in (a, b, c, d)] == [[1000 + i for i in range(8)]] * 4
+    run_all(sched, [])
+    assert sum(r.num_preemptions for r in reqs) == 0
+    assert [r.output_token_ids for r in reqs] == [[1000 + i for i in range(8)]] * 4
     assert sched.kv.stats().num_in_use == 0
 
 
