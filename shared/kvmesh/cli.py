@@ -141,6 +141,10 @@ def build_parser() -> argparse.ArgumentParser:
     up.add_argument("--block-size", type=_positive_int, help="tokens per KV block (default: 16; 32 with vllm)")
     up.add_argument("--num-threads", type=_positive_int, help="threads per worker (default: the cores split between the workers)")
     up.add_argument("--no-prefix-caching", action="store_true", help="workers do not reuse KV blocks")
+    up.add_argument(
+        "--lend-cores", action="store_true",
+        help="kvmesh engine: a worker runs on every core while the other workers are idle, else on its share",
+    )  # fmt: skip
     up.add_argument("--routing-config", help="JSON or YAML file of the router's scoring plugins and weights (default: prefix x2, load x1, session x1)")
     up.add_argument("--lease-ttl", type=_positive_int, default=5, help="seconds a worker's etcd lease outlives it")
     up.add_argument("--pin-ttl", type=_positive_int, default=30, help="seconds a prefill worker holds KV blocks for a decode worker at most")

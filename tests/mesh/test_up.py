@@ -439,3 +439,40 @@ def test_the_services_options_reach_the_services(tmp_path, default_model_dir):
         assert up.stop() == (0, pytest.approx(0, abs=10))
     finally:
         up.cleanup()
+
+
+def test_workers_lending_each_other_cores_answer_as_one_process(tmp_path, default_model_dir):
+    """``kvmesh up --lend-cores``: each worker has its own slot on one board in the workdir,
+    eight greedy requests at once (the two workers busy together, then in turn, their threads
+    changing with it) answer as one process does, and afterwards the board has every worker
+    idle, so a worker waiting for work never keeps the other from its cores."""
+    from kvmesh.engine.llm_engine import EngineConfig, LLMEngine
+    from kvmesh.engine.request import SamplingParams
+
+    up = start_up(tmp_path, default_model_dir, "--lend-cores")
+    try:
+        board = up.workdir / "cores"
+        slots = []
+        for name in ("prefill-1", "decode-2"):
+            argv = Path(f"/proc/{up.pid(name)}/cmdline").read_bytes().decode().split("\0")
+            path, slot = argv[argv.index("--lend-cores") + 1].rsplit(":", 1)
+            assert Path(path) == board
+            slots.append(int(slot))
+        assert sorted(slots) == [0, 1]
+        engine = LLMEngine(EngineConfig(model=str(default_model_dir), served_model_name=MODEL, kv_cache_bytes=32 * 2**20))
+        outs = engine.generate([engine.tokenizer.encode(p) for p in PROMPTS], SamplingParams(max_tokens=TOKENS, ignore_eos=True))
+        body = {"model": MODEL, "max_tokens": TOKENS, "temperature": 0, "ignore_eos": True}
+
+        async def answers() -> list[str]:
+            return list(
+                await asyncio.gather(*(post_text(up.base_url, "/v1/completions", {**body, "prompt": p}) for p in PROMPTS))
+            )
+
+        assert asyncio.run(answers()) == [o.text for o in outs]
+        deadline = time.monotonic() + 10
+        while board.read_bytes()[:2] != b"\x00\x00" and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert board.read_bytes()[:2] == b"\x00\x00"
+        assert up.stop() == (0, pytest.approx(0, abs=10))
+    finally:
+        up.cleanup()

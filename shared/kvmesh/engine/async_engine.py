@@ -5,7 +5,8 @@ The ``LLMEngine`` runs on one thread of its own; every call is a command execute
 thread between steps, and outputs come back to the event loop. Model steps never block
 the loop. A request the engine fails ends with ``FinishReason.ERROR``; when the engine
 itself cannot go on, its thread ends: ``is_alive``, ``wait_dead`` and ``heartbeat_age`` say
-so, and ``load_now`` reads the load without waiting for the thread.
+so, and ``load_now`` reads the load without waiting for the thread. With ``lending``
+(``core_lending``) each step runs on the threads the board allows.
 """
 
 from __future__ import annotations
@@ -19,6 +20,9 @@ import time
 from collections.abc import AsyncIterator, Callable
 from typing import Any, TypeVar
 
+import torch
+
+from kvmesh.engine.core_lending import CoreLending
 from kvmesh.engine.kv_cache_manager import PoolStats
 from kvmesh.engine.llm_engine import EngineConfig, LLMEngine
 from kvmesh.engine.outputs import RequestOutput, StepObserver
@@ -34,8 +38,10 @@ __all__ = ["AsyncEngine", "EngineDeadError", "StepObserver"]
 
 
 class AsyncEngine:
-    def __init__(self, engine: LLMEngine) -> None:
+    def __init__(self, engine: LLMEngine, lending: CoreLending | None = None) -> None:
         self.engine = engine
+        self._lending = lending
+        self._threads = 0  # the engine thread's OpenMP threads, while lending changes them
         self._commands: queue.SimpleQueue[tuple[Callable[[], Any], concurrent.futures.Future | None]] = (
             queue.SimpleQueue()
         )
@@ -64,9 +70,12 @@ class AsyncEngine:
             while not self._stop.is_set():
                 self._beat = time.monotonic()
                 idle = not self.engine.has_unfinished()
+                if idle:
+                    self._lend()
                 self._run_commands(wait=idle)
                 self._load = self.engine.load()
                 if self.engine.has_unfinished():
+                    self._borrow()
                     started = time.perf_counter()
                     outputs = self.engine.step()
                     self._load = self.engine.load()
@@ -75,6 +84,7 @@ class AsyncEngine:
                     self._deliver(outputs)
                     if not self.engine.last_step_tokens:
                         # Nothing could be scheduled (no room); wait for a command to change that.
+                        self._lend()
                         self._run_commands(wait=True)
                         self._load = self.engine.load()
         except BaseException as exc:  # noqa: BLE001 - the thread must report any failure
@@ -82,8 +92,24 @@ class AsyncEngine:
             self._error = exc
         finally:
             self._stop.set()
+            if self._lending is not None:
+                self._lending.close()
             self._fail_everything()
             self._wake_dead_waiters()
+
+    def _borrow(self) -> None:
+        """Before a step: the threads the lending board allows now."""
+        if self._lending is None:
+            return
+        threads = self._lending.threads_for_step()
+        if threads != self._threads:
+            torch.set_num_threads(threads)
+            self._threads = threads
+
+    def _lend(self) -> None:
+        """While waiting for work: the cores are the others' to use."""
+        if self._lending is not None:
+            self._lending.idle()
 
     def observe_steps(self, observer: StepObserver) -> None:
         """Tell ``observer`` of every request and step from now on."""

@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
 
+from kvmesh.engine.core_lending import CoreLending
 from kvmesh.infra.credentials import MeshCredentials
 from kvmesh.security.nats_permissions import DEFAULT_REQUEST_DEADLINE
 from kvmesh.infra.processes import ManagedProcess, ProcessStartError, stop_all
@@ -60,6 +61,7 @@ class MeshOptions:
     lease_ttl: int = 5
     pin_ttl: int = 30
     num_threads: int | None = None  # per worker; None: the cores split between workers
+    lend_cores: bool = False  # kvmesh engines lend each other their cores while idle (``engine.core_lending``)
     request_timeout: float = 30.0
     api_key: str | None = None  # written to a 0600 file in the workdir; the router gets its path, never the key
     api_key_file: str | None = None  # the router's --api-key-file (KVMESH_API_KEY passes through the environment)
@@ -77,6 +79,7 @@ class MeshOptions:
 # not even begun, on a quiet machine: a signal a blocked event loop never read.)
 SERVICE_DEATH_SIGNAL = signal.SIGKILL
 SERVER_DEATH_SIGNAL = signal.SIGKILL  # nats-server and etcd have nothing to drain
+LENDING_SLOTS = 64  # workers of a mesh on one core-lending board; later ones keep to their share
 
 
 def _says_ready(worker_id: str, text: str) -> bool:
@@ -342,6 +345,11 @@ class LocalMesh:
             argv.append("--no-prefix-caching")
         if opts.engine == "vllm":  # each worker's OpenMP threads on cores of their own, round robin
             argv += ["--cpu-bind", cpu_bind(self._count - 1, threads)]
+        elif opts.lend_cores and self._count <= LENDING_SLOTS:
+            board = self.workdir / "cores"
+            if not board.exists():
+                CoreLending.create(board, LENDING_SLOTS)
+            argv += ["--lend-cores", f"{board}:{self._count - 1}"]
         argv += [*opts.worker_args, *extra_args]
         self.workers[worker_id] = self._spawn(worker_id, argv, self._worker_env())
         self._write_pids()

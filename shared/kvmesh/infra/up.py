@@ -244,6 +244,8 @@ def check_service_args(args: argparse.Namespace) -> None:
         for flag in VLLM_ONLY:
             if getattr(args, flag.removeprefix("--").replace("-", "_")) is not None:
                 raise UpUsageError(f"{flag} is only for vLLM's workers: give --engine vllm, or leave it out")
+    elif args.lend_cores:  # a vLLM worker is bound to its cores (``--cpu-bind``)
+        raise UpUsageError("--lend-cores is only for kvmesh's engine: vLLM's workers keep to their cores")
 
 
 def check_engine(engine: str) -> None:
@@ -315,6 +317,7 @@ def run_up(args: argparse.Namespace) -> int:
             block_size=args.block_size,
             num_threads=args.num_threads,
             prefix_caching=not args.no_prefix_caching,
+            lend_cores=args.lend_cores,
             routing_config=str(Path(args.routing_config).expanduser().resolve()) if args.routing_config else None,
             lease_ttl=args.lease_ttl,
             pin_ttl=args.pin_ttl,

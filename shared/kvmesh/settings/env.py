@@ -108,6 +108,7 @@ MAX_NUM_SEQS = _var("KVMESH_MAX_NUM_SEQS", int, WORKERS, "requests a worker batc
 MAX_NUM_BATCHED_TOKENS = _var("KVMESH_MAX_NUM_BATCHED_TOKENS", int, WORKERS, "tokens in one engine step at most")
 PREFIX_CACHING = _var("KVMESH_PREFIX_CACHING", bool, WORKERS, "0: no prefix caching")
 NUM_THREADS = _var("KVMESH_NUM_THREADS", int, WORKERS, "torch threads (0: torch's default)")
+LEND_CORES = _var("KVMESH_LEND_CORES", str, WORKERS, "kvmesh engine: PATH:SLOT of the board of engines that lend each other idle cores")
 ADVERTISE_HOST = _var("KVMESH_ADVERTISE_HOST", str, WORKERS, "the address peers reach the transfer engine at (auto: this host's)")
 LEASE_TTL = _var("KVMESH_LEASE_TTL", int, WORKERS, "seconds a dead worker stays in etcd")
 PIN_TTL = _var("KVMESH_PIN_TTL", int, WORKERS, "seconds a prefill's blocks wait for the decode side's pull")

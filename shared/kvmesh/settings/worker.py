@@ -37,6 +37,9 @@ class EngineSettings:
     max_num_batched_tokens: int = 1024
     enable_prefix_caching: bool = True
     num_threads: int | None = None  # torch threads; None: torch's default
+    # kvmesh's engine: PATH:SLOT of a board of engines on this machine that lend each other
+    # their cores while idle (``kvmesh.engine.core_lending``); None: ``num_threads`` always
+    lend_cores: str | None = None
     # vLLM only (``kvmesh.worker.vllm_engine``): the longest sequence (None: the model's),
     # the cores its OpenMP threads are bound to (VLLM_CPU_OMP_THREADS_BIND, e.g. "0" or
     # "0-1"; None: the first ``num_threads`` cores this process may run on), and further
@@ -119,6 +122,11 @@ def worker_parser(role: Role) -> SettingsParser:
     option("--no-prefix-caching", env=env.PREFIX_CACHING, action="store_true", default=False, from_env=lambda text: text == "0")
     option("--num-threads", env=env.NUM_THREADS, type=int, from_env=int_or_none)
     option(
+        "--lend-cores", env=env.LEND_CORES, metavar="PATH:SLOT",
+        help="kvmesh engine: this engine's slot on a board of engines on this machine (kvmesh up --lend-cores makes it); "
+        "it runs on every core this process may use while the others are idle, else --num-threads (KVMESH_LEND_CORES)",
+    )  # fmt: skip
+    option(
         "--advertise-host", env=env.ADVERTISE_HOST, default="127.0.0.1",
         help="address peers reach this worker's transfer engine at; 'auto' resolves this host's name",
     )  # fmt: skip
@@ -174,6 +182,8 @@ def worker_settings(role: Role, argv: list[str] | None = None) -> WorkerSettings
         parser.error(reason)
     if args.engine_args is not None:
         _check_engine_args(args.engine_args, parser)
+    if args.lend_cores is not None and args.engine == "vllm":
+        parser.error("--lend-cores is only for kvmesh's engine: a vLLM worker keeps to its cores (--cpu-bind)")
     if args.dtype == "auto":
         args.dtype, why = default_dtype(args.device)
         logger.info("dtype auto: %s, since %s", args.dtype, why)

@@ -7,6 +7,7 @@ from __future__ import annotations
 from dataclasses import fields
 
 from kvmesh.engine.async_engine import AsyncEngine
+from kvmesh.engine.core_lending import parse_lending
 from kvmesh.engine.llm_engine import EngineConfig, LLMEngine
 from kvmesh.engine.own_thread import run_in_own_thread
 from kvmesh.transfer.layout import KVMESH_ARRANGEMENT, PoolLayout
@@ -18,7 +19,8 @@ class KvmeshEngine(AsyncEngine):
     """kvmesh's own engine as an ``Engine``."""
 
     def __init__(self, engine: LLMEngine) -> None:
-        super().__init__(engine)
+        spec = engine.config.lend_cores
+        super().__init__(engine, parse_lending(spec, engine.config.num_threads) if spec else None)
         self._layout = pool_layout(engine)
 
     @classmethod

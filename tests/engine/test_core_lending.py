@@ -1,0 +1,111 @@
+"""Engines on one machine lending each other their cores while idle (``core_lending``)."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+
+import pytest
+import torch
+
+from kvmesh.engine.async_engine import AsyncEngine
+from kvmesh.engine.core_lending import CoreLending, parse_lending
+
+
+def board(tmp_path, slots: int = 3):
+    path = tmp_path / "cores"
+    CoreLending.create(path, slots)
+    return path
+
+
+def test_an_engine_runs_on_every_core_while_the_others_are_idle(tmp_path):
+    path = board(tmp_path)
+    prefill, decode = CoreLending(path, 0, own=1, most=2), CoreLending(path, 1, own=1, most=2)
+    assert decode.threads_for_step() == 2  # the prefill worker has nothing to do
+    assert path.read_bytes() == b"\x00\x01\x00"
+    assert prefill.threads_for_step() == 1  # the decode worker is busy: its own share
+    assert decode.threads_for_step() == 1  # and so the decode worker's next step
+    prefill.idle()
+    assert decode.threads_for_step() == 2
+    decode.idle()
+    assert path.read_bytes() == bytes(3)
+
+
+def test_an_engine_that_died_busy_holds_its_share_until_it_is_back(tmp_path):
+    path = board(tmp_path, 2)
+    dead = CoreLending(path, 0, own=1, most=2)
+    dead.threads_for_step()
+    dead._board.close()  # the process ended without marking itself idle
+    other = CoreLending(path, 1, own=1, most=2)
+    assert other.threads_for_step() == 1
+    CoreLending(path, 0, own=1, most=2)  # the restarted worker starts idle
+    assert other.threads_for_step() == 2
+
+
+def test_own_is_at_least_one_and_most_at_least_own(tmp_path):
+    lending = CoreLending(board(tmp_path), 2, own=0, most=0)
+    assert (lending.own, lending.most) == (1, 1)
+    assert lending.threads_for_step() == 1
+
+
+def test_bad_specs_are_refused(tmp_path):
+    path = board(tmp_path, 2)
+    with pytest.raises(ValueError, match="PATH:SLOT"):
+        parse_lending(str(path), 1)
+    with pytest.raises(ValueError, match="not on the board"):
+        parse_lending(f"{path}:2", 1)
+    assert parse_lending(f"{path}:1", 1).slot == 1
+
+
+class StepRecorder:
+    """An engine stand-in for ``AsyncEngine``: ``work`` steps, recording the engine thread's
+    torch threads at each."""
+
+    def __init__(self) -> None:
+        self.work = 0
+        self.threads: list[int] = []
+        self.last_step_tokens = 0
+        self.stepped = threading.Event()
+
+    def has_unfinished(self) -> bool:
+        return self.work > 0
+
+    def load(self) -> dict[str, int]:
+        return {"running": self.work, "waiting": 0, "free_blocks": 0}
+
+    def step(self) -> list:
+        self.threads.append(torch.get_num_threads())
+        self.work -= 1
+        self.last_step_tokens = 1
+        if not self.work:
+            self.stepped.set()
+        return []
+
+
+async def test_the_engine_thread_takes_the_cores_the_board_allows(tmp_path):
+    path = board(tmp_path, 2)
+    other = CoreLending(path, 1, own=1, most=2)
+    recorder = StepRecorder()
+    engine = AsyncEngine(recorder, CoreLending(path, 0, own=1, most=2))  # type: ignore[arg-type]
+    try:
+
+        async def run(steps: int) -> list[int]:
+            recorder.stepped.clear()
+            recorder.threads.clear()
+            await engine._call(lambda: setattr(recorder, "work", steps))
+            assert await asyncio.to_thread(recorder.stepped.wait, 5)
+            return list(recorder.threads)
+
+        assert await run(3) == [2, 2, 2]  # the other engine idle: both cores
+        for _ in range(50):  # then it marks itself idle, waiting for work
+            if path.read_bytes()[0] == 0:
+                break
+            await asyncio.sleep(0.02)
+        assert path.read_bytes() == b"\x00\x00"
+        other.threads_for_step()  # the other engine has work
+        assert await run(2) == [1, 1]
+        other.idle()
+        assert await run(1) == [2]
+    finally:
+        await engine.shutdown()
+    assert path.read_bytes() == b"\x00\x00"
