@@ -4,12 +4,13 @@ from __future__ import annotations
 
 import asyncio
 import threading
+import time
 
 import pytest
 import torch
 
 from kvmesh.engine.async_engine import AsyncEngine
-from kvmesh.engine.core_lending import CoreLending, parse_lending
+from kvmesh.engine.core_lending import BORROWING, HANDOVER, IDLE, OWN, CoreLending, parse_lending
 
 
 def board(tmp_path, slots: int = 3):
@@ -22,13 +23,35 @@ def test_an_engine_runs_on_every_core_while_the_others_are_idle(tmp_path):
     path = board(tmp_path)
     prefill, decode = CoreLending(path, 0, own=1, most=2), CoreLending(path, 1, own=1, most=2)
     assert decode.threads_for_step() == 2  # the prefill worker has nothing to do
-    assert path.read_bytes() == b"\x00\x01\x00"
+    assert path.read_bytes() == bytes([IDLE, BORROWING, IDLE])
+    started = time.monotonic()
     assert prefill.threads_for_step() == 1  # the decode worker is busy: its own share
+    assert time.monotonic() - started >= HANDOVER  # having waited for a step that never came
     assert decode.threads_for_step() == 1  # and so the decode worker's next step
+    assert path.read_bytes() == bytes([OWN, OWN, IDLE])
     prefill.idle()
     assert decode.threads_for_step() == 2
     decode.idle()
     assert path.read_bytes() == bytes(3)
+
+
+def test_an_engine_turning_busy_waits_for_the_borrowers_step_in_flight(tmp_path):
+    # the borrower's next step starts 50 ms later and keeps to its share: only then does
+    # the newcomer step, so the two never run a step on the same cores
+    path = board(tmp_path, 2)
+    borrower, newcomer = CoreLending(path, 0, own=1, most=2), CoreLending(path, 1, own=1, most=2)
+    assert borrower.threads_for_step() == 2
+    next_step = threading.Timer(0.05, borrower.threads_for_step)
+    next_step.start()
+    started = time.monotonic()
+    assert newcomer.threads_for_step() == 1
+    waited = time.monotonic() - started
+    next_step.join()
+    assert 0.04 < waited < HANDOVER, waited
+    assert path.read_bytes() == bytes([OWN, OWN])
+    started = time.monotonic()
+    assert newcomer.threads_for_step() == 1  # busy already: no wait
+    assert time.monotonic() - started < 0.01
 
 
 def test_an_engine_that_died_busy_holds_its_share_until_it_is_back(tmp_path):

@@ -10,20 +10,27 @@ and every operator waits for a helper that is not running (measured: a third of 
 throughput, docs/benchmarks.md).
 
 The board is a file of one byte per engine (``create``), mapped by every engine: its own
-byte says whether it has work. Before each step an engine marks itself busy and reads the
-others'; when it waits for work it marks itself idle. A step started on ``most`` threads
-when another engine turns busy runs on beside it until it ends; the next one takes ``own``.
-An engine that dies busy leaves its byte set, so the others keep to their share until it
-is back (it clears its byte when it starts).
+byte says whether it is idle, busy on its share, or busy on more (borrowing). Before each
+step an engine marks itself busy and reads the others'; when it waits for work it marks
+itself idle. An engine turning busy while another borrows its cores waits for that one's
+step in flight to end (at most ``HANDOVER`` seconds): the borrower's next step sees it busy
+and keeps to its share. Not waiting, the two would run one step on the same cores, where
+the borrower's OpenMP team stalls on a helper that is not running and the newcomer runs at
+half speed. An engine that dies busy leaves its byte set, so the others keep to their share
+until it is back (it clears its byte when it starts).
 """
 
 from __future__ import annotations
 
 import mmap
 import os
+import time
 from pathlib import Path
 
 __all__ = ["CoreLending", "parse_lending"]
+
+IDLE, OWN, BORROWING = 0, 1, 2  # an engine's byte on the board
+HANDOVER = 0.25  # seconds an engine turning busy waits at most for a borrower's step to end
 
 
 class CoreLending:
@@ -48,18 +55,31 @@ class CoreLending:
 
     def threads_for_step(self) -> int:
         """Mark this engine busy; the threads of its next step: ``most`` while every other
-        engine is idle, else ``own``."""
+        engine is idle, else ``own`` (once a borrower's step in flight has ended)."""
         if not self._busy:
-            self._board[self.slot] = 1
+            self._mark(OWN)
             self._busy = True
-        board = self._board[:]
-        others = board[: self.slot] + board[self.slot + 1 :]
-        return self.own if any(others) else self.most
+            give_up = time.monotonic() + HANDOVER
+            while BORROWING in self._others() and time.monotonic() < give_up:
+                time.sleep(0.0005)
+        if any(self._others()) or self.most == self.own:
+            self._mark(OWN)
+            return self.own
+        self._mark(BORROWING)
+        return self.most
 
     def idle(self) -> None:
         if self._busy:
-            self._board[self.slot] = 0
+            self._mark(IDLE)
             self._busy = False
+
+    def _mark(self, state: int) -> None:
+        if self._board[self.slot] != state:
+            self._board[self.slot] = state
+
+    def _others(self) -> bytes:
+        board = self._board[:]
+        return board[: self.slot] + board[self.slot + 1 :]
 
     def close(self) -> None:
         self.idle()
