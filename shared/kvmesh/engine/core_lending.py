@@ -6,8 +6,8 @@ the cores its process may use (``most``). On two cores a 1 + 1 mesh otherwise le
 unused whenever one worker has nothing to do (a prefill worker while the decode worker
 prefills a chat's next turn itself, a decode worker waiting for prefills). Giving each worker
 all the cores instead does not do it: where both are busy, their OpenMP teams share cores
-and every operator waits for a helper that is not running (measured: a third of the
-throughput, docs/benchmarks.md).
+and every operator waits for a helper that is not running (measured: a quarter to a half
+of the throughput, docs/benchmarks.md).
 
 The board is a file of one byte per engine (``create``), mapped by every engine: its own
 byte says whether it is idle, busy on its share, or busy on more (borrowing). Before each
@@ -17,7 +17,8 @@ step in flight to end (at most ``HANDOVER`` seconds): the borrower's next step s
 and keeps to its share. Not waiting, the two would run one step on the same cores, where
 the borrower's OpenMP team stalls on a helper that is not running and the newcomer runs at
 half speed. An engine that dies busy leaves its byte set, so the others keep to their share
-until it is back (it clears its byte when it starts).
+until it is back (it clears its byte when it starts), and one that dies borrowing costs each
+other engine turning busy a ``HANDOVER`` wait until then.
 """
 
 from __future__ import annotations

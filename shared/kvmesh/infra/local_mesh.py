@@ -104,6 +104,7 @@ class LocalMesh:
         self.workers: dict[str, ManagedProcess] = {}  # by worker id
         self.base_url = ""
         self._count = 0
+        self._lending_board: Path | None = None  # ``MeshOptions.lend_cores``: made with the first worker
         self._roles: dict[str, str] = {}  # worker id -> role
         self._supervisor: Supervisor | None = None
         self._report: Callable[[str], None] = lambda message: None
@@ -346,10 +347,10 @@ class LocalMesh:
         if opts.engine == "vllm":  # each worker's OpenMP threads on cores of their own, round robin
             argv += ["--cpu-bind", cpu_bind(self._count - 1, threads)]
         elif opts.lend_cores and self._count <= LENDING_SLOTS:
-            board = self.workdir / "cores"
-            if not board.exists():
-                CoreLending.create(board, LENDING_SLOTS)
-            argv += ["--lend-cores", f"{board}:{self._count - 1}"]
+            if self._lending_board is None:  # a fresh one: a workdir's earlier board may hold its dead workers busy
+                self._lending_board = self.workdir / "cores"
+                CoreLending.create(self._lending_board, LENDING_SLOTS)
+            argv += ["--lend-cores", f"{self._lending_board}:{self._count - 1}"]
         argv += [*opts.worker_args, *extra_args]
         self.workers[worker_id] = self._spawn(worker_id, argv, self._worker_env())
         self._write_pids()
