@@ -444,8 +444,8 @@ def test_the_services_options_reach_the_services(tmp_path, default_model_dir):
 def test_workers_lending_each_other_cores_answer_as_one_process(tmp_path, default_model_dir):
     """``kvmesh up --lend-cores``: each worker has its own slot on one board in the workdir,
     eight greedy requests at once (the two workers busy together, then in turn, their threads
-    changing with it) answer as one process does, and afterwards the board has every worker
-    idle, so a worker waiting for work never keeps the other from its cores."""
+    changing with it) answer as one process does, the board shows them busy meanwhile, and
+    afterwards every worker idle, so a worker waiting for work never keeps the other from its cores."""
     from kvmesh.engine.llm_engine import EngineConfig, LLMEngine
     from kvmesh.engine.request import SamplingParams
 
@@ -468,7 +468,22 @@ def test_workers_lending_each_other_cores_answer_as_one_process(tmp_path, defaul
                 await asyncio.gather(*(post_text(up.base_url, "/v1/completions", {**body, "prompt": p}) for p in PROMPTS))
             )
 
-        assert asyncio.run(answers()) == [o.text for o in outs]
+        seen: set[bytes] = set()  # the workers' bytes while they serve: their engines use the board
+        done = threading.Event()
+
+        def watch() -> None:
+            while not done.is_set():
+                seen.add(board.read_bytes()[:2])
+                time.sleep(0.002)
+
+        watcher = threading.Thread(target=watch)
+        watcher.start()
+        try:
+            assert asyncio.run(answers()) == [o.text for o in outs]
+        finally:
+            done.set()
+            watcher.join()
+        assert any(any(state) for state in seen), seen
         deadline = time.monotonic() + 10
         while board.read_bytes()[:2] != b"\x00\x00" and time.monotonic() < deadline:
             time.sleep(0.05)

@@ -46,8 +46,7 @@ class CoreLending:
         self.slot = slot
         self.own = max(1, own)
         self.most = max(self.own, most)
-        self._busy = True
-        self.idle()
+        self._mark(IDLE)  # a restarted engine's byte may say its last run's state
 
     @staticmethod
     def create(path: Path, slots: int) -> None:
@@ -57,9 +56,8 @@ class CoreLending:
     def threads_for_step(self) -> int:
         """Mark this engine busy; the threads of its next step: ``most`` while every other
         engine is idle, else ``own`` (once a borrower's step in flight has ended)."""
-        if not self._busy:
+        if self._board[self.slot] == IDLE:
             self._mark(OWN)
-            self._busy = True
             give_up = time.monotonic() + HANDOVER
             while BORROWING in self._others() and time.monotonic() < give_up:
                 time.sleep(0.0005)
@@ -70,9 +68,7 @@ class CoreLending:
         return self.most
 
     def idle(self) -> None:
-        if self._busy:
-            self._mark(IDLE)
-            self._busy = False
+        self._mark(IDLE)
 
     def _mark(self, state: int) -> None:
         if self._board[self.slot] != state:

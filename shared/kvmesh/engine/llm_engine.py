@@ -52,7 +52,6 @@ class EngineConfig:
     prepack_weights: bool = True  # oneDNN-prepacked linear weights on CPU (see model/linear.py)
     max_failed_steps: int = 3  # this many failed steps in a row and the engine gives up
     warm_grammar: bool = True  # build llguidance's tokenizer in the background at start, not on the first guided request
-    lend_cores: str | None = None  # PATH:SLOT of a core-lending board (``core_lending``); for ``AsyncEngine``
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES and self.dtype != "auto":

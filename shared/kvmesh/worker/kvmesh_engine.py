@@ -7,7 +7,7 @@ from __future__ import annotations
 from dataclasses import fields
 
 from kvmesh.engine.async_engine import AsyncEngine
-from kvmesh.engine.core_lending import parse_lending
+from kvmesh.engine.core_lending import CoreLending, parse_lending
 from kvmesh.engine.llm_engine import EngineConfig, LLMEngine
 from kvmesh.engine.own_thread import run_in_own_thread
 from kvmesh.transfer.layout import KVMESH_ARRANGEMENT, PoolLayout
@@ -18,22 +18,23 @@ from kvmesh.settings.worker import EngineSettings
 class KvmeshEngine(AsyncEngine):
     """kvmesh's own engine as an ``Engine``."""
 
-    def __init__(self, engine: LLMEngine) -> None:
-        spec = engine.config.lend_cores
-        super().__init__(engine, parse_lending(spec, engine.config.num_threads) if spec else None)
+    def __init__(self, engine: LLMEngine, lending: CoreLending | None = None) -> None:
+        super().__init__(engine, lending)
         self._layout = pool_layout(engine)
 
     @classmethod
-    async def create(cls, config: EngineConfig | None = None) -> KvmeshEngine:
+    async def create(cls, config: EngineConfig | None = None, lending: CoreLending | None = None) -> KvmeshEngine:
         """Load the model off the event loop (on a thread that ends with the loading:
         ``kvmesh.engine.own_thread`` says why), then start the engine thread."""
-        return cls(await run_in_own_thread(lambda: LLMEngine(config), "kvmesh-engine-load"))
+        return cls(await run_in_own_thread(lambda: LLMEngine(config), "kvmesh-engine-load"), lending)
 
     @classmethod
     async def start(cls, s: EngineSettings) -> KvmeshEngine:
         """The engine a worker's settings describe: each field of ``EngineConfig`` the
-        settings have (the vLLM-only ones are not its)."""
-        return await cls.create(EngineConfig(**{f.name: getattr(s, f.name) for f in fields(EngineConfig) if hasattr(s, f.name)}))
+        settings have (the vLLM-only ones are not its), on the threads its lending board
+        allows where it has one (``--lend-cores``)."""
+        config = EngineConfig(**{f.name: getattr(s, f.name) for f in fields(EngineConfig) if hasattr(s, f.name)})
+        return await cls.create(config, parse_lending(s.lend_cores, s.num_threads) if s.lend_cores else None)
 
     @property
     def model_name(self) -> str:
