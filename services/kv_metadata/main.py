@@ -30,8 +30,7 @@ from kvmesh.cluster.directory import WorkerDirectory
 from kvmesh.cluster.etcd_store import EtcdStore
 from kvmesh.cluster.registration import LeasedKey
 from kvmesh.hashing import hash_from_hex
-from kvmesh.kvindex.events import EventSequencer, Gap, Verdict
-from kvmesh.kvindex.index import KVIndex
+from kvmesh.kvindex.replica import IndexReplica, ReplicaListener
 from kvmesh.metrics.kvindex import KVIndexMetrics
 from kvmesh.protocol import (
     KVEventBatch,
@@ -90,6 +89,34 @@ class IngestWindow:
         self.reset()
 
 
+class _Bookkeeping(ReplicaListener):
+    """What kv-metadata does beside the index: the etcd mirror, the metrics, the ingest spans."""
+
+    def __init__(self, service: KVMetadataService) -> None:
+        self.service = service
+        self.blocks_ingested = 0
+
+    def batch(self, batch: KVEventBatch) -> None:
+        self.service.metrics.events.inc(len(batch.events))
+        self.service.ingest.add(batch)
+
+    def stored(self, worker_id: str, hashes: list[str], tier: str, added: int) -> None:
+        self.blocks_ingested += added
+        self.service.mirror.stored(worker_id, hashes, tier)
+
+    def removed(self, worker_id: str, hashes: list[str]) -> None:
+        self.service.mirror.removed(worker_id, hashes)
+
+    def replaced(self, worker_id: str, hashes: list[str], tier: str) -> None:
+        self.service.mirror.replace(worker_id, hashes, tier)
+
+    def gap(self, worker_id: str) -> None:
+        self.service.metrics.gaps.inc()
+
+    def resynced(self, worker_id: str, blocks: int) -> None:
+        self.service.metrics.resyncs.inc()
+
+
 class KVMetadataService:
     def __init__(
         self,
@@ -105,24 +132,30 @@ class KVMetadataService:
         self.subjects = Subjects(mesh.namespace)
         self.keys = Keys(mesh.namespace)
         self.mirror_interval = mirror_interval
-        self.index = KVIndex()
-        self.sequencer = EventSequencer()
         self.nc: nats.NATS
         self.store: EtcdStore
         self.directory: WorkerDirectory
         self.mirror: EtcdMirror
         self.registration: LeasedKey | None = None
-        self._resyncing: dict[str, list[KVEventBatch]] = {}  # worker -> batches held meanwhile
         self._tasks: set[asyncio.Task] = set()
         self._query_ms: deque[float] = deque(maxlen=10_000)
         self.queries = 0
-        self.blocks_ingested = 0
-        self.resyncs = 0
-        self.forged_batches = 0  # batches whose worker id was not their subject's
         self._started = time.monotonic()
         self.metrics = KVIndexMetrics(lambda: self.index.num_blocks, lambda: len(self.index.workers()))
         self.tracer = tracer("kvmesh.kv_metadata")
         self.ingest = IngestWindow()
+        self.replica_bookkeeping = _Bookkeeping(self)
+        self.replica = IndexReplica(self.subjects, self._fetch_snapshot, listener=self.replica_bookkeeping)
+        self.index = self.replica.index
+
+    @property
+    def resyncs(self) -> int:
+        return self.replica.resyncs
+
+    @property
+    def forged_batches(self) -> int:
+        """Batches whose worker id was not their subject's."""
+        return self.replica.forged_batches
 
     async def start(self) -> None:
         self.nc, self.store = await connect_mesh(self.mesh, self.service_id)
@@ -167,6 +200,7 @@ class KVMetadataService:
     async def close(self) -> None:
         for task in list(self._tasks):
             task.cancel()
+        await self.replica.close()
         self.ingest.emit(self.tracer)
         await self.mirror.flush()
         if self.registration is not None:
@@ -186,10 +220,8 @@ class KVMetadataService:
 
     def _worker_changed(self, worker_id: str, record: WorkerRecord | None) -> None:
         if record is None:
-            dropped = self.index.remove_worker(worker_id)
-            self.sequencer.forget(worker_id)
+            dropped = self.replica.left(worker_id)
             self.mirror.forget(worker_id)
-            self._resyncing.pop(worker_id, None)
             if dropped:
                 logger.info("worker %s left: %d blocks out of the index", worker_id, dropped)
 
@@ -198,80 +230,18 @@ class KVMetadataService:
             await asyncio.sleep(self.ingest_span_interval)
             self.ingest.emit(self.tracer)
 
-    def _apply(self, batch: KVEventBatch) -> None:
-        worker = batch.worker_id
-        self.metrics.events.inc(len(batch.events))
-        self.ingest.add(batch)
-        for event in batch.events:
-            if event.kind == "stored":
-                hashes = [hash_from_hex(h) for h in event.block_hashes]
-                self.blocks_ingested += self.index.stored(worker, hashes, batch.tier)
-                self.mirror.stored(worker, event.block_hashes, batch.tier)
-            elif event.kind == "removed":
-                self.index.removed(worker, [hash_from_hex(h) for h in event.block_hashes])
-                self.mirror.removed(worker, event.block_hashes)
-            else:
-                self.index.remove_worker(worker)
-                self.mirror.replace(worker, [], batch.tier)
-
     # -- events --------------------------------------------------------------------------
     async def _handle_batch(self, msg: Msg) -> None:
-        try:
-            batch = KVEventBatch.decode(msg.data)
-        except ValidationError:
-            logger.warning("malformed KV event batch")
-            return
-        sender = self.subjects.sender(msg.subject)
-        if sender != batch.worker_id:  # only a worker's own credentials may publish on its subject
-            self.forged_batches += 1
-            logger.warning("dropped a KV event batch for %s published on %s's subject", batch.worker_id, sender)
-            return
-        held = self._resyncing.get(batch.worker_id)
-        if held is not None:
-            held.append(batch)
-            return
-        self._offer(batch)
+        self.replica.receive(msg.subject, msg.data)
 
-    def _offer(self, batch: KVEventBatch) -> None:
-        verdict = self.sequencer.offer(batch.worker_id, batch.epoch, batch.seq)
-        if verdict is Verdict.DROP:
-            return
-        if isinstance(verdict, Gap):
-            self.metrics.gaps.inc()
-            logger.info("gap in %s's events (expected %d, got %d): resyncing", batch.worker_id, verdict.expected, verdict.got)
-            self._resyncing[batch.worker_id] = [batch]
-            self._spawn(self._resync(batch.worker_id), f"resync {batch.worker_id}")
-            return
-        if verdict is Verdict.RESET:
-            self.index.remove_worker(batch.worker_id)
-            self.mirror.replace(batch.worker_id, [], batch.tier)
-        self._apply(batch)
-
-    async def _resync(self, worker_id: str) -> None:
+    async def _fetch_snapshot(self, worker_id: str) -> KVSnapshot:
+        """A worker's blocks, for the replica's resync after a gap: one ``kv_resync`` span."""
         with self.tracer.start_as_current_span("kv_resync") as span:
             span.set_attribute("kvmesh.worker_id", worker_id)
-            await self._resync_from_snapshot(worker_id, span)
-
-    async def _resync_from_snapshot(self, worker_id: str, span) -> None:
-        try:
             reply = await self.nc.request(self.subjects.kv_snapshot(worker_id), b"", timeout=self.mesh.request_timeout)
             snapshot = KVSnapshot.decode(reply.data)
-            if snapshot.worker_id != worker_id:
-                raise ValueError(f"the snapshot names {snapshot.worker_id}")
-        except Exception as exc:  # noqa: BLE001 - the next batch will try again
-            logger.warning("snapshot of %s failed: %s", worker_id, exc)
-            span.record_exception(exc)
-            self._resyncing.pop(worker_id, None)
-            return
-        self.resyncs += 1
-        self.metrics.resyncs.inc()
-        span.set_attribute("kvmesh.blocks", len(snapshot.block_hashes))
-        self.index.remove_worker(worker_id)
-        self.index.stored(worker_id, [hash_from_hex(h) for h in snapshot.block_hashes], snapshot.tier)
-        self.mirror.replace(worker_id, snapshot.block_hashes, snapshot.tier)
-        self.sequencer.resynced(worker_id, snapshot.epoch, snapshot.seq + 1)
-        for batch in sorted(self._resyncing.pop(worker_id, []), key=lambda b: b.seq):
-            self._offer(batch)  # those the snapshot already covers are dropped
+            span.set_attribute("kvmesh.blocks", len(snapshot.block_hashes))
+            return snapshot
 
     # -- queries -------------------------------------------------------------------------
     async def _handle_query(self, msg: Msg) -> None:
@@ -303,8 +273,8 @@ class KVMetadataService:
             num_blocks=self.index.num_blocks,
             num_entries=self.index.num_entries,
             workers={w: self.index.blocks_of(w) for w in self.index.workers()},
-            events_per_second=self.blocks_ingested / max(1e-9, time.monotonic() - self._started),
-            blocks_ingested=self.blocks_ingested,
+            events_per_second=self.replica_bookkeeping.blocks_ingested / max(1e-9, time.monotonic() - self._started),
+            blocks_ingested=self.replica_bookkeeping.blocks_ingested,
             queries=self.queries,
             query_p50_ms=pct(0.5),
             query_p99_ms=pct(0.99),

@@ -43,6 +43,7 @@ async def main(argv: list[str] | None = None) -> None:
         routing_config=settings.routing_config,
         local_prefill_max_tokens=settings.local_prefill_max_tokens,
         kv_query_timeout=settings.kv_query_timeout,
+        kv_index=settings.kv_index,
     )
     defaults = GenerationDefaults.load(settings.generation_config, backend.model_dir)
     logger.info("generation defaults: %s", defaults.describe())

@@ -9,6 +9,11 @@ as a response to a message it received, so a worker can speak only into the stre
 handed. A failure anywhere (a worker killed or silent, a pull that fails) is retried on
 other workers, resuming from the tokens already sent; the waiting itself is
 ``attempts``. Leaving the stream early cancels the request on the workers.
+
+Which workers hold a prompt's prefix comes from the router's own copy of the KV index
+(``kv_index="replica"``, the default: ``kvmesh.kvindex.replica``, kept from the same event
+batches and snapshots as kv-metadata's, so routing costs no round trip), or from kv-metadata,
+asked once per request (``kv_index="kv-metadata"``).
 """
 
 from __future__ import annotations
@@ -41,6 +46,7 @@ from kvmesh.protocol import (
     Keys,
     KVQuery,
     KVQueryReply,
+    KVSnapshot,
     LoadReport,
     PeerPrefix,
     PrefillRequest,
@@ -52,6 +58,7 @@ from kvmesh.protocol import (
     WorkerRecord,
 )
 from kvmesh.hashing import hash_to_hex, hash_token_blocks
+from kvmesh.kvindex.replica import IndexReplica
 from kvmesh.routing.plugins import Candidate, RouteRequest
 from kvmesh.routing.scorer import load_scorer_config
 from kvmesh.services.router.attempts import (
@@ -68,6 +75,7 @@ from kvmesh.services.router.backend import HealthReport
 from kvmesh.services.router.progress import RequestProgress
 from kvmesh.services.router.streams import Streams, new_key
 from kvmesh.services.router.worker_choice import (
+    KV_INDEXES,
     LOCAL_PREFILL_MAX_TOKENS,
     Choice,
     Excluded,
@@ -83,7 +91,7 @@ from kvmesh.settings.mesh import MeshSettings
 
 logger = logging.getLogger(__name__)
 
-Matches = Callable[[int], Awaitable[dict[str, int]]]  # kv-metadata's answer for the prompt, by block size
+Matches = Callable[[int], Awaitable[dict[str, int]]]  # which workers hold the prompt's prefix, by block size
 
 
 @dataclass(slots=True)
@@ -110,7 +118,10 @@ class MeshBackend:
         kv_query_timeout: float = 0.05,
         worker_wait: float = 10.0,
         local_prefill_max_tokens: int = LOCAL_PREFILL_MAX_TOKENS,
+        kv_index: str = "replica",
     ) -> None:
+        if kv_index not in KV_INDEXES:
+            raise ValueError(f"kv_index must be one of {', '.join(KV_INDEXES)}, not {kv_index!r}")
         self.mesh = mesh
         self.subjects = Subjects(mesh.namespace)
         self.keys = Keys(mesh.namespace)
@@ -127,6 +138,8 @@ class MeshBackend:
         self.scorer = load_scorer_config(routing_config)  # how prefill workers are chosen
         self.pairing = LayoutPairing()  # prefill workers only for decode workers that can pull their KV
         self.kv_query_timeout = kv_query_timeout
+        # this router's copy of the KV index (None: kv-metadata is asked per request)
+        self.replica = IndexReplica(self.subjects, self._fetch_snapshot) if kv_index == "replica" else None
         self.worker_wait = worker_wait  # seconds a request waits for a decode worker to come back
         # the longest rest of a prompt a decode worker holding more of its prefix prefills itself (0: never)
         self.local_prefill_max_tokens = local_prefill_max_tokens
@@ -144,6 +157,8 @@ class MeshBackend:
         self.nc, self.store = await connect_mesh(self.mesh, f"router-{self.router_id}")
         self.directory = WorkerDirectory(self.store, self.keys, max_model_len=self._model_max_len)
         self.directory.on_change(self._worker_changed)
+        if self.replica is not None:  # before the directory: a joining worker's snapshot, then its batches
+            await self.nc.subscribe(self.subjects.kv_events, cb=self._handle_kv_events)
         await self.directory.start()
         from kvmesh.security.senders import from_own_subject  # a load report only on its worker's own subject
 
@@ -151,6 +166,8 @@ class MeshBackend:
         await self.nc.subscribe(self.subjects.streams_of(self.router_id), cb=self.streams.handle)
 
     async def close(self) -> None:
+        if self.replica is not None:
+            await self.replica.close()
         await self.directory.stop()
         await self.nc.drain()
         await self.store.close()
@@ -184,7 +201,20 @@ class MeshBackend:
         except ValidationError:
             logger.debug("malformed load report")
 
+    async def _handle_kv_events(self, msg: Msg) -> None:
+        if self.replica is not None:
+            self.replica.receive(msg.subject, msg.data)
+
+    async def _fetch_snapshot(self, worker_id: str) -> KVSnapshot:
+        reply = await self.nc.request(self.subjects.kv_snapshot(worker_id), b"", timeout=self.mesh.request_timeout)
+        return KVSnapshot.decode(reply.data)
+
     def _worker_changed(self, worker_id: str, record: WorkerRecord | None) -> None:
+        if self.replica is not None:
+            if record is None:
+                self.replica.left(worker_id)
+            elif record.role in ("prefill", "decode"):
+                self.replica.joined(worker_id)
         if record is not None:
             return
         report = self.board.reports.get(worker_id)
@@ -497,13 +527,17 @@ class MeshBackend:
         )
 
     async def _prefix_matches(self, prompt: list[int], block_size: int, span: trace.Span | None = None) -> dict[str, int]:
-        """kv-metadata's answer for the prompt's block chain; empty when it is not running
-        or does not answer in time (routing then goes on load alone)."""
-        if not self.directory.alive("kv-metadata"):
+        """How many leading blocks of the prompt's block chain each worker holds: from this
+        router's replica of the index, or kv-metadata's answer (empty when it is not running
+        or does not answer in time: routing then goes on load alone)."""
+        hashes = hash_token_blocks(prompt, block_size, (self.model_name,))
+        if span is not None:
+            span.set_attribute("kvmesh.route.kv_index", "replica" if self.replica is not None else "kv-metadata")
+        if self.replica is not None:
+            return self.replica.index.prefix_match(hashes) if hashes else {}
+        if not self.directory.alive("kv-metadata") or not hashes:
             return {}
-        chain = [hash_to_hex(h) for h in hash_token_blocks(prompt, block_size, (self.model_name,))]
-        if not chain:
-            return {}
+        chain = [hash_to_hex(h) for h in hashes]
         try:
             headers = inject_headers(trace.set_span_in_context(span)) if span is not None else None  # kv-metadata's span joins the request's
             reply = await self.nc.request(

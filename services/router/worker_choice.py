@@ -237,6 +237,10 @@ def local_prefill_reason(
     )
 
 
+# Where the router learns which workers hold a prompt's prefix: its own copy of the KV index
+# (``kvmesh.kvindex.replica``), or kv-metadata asked once a request.
+KV_INDEXES = ("replica", "kv-metadata")
+
 ROUTE_REASONS = ("prefix_cache", "peer_prefix", "load", "local_prefill", "decode_prefix")
 
 

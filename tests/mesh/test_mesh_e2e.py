@@ -164,6 +164,9 @@ async def test_one_trace_spans_all_three_services(mesh, sink):
     assert [(s.service, s.name) for s in roots] == [("kvmesh-router", "POST /v1/completions")]
     route = next(s for s in spans if s.name == "route")
     assert route.attributes["kvmesh.route.worker"] == "prefill-1"
+    # which workers hold the prompt's prefix: the router's own copy of the index, no kv-metadata round trip
+    assert [s.attributes["kvmesh.route.kv_index"] for s in spans if "kvmesh.route.kv_index" in s.attributes] == ["replica"]
+    assert "kv_query" not in {s.name for s in spans}
     assert any(key.startswith("kvmesh.route.scores.prefix.") for key in route.attributes)
     transfer = [s for s in sink.snapshot() if s.trace_id == complete[0] and s.name == "kv_transfer"][0]
     assert transfer.attributes["kvmesh.bytes"] > 0

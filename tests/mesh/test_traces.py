@@ -24,7 +24,10 @@ PROMPT = "Here is a list of three fruits: apples, pears and plums. Here are thre
 
 @pytest.fixture(scope="module")
 def mesh(tmp_path_factory, default_model_dir, sink):
-    env = {"OTEL_EXPORTER_OTLP_ENDPOINT": sink.endpoint, "OTEL_BSP_SCHEDULE_DELAY": "100", "KVMESH_INGEST_SPAN_INTERVAL": "0.5"}
+    env = {
+        "OTEL_EXPORTER_OTLP_ENDPOINT": sink.endpoint, "OTEL_BSP_SCHEDULE_DELAY": "100", "KVMESH_INGEST_SPAN_INTERVAL": "0.5",
+        "KVMESH_KV_INDEX": "kv-metadata",  # the router asks kv-metadata (its kv_query span joins the trace), not its own copy
+    }  # fmt: skip
     local = make_mesh(tmp_path_factory.mktemp("mesh"), default_model_dir, prefill=1, decode=1, env=env)
     yield local
     local.stop()

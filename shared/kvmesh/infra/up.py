@@ -105,6 +105,11 @@ SERVICE_OPTIONS = (
         "many tokens are not cached there (default: 256; 0: never)",
         {"type": _positive(int, zero=True)},
     ),  # fmt: skip
+    ServiceOption(
+        "--kv-index", "router",
+        "which workers hold a prompt's prefix: the router's own copy of the index (replica, the default) or kv-metadata's answer",
+        {"choices": ["replica", "kv-metadata"]},
+    ),  # fmt: skip
     ServiceOption("--max-body-bytes", "router", "larger request bodies get a 413 (default: 4 MiB)", POSITIVE_INT),
     ServiceOption("--body-timeout", "router", "seconds a request body may take (default: 10)", POSITIVE_FLOAT),
     ServiceOption("--max-header-bytes", "router", "a larger request head gets a 431 (default: 32 KiB)", POSITIVE_INT),

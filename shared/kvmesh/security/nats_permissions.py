@@ -97,8 +97,9 @@ def router_permissions(s: Subjects, user: str = ROUTER) -> NatsPermissions:
         f"$KV.{rate_limit_bucket(s.namespace)}.>",
     )
     return NatsPermissions(
-        publish=(s.prefill(), s.prefill("*"), s.decode(), s.decode("*"), s.cancel, s.kv_query, *jetstream),
-        subscribe=(s.load, f"{s.root}.stream.>", f"{inbox_prefix(user)}.>"),
+        # kv.events and kv.snapshot: the router's own copy of the KV index (``kvmesh.kvindex.replica``)
+        publish=(s.prefill(), s.prefill("*"), s.decode(), s.decode("*"), s.cancel, s.kv_query, s.kv_snapshot("*"), *jetstream),
+        subscribe=(s.load, s.kv_events, f"{s.root}.stream.>", f"{inbox_prefix(user)}.>"),
     )
 
 

@@ -142,6 +142,10 @@ LOCAL_PREFILL_MAX_TOKENS = _var(
     "KVMESH_LOCAL_PREFILL_MAX_TOKENS", int, (ROUTER,),
     "the longest rest of a prompt a decode worker holding more of its prefix than any prefill worker prefills itself (0: never)",
 )  # fmt: skip
+KV_INDEX = _var(
+    "KVMESH_KV_INDEX", str, (ROUTER,),
+    "where the router learns which workers hold a prefix: replica (its own copy of the index) or kv-metadata (asked per request)",
+)  # fmt: skip
 KV_QUERY_TIMEOUT = _var(
     "KVMESH_KV_QUERY_TIMEOUT", float, (ROUTER,),
     "seconds the router waits for kv-metadata's prefix answer before routing a request by load alone",

@@ -14,7 +14,7 @@ from typing import NoReturn
 from kvmesh.services.router.api_keys import ApiKeyError, ApiKeys, load_api_keys
 from kvmesh.services.router.limits import Limits
 from kvmesh.services.router.rate_limits import RateLimitConfig, RateLimitConfigError, load_rate_limits
-from kvmesh.services.router.worker_choice import LOCAL_PREFILL_MAX_TOKENS
+from kvmesh.services.router.worker_choice import KV_INDEXES, LOCAL_PREFILL_MAX_TOKENS
 from kvmesh.settings import env
 from kvmesh.settings.flags import SettingsParser, from_args, switch
 from kvmesh.settings.mesh import MeshSettings, add_mesh_args, mesh_settings
@@ -40,6 +40,7 @@ class RouterSettings:
     max_attempts: int = 3  # tries per request
     routing_config: str | None = None  # file of scoring plugins and weights; None: the default
     local_prefill_max_tokens: int = LOCAL_PREFILL_MAX_TOKENS  # conditional disaggregation (``worker_choice``); 0: off
+    kv_index: str = "replica"  # which workers hold a prefix: the router's own copy of the index, or ask kv-metadata
     kv_query_timeout: float = 0.05  # seconds for kv-metadata's prefix answer; past it, the request is routed by load
     limits: Limits = field(default_factory=Limits)
     # What the two files above hold, loaded (and checked) at start; never logged.
@@ -126,6 +127,11 @@ def router_parser() -> SettingsParser:
         "--local-prefill-max-tokens", env=env.LOCAL_PREFILL_MAX_TOKENS, type=_not_negative, default=LOCAL_PREFILL_MAX_TOKENS,
         help="a decode worker that holds more of a prompt's prefix than any prefill worker prefills the prompt itself "
         "when at most this many of its tokens are not cached there (a chat's next turn); 0: never (default: %(default)s)",
+    )  # fmt: skip
+    option(
+        "--kv-index", env=env.KV_INDEX, choices=list(KV_INDEXES), default="replica",
+        help="where the router learns which workers hold a prompt's prefix: replica (its own copy of the index, kept "
+        "from the workers' KV events: no round trip a request; the default) or kv-metadata (asked once a request)",
     )  # fmt: skip
     option(
         "--kv-query-timeout", env=env.KV_QUERY_TIMEOUT, type=_positive_seconds, default=0.05,

@@ -1,0 +1,180 @@
+"""A ``KVIndex`` kept current from the workers' KV event batches: kv-metadata's, and each
+router's own copy (so a request is routed without a round trip to kv-metadata).
+
+Each worker's batches are applied in order (``EventSequencer``); a gap, or a worker first seen
+mid-stream, is resynced from a snapshot of the worker's blocks (``fetch_snapshot``), the
+batches that arrive meanwhile held and replayed on top. A batch is taken only from the
+worker's own subject. ``joined`` asks a worker that was never heard from for its snapshot at
+once (an idle worker sends no batch that would reveal what it holds); ``left`` drops a worker
+that left the directory, and its late batches. A ``ReplicaListener`` hears of every change
+(kv-metadata mirrors them in etcd and counts them).
+
+No I/O of its own beyond ``fetch_snapshot``; the resyncs run as tasks it owns (``close``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Awaitable, Callable
+
+from pydantic import ValidationError
+
+from kvmesh.hashing import hash_from_hex
+from kvmesh.kvindex.events import EventSequencer, Gap, Verdict
+from kvmesh.kvindex.index import KVIndex
+from kvmesh.protocol import KVEventBatch, KVSnapshot, Subjects
+
+logger = logging.getLogger(__name__)
+
+# A worker that just joined is asked for its snapshot this many times (its first answer may
+# be lost while it starts), this many seconds apart; after that its next batch resyncs it.
+JOIN_SNAPSHOT_TRIES = 3
+JOIN_SNAPSHOT_RETRY = 1.0
+
+
+class ReplicaListener:
+    """What an ``IndexReplica`` changed, as it changes it (each a no-op here)."""
+
+    def batch(self, batch: KVEventBatch) -> None:
+        """A batch is being applied (``stored`` / ``removed`` / ``replaced`` follow)."""
+
+    def stored(self, worker_id: str, hashes: list[str], tier: str, added: int) -> None:
+        """``hashes`` (hex) are held by ``worker_id``; ``added`` of them are new there."""
+
+    def removed(self, worker_id: str, hashes: list[str]) -> None: ...
+
+    def replaced(self, worker_id: str, hashes: list[str], tier: str) -> None:
+        """``worker_id`` holds exactly ``hashes`` now (a snapshot, a restart, a clear)."""
+
+    def gap(self, worker_id: str) -> None: ...
+
+    def resynced(self, worker_id: str, blocks: int) -> None: ...
+
+
+class IndexReplica:
+    def __init__(
+        self,
+        subjects: Subjects,
+        fetch_snapshot: Callable[[str], Awaitable[KVSnapshot]],
+        *,
+        listener: ReplicaListener | None = None,
+        index: KVIndex | None = None,
+    ) -> None:
+        self.subjects = subjects
+        self.fetch_snapshot = fetch_snapshot
+        self.listener = listener or ReplicaListener()
+        self.index = index if index is not None else KVIndex()
+        self.sequencer = EventSequencer()
+        self._resyncing: dict[str, list[KVEventBatch]] = {}  # worker -> batches held meanwhile
+        self._tasks: set[asyncio.Task] = set()
+        self.resyncs = 0
+        self.forged_batches = 0  # batches whose worker id was not their subject's
+
+    async def close(self) -> None:
+        tasks = list(self._tasks)
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+    # -- what arrives ----------------------------------------------------------------------
+    def receive(self, subject: str, data: bytes) -> None:
+        """A message on ``kv.events.<worker>``: decoded, checked against its subject, applied."""
+        try:
+            batch = KVEventBatch.decode(data)
+        except ValidationError:
+            logger.warning("malformed KV event batch")
+            return
+        sender = self.subjects.sender(subject)
+        if sender != batch.worker_id:  # only a worker's own credentials may publish on its subject
+            self.forged_batches += 1
+            logger.warning("dropped a KV event batch for %s published on %s's subject", batch.worker_id, sender)
+            return
+        held = self._resyncing.get(batch.worker_id)
+        if held is not None:
+            held.append(batch)
+            return
+        self._offer(batch)
+
+    def joined(self, worker_id: str) -> None:
+        """A worker is in the directory: ask it for its blocks unless its stream is followed."""
+        if worker_id in self._resyncing or self.sequencer.expected(worker_id) is not None:
+            return
+        self._resyncing[worker_id] = []
+        self._spawn(self._resync(worker_id, tries=JOIN_SNAPSHOT_TRIES), f"snapshot {worker_id}")
+
+    def left(self, worker_id: str) -> int:
+        """The worker is gone: its blocks leave the index (how many), its late batches drop."""
+        dropped = self.index.remove_worker(worker_id)
+        self.sequencer.forget(worker_id)
+        self._resyncing.pop(worker_id, None)
+        return dropped
+
+    # -- applying --------------------------------------------------------------------------
+    def _offer(self, batch: KVEventBatch) -> None:
+        verdict = self.sequencer.offer(batch.worker_id, batch.epoch, batch.seq)
+        if verdict is Verdict.DROP:
+            return
+        if isinstance(verdict, Gap):
+            self.listener.gap(batch.worker_id)
+            logger.info("gap in %s's events (expected %d, got %d): resyncing", batch.worker_id, verdict.expected, verdict.got)
+            self._resyncing[batch.worker_id] = [batch]
+            self._spawn(self._resync(batch.worker_id), f"resync {batch.worker_id}")
+            return
+        if verdict is Verdict.RESET:
+            self.index.remove_worker(batch.worker_id)
+            self.listener.replaced(batch.worker_id, [], batch.tier)
+        self._apply(batch)
+
+    def _apply(self, batch: KVEventBatch) -> None:
+        worker = batch.worker_id
+        self.listener.batch(batch)
+        for event in batch.events:
+            if event.kind == "stored":
+                added = self.index.stored(worker, [hash_from_hex(h) for h in event.block_hashes], batch.tier)
+                self.listener.stored(worker, event.block_hashes, batch.tier, added)
+            elif event.kind == "removed":
+                self.index.removed(worker, [hash_from_hex(h) for h in event.block_hashes])
+                self.listener.removed(worker, event.block_hashes)
+            else:
+                self.index.remove_worker(worker)
+                self.listener.replaced(worker, [], batch.tier)
+
+    async def _resync(self, worker_id: str, *, tries: int = 1) -> None:
+        """Replace ``worker_id``'s blocks by its snapshot, then replay what was held meanwhile
+        (a batch the snapshot covers drops). Given up after ``tries`` failures: its next
+        batch tries again."""
+        for attempt in range(tries):
+            if attempt:
+                await asyncio.sleep(JOIN_SNAPSHOT_RETRY)
+            if worker_id not in self._resyncing:
+                return  # it left meanwhile
+            try:
+                snapshot = await self.fetch_snapshot(worker_id)
+                if snapshot.worker_id != worker_id:
+                    raise ValueError(f"the snapshot names {snapshot.worker_id}")
+                break
+            except Exception as exc:  # noqa: BLE001 - tried again (or at its next batch)
+                logger.warning("snapshot of %s failed: %r", worker_id, exc)
+        else:
+            self._resyncing.pop(worker_id, None)
+            return
+        held = self._resyncing.pop(worker_id, None)
+        if held is None:
+            return  # it left while its snapshot came
+        self.resyncs += 1
+        self.listener.resynced(worker_id, len(snapshot.block_hashes))
+        self.index.remove_worker(worker_id)
+        self.index.stored(worker_id, [hash_from_hex(h) for h in snapshot.block_hashes], snapshot.tier)
+        self.listener.replaced(worker_id, snapshot.block_hashes, snapshot.tier)
+        self.sequencer.resynced(worker_id, snapshot.epoch, snapshot.seq + 1)
+        for batch in sorted(held, key=lambda b: b.seq):
+            self._offer(batch)
+
+    def _spawn(self, coroutine, name: str) -> None:
+        task = asyncio.create_task(coroutine, name=name)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+
+__all__ = ["IndexReplica", "ReplicaListener"]

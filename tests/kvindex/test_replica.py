@@ -1,0 +1,160 @@
+"""``IndexReplica``: a KV index kept from event batches and snapshots, with a fake snapshot
+source (the mesh tests run it against real workers, in the router and in kv-metadata)."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from kvmesh.hashing import hash_to_hex
+from kvmesh.kvindex import replica as replica_module
+from kvmesh.kvindex.replica import IndexReplica, ReplicaListener
+from kvmesh.protocol import KVEventBatch, KVEventSpec, KVSnapshot, Subjects
+
+S = Subjects("default")
+
+
+def hashes(*numbers: int) -> list[str]:
+    return [hash_to_hex(n) for n in numbers]
+
+
+def batch(worker: str, seq: int, stored: tuple[int, ...] = (), removed: tuple[int, ...] = (), *, epoch: str = "e1") -> bytes:
+    events = []
+    if stored:
+        events.append(KVEventSpec(kind="stored", block_hashes=hashes(*stored)))
+    if removed:
+        events.append(KVEventSpec(kind="removed", block_hashes=hashes(*removed)))
+    return KVEventBatch(worker_id=worker, epoch=epoch, seq=seq, block_size=16, events=events).encode()
+
+
+class Snapshots:
+    """Workers' blocks as of a batch; each fetch waits for ``gate`` when one is set."""
+
+    def __init__(self) -> None:
+        self.held: dict[str, KVSnapshot] = {}
+        self.asked: list[str] = []
+        self.failures = 0  # the next this many fetches fail
+        self.gate: asyncio.Event | None = None
+
+    def set(self, worker: str, seq: int, *blocks: int, epoch: str = "e1") -> None:
+        self.held[worker] = KVSnapshot(worker_id=worker, epoch=epoch, seq=seq, block_hashes=hashes(*blocks))
+
+    async def fetch(self, worker: str) -> KVSnapshot:
+        self.asked.append(worker)
+        if self.gate is not None:
+            await self.gate.wait()
+        if self.failures:
+            self.failures -= 1
+            raise TimeoutError("no answer")
+        return self.held[worker]
+
+
+def chain(*numbers: int) -> list[int]:
+    return list(numbers)
+
+
+async def settle(replica: IndexReplica) -> None:
+    for _ in range(20):
+        await asyncio.sleep(0)
+    while replica._tasks:
+        await asyncio.sleep(0.01)
+
+
+async def test_batches_in_order_make_the_index() -> None:
+    snapshots = Snapshots()
+    replica = IndexReplica(S, snapshots.fetch)
+    replica.receive(S.kv_events_from("a"), batch("a", 0, (1, 2, 3)))
+    replica.receive(S.kv_events_from("a"), batch("a", 1, (4,), removed=(3,)))
+    replica.receive(S.kv_events_from("b"), batch("b", 0, (1, 2)))
+    assert replica.index.prefix_match(chain(1, 2, 3, 4)) == {"a": 2, "b": 2}
+    assert replica.index.prefix_match(chain(4)) == {"a": 1}
+    assert snapshots.asked == []  # streams from their first batch need no snapshot
+
+
+async def test_a_batch_on_another_workers_subject_is_dropped() -> None:
+    replica = IndexReplica(S, Snapshots().fetch)
+    replica.receive(S.kv_events_from("mallory"), batch("a", 0, (1, 2)))
+    replica.receive(S.kv_events_from("a"), b"not json")
+    assert replica.index.prefix_match(chain(1, 2)) == {} and replica.forged_batches == 1
+
+
+async def test_a_gap_resyncs_from_a_snapshot_and_replays_what_came_meanwhile() -> None:
+    snapshots = Snapshots()
+    snapshots.gate = asyncio.Event()
+    listener = Recorder()
+    replica = IndexReplica(S, snapshots.fetch, listener=listener)
+    replica.receive(S.kv_events_from("a"), batch("a", 0, (1,)))
+    replica.receive(S.kv_events_from("a"), batch("a", 3, (9,)))  # 1 and 2 lost
+    replica.receive(S.kv_events_from("a"), batch("a", 4, removed=(2,)))  # held while the snapshot comes
+    snapshots.set("a", 2, 1, 2, 3)  # as of batch 2: blocks 1, 2, 3
+    snapshots.gate.set()
+    await settle(replica)
+    assert snapshots.asked == ["a"] and replica.resyncs == 1 and listener.gaps == ["a"]
+    assert replica.index.prefix_match(chain(1, 2, 3)) == {"a": 1}  # 2 removed by batch 4
+    assert replica.index.prefix_match(chain(9)) == {"a": 1}  # batch 3, replayed
+    assert listener.replacements == [("a", hashes(1, 2, 3))]
+
+
+async def test_a_joining_worker_is_asked_for_its_blocks_once(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(replica_module, "JOIN_SNAPSHOT_RETRY", 0.01)
+    snapshots = Snapshots()
+    snapshots.set("a", 5, 7, 8)
+    snapshots.failures = 1  # its first answer is lost
+    replica = IndexReplica(S, snapshots.fetch)
+    replica.joined("a")
+    replica.joined("a")  # asked already
+    await settle(replica)
+    assert snapshots.asked == ["a", "a"]
+    assert replica.index.prefix_match(chain(7, 8)) == {"a": 2}
+    replica.receive(S.kv_events_from("a"), batch("a", 5, (99,)))  # covered by the snapshot: dropped
+    replica.receive(S.kv_events_from("a"), batch("a", 6, (9,)))
+    assert replica.index.prefix_match(chain(7, 8, 9)) == {"a": 3} and replica.index.prefix_match(chain(99)) == {}
+    replica.joined("a")  # followed now: not asked again
+    await settle(replica)
+    assert snapshots.asked == ["a", "a"]
+
+
+async def test_a_worker_that_leaves_during_its_snapshot_is_not_put_back() -> None:
+    snapshots = Snapshots()
+    snapshots.set("a", 0, 1, 2)
+    snapshots.gate = asyncio.Event()
+    replica = IndexReplica(S, snapshots.fetch)
+    replica.joined("a")
+    await asyncio.sleep(0)
+    assert replica.left("a") == 0
+    snapshots.gate.set()
+    await settle(replica)
+    assert replica.index.prefix_match(chain(1, 2)) == {} and replica.index.workers() == []
+
+
+async def test_a_worker_that_left_drops_its_blocks_and_its_late_batches() -> None:
+    replica = IndexReplica(S, Snapshots().fetch)
+    replica.receive(S.kv_events_from("a"), batch("a", 0, (1, 2)))
+    assert replica.left("a") == 2
+    replica.receive(S.kv_events_from("a"), batch("a", 1, (3,)))  # its retired epoch
+    assert replica.index.prefix_match(chain(1, 2)) == {} and replica.index.prefix_match(chain(3)) == {}
+    replica.receive(S.kv_events_from("a"), batch("a", 0, (5,), epoch="e2"))  # restarted: a new epoch
+    assert replica.index.prefix_match(chain(5)) == {"a": 1}
+
+
+async def test_close_cancels_a_resync_in_flight() -> None:
+    snapshots = Snapshots()
+    snapshots.gate = asyncio.Event()
+    replica = IndexReplica(S, snapshots.fetch)
+    replica.joined("a")
+    await asyncio.sleep(0)
+    await replica.close()
+    assert not replica._tasks
+
+
+class Recorder(ReplicaListener):
+    def __init__(self) -> None:
+        self.gaps: list[str] = []
+        self.replacements: list[tuple[str, list[str]]] = []
+
+    def gap(self, worker_id: str) -> None:
+        self.gaps.append(worker_id)
+
+    def replaced(self, worker_id: str, hashes: list[str], tier: str) -> None:
+        self.replacements.append((worker_id, hashes))
