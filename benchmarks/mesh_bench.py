@@ -4,7 +4,8 @@
    copy of the same bytes, GB/s, for a range of sizes; and coalesced block runs against
    one range per block.
 2. Latency at low load: time to first token and inter-token latency through the mesh
-   (router -> prefill worker -> KV pulled -> decode worker -> SSE) against the same engine
+   (`kvmesh up` from this tree, in a process of its own: router -> prefill worker -> KV
+   pulled -> decode worker -> SSE) against the same engine
    in-process, sequential requests, interleaved rounds. "Added" is reported two ways: the
    difference of the two sides' p50s, and the median of the paired differences (each
    prompt goes to both sides back to back, so the pair shares the machine's state; less
@@ -43,7 +44,6 @@ from kvmesh.engine.async_engine import AsyncEngine
 from kvmesh.engine.llm_engine import EngineConfig
 from kvmesh.engine.own_thread import call_in_own_thread
 from kvmesh.engine.request import SamplingParams
-from kvmesh.infra.local_mesh import LocalMesh, MeshOptions
 from kvmesh.machine import cpu_model
 from kvmesh.transfer.mooncake_agent import MooncakeAgent
 from kvmesh.transfer.runs import BlockRun
@@ -165,22 +165,25 @@ def cpu_seconds(pids_path: Path) -> dict[str, float]:
     return used
 
 
-def start_baseline(args: argparse.Namespace, workdir: Path):
-    """`kvmesh up` from ``args.baseline_tree`` with the mesh's options (one process per
-    service, as `LocalMesh` starts them)."""
+def start_up(args: argparse.Namespace, workdir: Path, name: str, tree: Path | None = None):
+    """`kvmesh up` from this tree or ``tree``, in a process of its own as a user runs it (both
+    meshes alike: a `LocalMesh` in this process would read its children's output on threads
+    beside the client). The two meshes are still not equal seats: in 2026-12-05's runs the
+    one started first ("mesh") was 1.2-3.2 ms slower at TTFT whichever code it ran; run twice
+    with the trees swapped to tell the code from the seat (docs/benchmarks.md, "The router's
+    own copy of the KV index")."""
     sys.path.insert(0, str(Path(__file__).resolve().parent))
     import vllm_serving_bench as vsb
 
     up_args = argparse.Namespace(kv_cache_mib=256, dtype=args.dtype, ready_timeout=300.0, vllm_python=vsb.default_vllm_python())
-    return vsb.start_kvmesh_up("mesh-base", up_args, workdir, ["--num-threads", str(args.threads)], tree=args.baseline_tree)
+    (workdir / name).mkdir()
+    return vsb.start_kvmesh_up(name, up_args, workdir / name, ["--num-threads", str(args.threads)], tree=tree)
 
 
 async def latency_bench(args: argparse.Namespace) -> dict:
     workdir = Path(tempfile.mkdtemp(prefix="kvmesh-bench-"))
-    options = MeshOptions(kv_cache_mib=256, num_threads=args.threads, dtype=args.dtype)
-    mesh = LocalMesh(options, workdir)
-    await asyncio.to_thread(mesh.start, lambda m: logger.info("mesh: %s", m))
-    baseline = await asyncio.to_thread(start_baseline, args, workdir) if args.baseline_tree else None
+    mesh = await asyncio.to_thread(start_up, args, workdir, "mesh")
+    baseline = await asyncio.to_thread(start_up, args, workdir, "mesh-base", args.baseline_tree) if args.baseline_tree else None
     engine = await AsyncEngine.create(EngineConfig(dtype=args.dtype, kv_cache_bytes=256 * 2**20, num_threads=args.threads))
     prompts = prompts_for(engine.engine.tokenizer, args.requests * args.rounds + 2, args.prompt_tokens)
     sides = ["in_process", "mesh", *(["baseline"] if baseline else [])]
@@ -198,7 +201,7 @@ async def latency_bench(args: argparse.Namespace) -> dict:
 
             for side in sides:  # warm-up
                 await one(side, prompts[-1] if side != "in_process" else prompts[-2], 4, "warm")
-            pids = {"mesh": mesh.pids_path, **({"baseline": baseline.workdir / "mesh" / "pids.json"} if baseline else {})}
+            pids = {"mesh": mesh.workdir / "mesh" / "pids.json", **({"baseline": baseline.workdir / "mesh" / "pids.json"} if baseline else {})}
             cpu_before = {side: cpu_seconds(path) for side, path in pids.items()}
             index = 0
             for round_number in range(args.rounds):

@@ -401,7 +401,7 @@ class MeshBackend:
         worker holds more of the prefix than any prefill worker and what it lacks is short
         (``local_prefill_max_tokens``), no prefill worker: it prefills the rest itself
         instead of importing KV it mostly has (a chat's next turn, whose previous answer
-        it generated and cached). One kv-metadata query serves all three choices."""
+        it generated and cached). One look-up in the KV index serves all three choices."""
         answers: dict[int, dict[str, int]] = {}
 
         async def matches(block_size: int) -> dict[str, int]:
@@ -457,7 +457,7 @@ class MeshBackend:
         """Whether the decode worker's cached prefix can matter: with no usable prefill
         worker every decode worker prefills itself, so its cache counts where there is a
         choice; with one, only where a holder may prefill in its stead (conditional
-        disaggregation on). Otherwise the choice is by load, and kv-metadata is not asked."""
+        disaggregation on). Otherwise the choice is by load, and the KV index is not read."""
         def usable(role: str) -> list[WorkerRecord]:
             return [w for w in self.directory.alive(role) if w.worker_id not in excluded and self.board.usable(w.worker_id)]
 

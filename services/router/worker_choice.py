@@ -20,7 +20,7 @@ logger = logging.getLogger(__name__)
 class Choice:
     worker: WorkerRecord
     reason: str
-    cached_blocks: int = 0  # leading prompt blocks it holds (kv-metadata's answer)
+    cached_blocks: int = 0  # leading prompt blocks it holds (the KV index's answer)
 
 
 class LoadBoard:
@@ -197,7 +197,7 @@ def kv_aware_decode(
     candidates: list[WorkerRecord], board: LoadBoard, exclude: Container[str], matches: Mapping[str, int]
 ) -> Choice | None:
     """The usable decode worker holding the longest cached prefix of the prompt
-    (``matches``: leading blocks per worker, from kv-metadata) among those not much busier
+    (``matches``: leading blocks per worker, from the KV index) among those not much busier
     than the least loaded (``DECODE_LOAD_SLACK``, ``DECODE_LOAD_RATIO``); the least loaded
     of the holders, at random among equals. No hit: ``least_loaded``."""
     usable = [w for w in candidates if w.worker_id not in exclude and board.usable(w.worker_id)]

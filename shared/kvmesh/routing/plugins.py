@@ -7,7 +7,7 @@ scores up with weights from a config file. A plugin that learns from decisions (
 affinity) also has ``observe(request, worker_id)``.
 
 The plugins are pure: they read what the router knows about each candidate (load reports,
-kv-metadata's prefix answers) and return numbers. They import no transport.
+the KV index's prefix answers) and return numbers. They import no transport.
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ class Candidate:
     """What the router knows about one worker when it routes a request.
 
     ``cached_prefix_blocks``: how many of the request's leading blocks the worker holds
-    (kv-metadata's answer). ``queue_seconds``: estimated time until the worker could start
+    (the KV index's answer). ``queue_seconds``: estimated time until the worker could start
     this request (its backlog over its prefill rate). ``peer_prefix_blocks``: the longest
     leading run of the request's blocks the worker could pull from a peer instead of
     recomputing it (0: none known).
