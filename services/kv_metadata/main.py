@@ -219,11 +219,14 @@ class KVMetadataService:
             logger.info("rebuilt %d blocks of %d workers from etcd", self.index.num_blocks, len(owned))
 
     def _worker_changed(self, worker_id: str, record: WorkerRecord | None) -> None:
-        if record is None:
-            dropped = self.replica.left(worker_id)
-            self.mirror.forget(worker_id)
-            if dropped:
-                logger.info("worker %s left: %d blocks out of the index", worker_id, dropped)
+        if record is not None:
+            if record.role in ("prefill", "decode"):  # its batches count again; a gap resyncs it
+                self.replica.joined(worker_id, snapshot=False)
+            return
+        dropped = self.replica.left(worker_id)
+        self.mirror.forget(worker_id)
+        if dropped:
+            logger.info("worker %s left: %d blocks out of the index", worker_id, dropped)
 
     async def _ingest_spans(self) -> None:
         while True:

@@ -166,9 +166,9 @@ class MeshBackend:
         await self.nc.subscribe(self.subjects.streams_of(self.router_id), cb=self.streams.handle)
 
     async def close(self) -> None:
+        await self.directory.stop()
         if self.replica is not None:
             await self.replica.close()
-        await self.directory.stop()
         await self.nc.drain()
         await self.store.close()
 

@@ -55,10 +55,37 @@ def chain(*numbers: int) -> list[int]:
 
 
 async def settle(replica: IndexReplica) -> None:
-    for _ in range(20):
+    async with asyncio.timeout(5):
+        for _ in range(20):
+            await asyncio.sleep(0)
+        while replica._tasks:
+            await asyncio.sleep(0.01)
+
+
+class Fetches:
+    """Snapshot fetches the test answers one by one, in the order it chooses."""
+
+    def __init__(self) -> None:
+        self.calls: list[tuple[str, asyncio.Future[KVSnapshot]]] = []
+
+    async def fetch(self, worker: str) -> KVSnapshot:
+        future: asyncio.Future[KVSnapshot] = asyncio.get_running_loop().create_future()
+        self.calls.append((worker, future))
+        return await future
+
+    async def answer(self, number: int, worker: str, seq: int, *blocks: int, epoch: str = "e1") -> None:
+        self.calls[number][1].set_result(KVSnapshot(worker_id=worker, epoch=epoch, seq=seq, block_hashes=hashes(*blocks)))
         await asyncio.sleep(0)
-    while replica._tasks:
-        await asyncio.sleep(0.01)
+
+    async def fail(self, number: int) -> None:
+        self.calls[number][1].set_exception(TimeoutError("no answer"))
+        await asyncio.sleep(0)
+
+
+async def started(fetches: Fetches, count: int) -> None:
+    async with asyncio.timeout(5):
+        while len(fetches.calls) < count:
+            await asyncio.sleep(0)
 
 
 async def test_batches_in_order_make_the_index() -> None:
@@ -146,6 +173,89 @@ async def test_close_cancels_a_resync_in_flight() -> None:
     await asyncio.sleep(0)
     await replica.close()
     assert not replica._tasks
+
+
+async def test_a_resync_overtaken_by_a_leave_and_a_rejoin_changes_nothing() -> None:
+    """The old incarnation's snapshot, answered late, is not applied; a failure of it does not
+    cancel the new incarnation's resync, nor lose what it holds meanwhile."""
+    fetches = Fetches()
+    replica = IndexReplica(S, fetches.fetch)
+    replica.receive(S.kv_events_from("a"), batch("a", 0, (1,)))
+    replica.receive(S.kv_events_from("a"), batch("a", 2, (2,)))  # batch 1 lost: a resync
+    await started(fetches, 1)
+    replica.left("a")
+    replica.joined("a")  # restarted under the same id: asked for its blocks
+    await started(fetches, 2)
+    replica.receive(S.kv_events_from("a"), batch("a", 1, (7,), epoch="e2"))  # held for the new resync
+    await fetches.answer(0, "a", 2, 99)  # the old incarnation's, late
+    assert replica.index.prefix_match(chain(99)) == {}
+    await fetches.answer(1, "a", 0, 5, epoch="e2")
+    await settle(replica)
+    assert replica.index.prefix_match(chain(5, 7)) == {"a": 2}
+    assert replica.index.prefix_match(chain(1)) == {} and replica.index.prefix_match(chain(2)) == {}
+
+
+async def test_a_failed_old_resync_leaves_the_new_one_alone() -> None:
+    fetches = Fetches()
+    replica = IndexReplica(S, fetches.fetch)
+    replica.receive(S.kv_events_from("a"), batch("a", 0, (1,)))
+    replica.receive(S.kv_events_from("a"), batch("a", 2, (2,)))
+    await started(fetches, 1)
+    replica.left("a")
+    replica.joined("a")
+    await started(fetches, 2)
+    replica.receive(S.kv_events_from("a"), batch("a", 1, (7,), epoch="e2"))
+    await fetches.fail(0)
+    await fetches.answer(1, "a", 0, 5, epoch="e2")
+    await settle(replica)
+    assert replica.index.prefix_match(chain(5)) == {"a": 1} and replica.index.prefix_match(chain(7)) == {"a": 1}
+
+
+async def test_a_worker_back_under_its_old_epoch_is_followed_again(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Its lease lapsed and came back (same process, same epoch) and its snapshots failed:
+    its next batch is not dropped as a retired epoch's but resyncs it."""
+    monkeypatch.setattr(replica_module, "JOIN_SNAPSHOT_RETRY", 0.01)
+    snapshots = Snapshots()
+    replica = IndexReplica(S, snapshots.fetch)
+    replica.receive(S.kv_events_from("a"), batch("a", 0, (1,)))
+    replica.left("a")
+    snapshots.failures = replica_module.JOIN_SNAPSHOT_TRIES
+    replica.joined("a")
+    await settle(replica)
+    assert len(snapshots.asked) == replica_module.JOIN_SNAPSHOT_TRIES
+    snapshots.set("a", 1, 1, 2)
+    replica.receive(S.kv_events_from("a"), batch("a", 1, (2,)))
+    await settle(replica)
+    assert replica.index.prefix_match(chain(1, 2)) == {"a": 2}
+
+
+async def test_a_malformed_batch_is_dropped_whole() -> None:
+    replica = IndexReplica(S, Snapshots().fetch)
+    replica.receive(S.kv_events_from("a"), batch("a", 0, (1,)))
+    bad = KVEventBatch(
+        worker_id="a", epoch="e1", seq=1, block_size=16,
+        events=[KVEventSpec(kind="stored", block_hashes=hashes(2)), KVEventSpec(kind="stored", block_hashes=["zz"])],
+    )  # fmt: skip
+    replica.receive(S.kv_events_from("a"), bad.encode())
+    assert replica.index.prefix_match(chain(1, 2)) == {"a": 1}
+    replica.receive(S.kv_events_from("a"), batch("a", 1, (3,)))
+    assert replica.index.prefix_match(chain(1)) == {"a": 1} and replica.index.prefix_match(chain(3)) == {"a": 1}
+
+
+async def test_a_gap_found_while_replaying_holds_the_rest_for_its_own_resync() -> None:
+    fetches = Fetches()
+    replica = IndexReplica(S, fetches.fetch)
+    replica.receive(S.kv_events_from("a"), batch("a", 0, (1,)))
+    replica.receive(S.kv_events_from("a"), batch("a", 3, (3,)))  # 1 and 2 lost
+    await started(fetches, 1)
+    replica.receive(S.kv_events_from("a"), batch("a", 5, (5,)))  # 4 lost too
+    replica.receive(S.kv_events_from("a"), batch("a", 6, (6,)))
+    await fetches.answer(0, "a", 2, 1, 2)  # as of batch 2: batch 3 applies, 5 is a gap again
+    await started(fetches, 2)
+    assert len(fetches.calls) == 2  # one resync for the second gap, 6 held for it
+    await fetches.answer(1, "a", 5, 1, 2, 3, 4, 5)
+    await settle(replica)
+    assert replica.index.prefix_match(chain(1, 2, 3, 4, 5, 6)) == {"a": 6} and len(fetches.calls) == 2
 
 
 class Recorder(ReplicaListener):

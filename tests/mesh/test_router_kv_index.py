@@ -72,7 +72,7 @@ async def test_turns_follow_their_prefix_without_kv_metadata_and_across_a_router
         while not set(chain) <= published:
             assert time.monotonic() < deadline, "the decode worker never published the answer's blocks"
             await asyncio.sleep(0.05)
-        await asyncio.sleep(0.3)  # the router's delivery of the same batch
+        await asyncio.sleep(1.0)  # the router's delivery of the same batch (it says nothing of it)
         return held
 
     async def prefilled_on_the_decode_worker(number: int) -> None:
@@ -84,6 +84,7 @@ async def test_turns_follow_their_prefix_without_kv_metadata_and_across_a_router
 
     try:
         await nc.subscribe(Subjects("default").kv_events_from("decode-2"), cb=seen)
+        await nc.flush()
         await turn(0)
         await prefilled_on_the_decode_worker(1)
         # The router dies and the supervisor starts another; the workers stay idle meanwhile,
@@ -101,6 +102,7 @@ async def test_turns_follow_their_prefix_without_kv_metadata_and_across_a_router
                     break
                 assert time.monotonic() < deadline, "the router did not come back"
                 await asyncio.sleep(0.2)
+        await asyncio.sleep(1.0)  # its snapshots were asked for as it loaded the directory, before it was ready
         await prefilled_on_the_decode_worker(2)
         for worker_id in ("prefill-1", "decode-2"):
             pool = await stats(worker_id)

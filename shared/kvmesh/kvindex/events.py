@@ -100,6 +100,14 @@ class EventSequencer:
             stream.retired.append(stream.epoch)
             stream.epoch, stream.expected = None, 0
 
+    def rejoined(self, worker_id: str) -> None:
+        """The worker is registered again, perhaps the same process (its lease lapsed and came
+        back): its retired epochs are no longer dropped. A batch of one is then a first sight
+        (a ``Gap`` unless it is batch 0), so the receiver resyncs from its snapshot."""
+        stream = self._streams.get(worker_id)
+        if stream is not None:
+            stream.retired.clear()
+
     def expected(self, worker_id: str) -> tuple[str, int] | None:
         """(epoch, next expected seq) of ``worker_id``, or None when no epoch is current."""
         stream = self._streams.get(worker_id)

@@ -3,11 +3,13 @@ router's own copy (so a request is routed without a round trip to kv-metadata).
 
 Each worker's batches are applied in order (``EventSequencer``); a gap, or a worker first seen
 mid-stream, is resynced from a snapshot of the worker's blocks (``fetch_snapshot``), the
-batches that arrive meanwhile held and replayed on top. A batch is taken only from the
-worker's own subject. ``joined`` asks a worker that was never heard from for its snapshot at
-once (an idle worker sends no batch that would reveal what it holds); ``left`` drops a worker
-that left the directory, and its late batches. A ``ReplicaListener`` hears of every change
-(kv-metadata mirrors them in etcd and counts them).
+batches that arrive meanwhile held and replayed on top; one resync a worker at a time, and a
+resync overtaken by a leave (or a leave and a rejoin) changes nothing. A batch is taken only
+from the worker's own subject, and one that does not parse (a bad hash, a negative number) is
+dropped whole. ``joined`` asks a worker that was never heard from for its snapshot at once (an
+idle worker sends no batch that would reveal what it holds); ``left`` drops a worker that left
+the directory, and its late batches. A ``ReplicaListener`` hears of every change (kv-metadata
+mirrors them in etcd and counts them).
 
 No I/O of its own beyond ``fetch_snapshot``; the resyncs run as tasks it owns (``close``).
 """
@@ -20,7 +22,7 @@ from collections.abc import Awaitable, Callable
 
 from pydantic import ValidationError
 
-from kvmesh.hashing import hash_from_hex
+from kvmesh.hashing import BlockHash, hash_from_hex
 from kvmesh.kvindex.events import EventSequencer, Gap, Verdict
 from kvmesh.kvindex.index import KVIndex
 from kvmesh.protocol import KVEventBatch, KVSnapshot, Subjects
@@ -66,12 +68,16 @@ class IndexReplica:
         self.listener = listener or ReplicaListener()
         self.index = index if index is not None else KVIndex()
         self.sequencer = EventSequencer()
-        self._resyncing: dict[str, list[KVEventBatch]] = {}  # worker -> batches held meanwhile
+        # worker -> the batches held while its snapshot comes; the list is the resync's token
+        self._resyncing: dict[str, list[KVEventBatch]] = {}
         self._tasks: set[asyncio.Task] = set()
+        self._closed = False
         self.resyncs = 0
         self.forged_batches = 0  # batches whose worker id was not their subject's
 
     async def close(self) -> None:
+        """Cancel the resyncs in flight; none starts after."""
+        self._closed = True
         tasks = list(self._tasks)
         for task in tasks:
             task.cancel()
@@ -90,18 +96,16 @@ class IndexReplica:
             self.forged_batches += 1
             logger.warning("dropped a KV event batch for %s published on %s's subject", batch.worker_id, sender)
             return
-        held = self._resyncing.get(batch.worker_id)
-        if held is not None:
-            held.append(batch)
-            return
         self._offer(batch)
 
-    def joined(self, worker_id: str) -> None:
-        """A worker is in the directory: ask it for its blocks unless its stream is followed."""
-        if worker_id in self._resyncing or self.sequencer.expected(worker_id) is not None:
+    def joined(self, worker_id: str, *, snapshot: bool = True) -> None:
+        """A worker is in the directory (again, perhaps the same process): its batches are
+        taken again, and unless its stream is followed it is asked for its blocks
+        (``snapshot``; else its next batch resyncs it)."""
+        self.sequencer.rejoined(worker_id)
+        if not snapshot or worker_id in self._resyncing or self.sequencer.expected(worker_id) is not None:
             return
-        self._resyncing[worker_id] = []
-        self._spawn(self._resync(worker_id, tries=JOIN_SNAPSHOT_TRIES), f"snapshot {worker_id}")
+        self._start_resync(worker_id, [], tries=JOIN_SNAPSHOT_TRIES)
 
     def left(self, worker_id: str) -> int:
         """The worker is gone: its blocks leave the index (how many), its late batches drop."""
@@ -112,69 +116,98 @@ class IndexReplica:
 
     # -- applying --------------------------------------------------------------------------
     def _offer(self, batch: KVEventBatch) -> None:
-        verdict = self.sequencer.offer(batch.worker_id, batch.epoch, batch.seq)
+        held = self._resyncing.get(batch.worker_id)
+        if held is not None:  # its snapshot is on the way
+            held.append(batch)
+            return
+        try:
+            parsed = _parse(batch)
+            verdict = self.sequencer.offer(batch.worker_id, batch.epoch, batch.seq)
+        except ValueError as exc:  # only its own worker could have sent it: its own entries
+            logger.warning("dropped a malformed KV event batch of %s: %s", batch.worker_id, exc)
+            return
         if verdict is Verdict.DROP:
             return
         if isinstance(verdict, Gap):
             self.listener.gap(batch.worker_id)
             logger.info("gap in %s's events (expected %d, got %d): resyncing", batch.worker_id, verdict.expected, verdict.got)
-            self._resyncing[batch.worker_id] = [batch]
-            self._spawn(self._resync(batch.worker_id), f"resync {batch.worker_id}")
+            self._start_resync(batch.worker_id, [batch])
             return
         if verdict is Verdict.RESET:
             self.index.remove_worker(batch.worker_id)
             self.listener.replaced(batch.worker_id, [], batch.tier)
-        self._apply(batch)
+        self._apply(batch, parsed)
 
-    def _apply(self, batch: KVEventBatch) -> None:
+    def _apply(self, batch: KVEventBatch, parsed: list[list[BlockHash]]) -> None:
         worker = batch.worker_id
         self.listener.batch(batch)
-        for event in batch.events:
+        for event, hashes in zip(batch.events, parsed, strict=True):
             if event.kind == "stored":
-                added = self.index.stored(worker, [hash_from_hex(h) for h in event.block_hashes], batch.tier)
+                added = self.index.stored(worker, hashes, batch.tier)
                 self.listener.stored(worker, event.block_hashes, batch.tier, added)
             elif event.kind == "removed":
-                self.index.removed(worker, [hash_from_hex(h) for h in event.block_hashes])
+                self.index.removed(worker, hashes)
                 self.listener.removed(worker, event.block_hashes)
             else:
                 self.index.remove_worker(worker)
                 self.listener.replaced(worker, [], batch.tier)
 
-    async def _resync(self, worker_id: str, *, tries: int = 1) -> None:
+    def _start_resync(self, worker_id: str, held: list[KVEventBatch], *, tries: int = 1) -> None:
+        if self._closed:
+            return
+        self._resyncing[worker_id] = held
+        self._spawn(self._resync(worker_id, held, tries), f"resync {worker_id}")
+
+    async def _resync(self, worker_id: str, held: list[KVEventBatch], tries: int) -> None:
         """Replace ``worker_id``'s blocks by its snapshot, then replay what was held meanwhile
-        (a batch the snapshot covers drops). Given up after ``tries`` failures: its next
-        batch tries again."""
+        (a batch the snapshot covers drops). Given up after ``tries`` failures (its next batch
+        tries again), or as soon as ``held`` is no longer the worker's resync (it left)."""
+
+        def current() -> bool:
+            return self._resyncing.get(worker_id) is held
+
+        snapshot: KVSnapshot | None = None
         for attempt in range(tries):
             if attempt:
                 await asyncio.sleep(JOIN_SNAPSHOT_RETRY)
-            if worker_id not in self._resyncing:
-                return  # it left meanwhile
+            if not current():
+                return
             try:
                 snapshot = await self.fetch_snapshot(worker_id)
                 if snapshot.worker_id != worker_id:
                     raise ValueError(f"the snapshot names {snapshot.worker_id}")
+                if snapshot.seq < -1:
+                    raise ValueError(f"the snapshot is as of batch {snapshot.seq}")
+                blocks = [hash_from_hex(h) for h in snapshot.block_hashes]
                 break
             except Exception as exc:  # noqa: BLE001 - tried again (or at its next batch)
+                snapshot = None
                 logger.warning("snapshot of %s failed: %r", worker_id, exc)
-        else:
-            self._resyncing.pop(worker_id, None)
+        if not current():
+            return  # it left (and perhaps came back) while its snapshot came
+        del self._resyncing[worker_id]
+        if snapshot is None:
             return
-        held = self._resyncing.pop(worker_id, None)
-        if held is None:
-            return  # it left while its snapshot came
         self.resyncs += 1
-        self.listener.resynced(worker_id, len(snapshot.block_hashes))
+        self.listener.resynced(worker_id, len(blocks))
         self.index.remove_worker(worker_id)
-        self.index.stored(worker_id, [hash_from_hex(h) for h in snapshot.block_hashes], snapshot.tier)
+        self.index.stored(worker_id, blocks, snapshot.tier)
         self.listener.replaced(worker_id, snapshot.block_hashes, snapshot.tier)
         self.sequencer.resynced(worker_id, snapshot.epoch, snapshot.seq + 1)
         for batch in sorted(held, key=lambda b: b.seq):
-            self._offer(batch)
+            self._offer(batch)  # held again (and the rest after it) should one start another resync
 
     def _spawn(self, coroutine, name: str) -> None:
         task = asyncio.create_task(coroutine, name=name)
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
+
+
+def _parse(batch: KVEventBatch) -> list[list[BlockHash]]:
+    """Each event's hashes, parsed; ``ValueError`` for a malformed one."""
+    if batch.seq < 0:
+        raise ValueError(f"batch number {batch.seq}")
+    return [[hash_from_hex(h) for h in event.block_hashes] for event in batch.events]
 
 
 __all__ = ["IndexReplica", "ReplicaListener"]
