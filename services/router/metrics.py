@@ -67,6 +67,10 @@ class RouterMetrics:
         self.contract_rejections = {
             limit: rejections.labels(**model, limit=limit) for limit in ("input_tokens", "output_tokens", "concurrent")
         }
+        # the router's own copy of the KV index (``--kv-index replica``); 0 while kv-metadata is asked instead
+        self.kv_index_blocks = Gauge(
+            "kvmesh:router_kv_index_blocks", "Distinct block hashes in this router's copy of the KV index", ["model_name"], registry=r
+        ).labels(**model)
         self.contract_ttft = Histogram(
             "kvmesh:router_time_to_first_token_seconds", "From the request reaching the backend to its first token",
             ["model_name"], buckets=buckets.TIME_TO_FIRST_TOKEN, registry=r,
@@ -152,6 +156,9 @@ class RouterMetrics:
             backend.on_route = self.routed
         if hasattr(backend, "on_retry"):
             backend.on_retry = self.retried
+        replica = getattr(backend, "replica", None)
+        if replica is not None:
+            self.kv_index_blocks.set_function(lambda: replica.index.num_blocks)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

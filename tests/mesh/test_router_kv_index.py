@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import re
 import signal
 import time
 
@@ -28,6 +29,14 @@ OPENING = "A lighthouse keeper writes to the sea every evening. Here is tonight'
 FOLLOW_UPS = [" Thank you. And what did the sea answer?", " And the keeper's answer to that?"]
 TOKENS = 40
 BLOCK = 16
+
+
+async def router_index_blocks(client: httpx.AsyncClient) -> float:
+    """The router's ``kvmesh:router_kv_index_blocks``: block hashes in its copy of the index."""
+    text = (await client.get("/metrics")).text
+    found = re.search(r"^kvmesh:router_kv_index_blocks\{[^}]*\} (\S+)$", text, re.MULTILINE)
+    assert found, "no kvmesh:router_kv_index_blocks in the router's /metrics"
+    return float(found.group(1))
 
 
 @pytest.fixture(scope="module")
@@ -102,7 +111,10 @@ async def test_turns_follow_their_prefix_without_kv_metadata_and_across_a_router
                     break
                 assert time.monotonic() < deadline, "the router did not come back"
                 await asyncio.sleep(0.2)
-        await asyncio.sleep(1.0)  # its snapshots were asked for as it loaded the directory, before it was ready
+            # its snapshots were asked for as it loaded the directory: what they held, in its copy
+            while await router_index_blocks(client) < 1:
+                assert time.monotonic() < deadline, "the new router's copy of the index stayed empty"
+                await asyncio.sleep(0.2)
         await prefilled_on_the_decode_worker(2)
         for worker_id in ("prefill-1", "decode-2"):
             pool = await stats(worker_id)

@@ -67,6 +67,7 @@ ROUTER: tuple[MetricName, ...] = (
     MetricName("kvmesh:router_time_to_first_token_seconds", "histogram"),
     MetricName("kvmesh:router_inter_token_latency_seconds", "histogram"),
     MetricName("kvmesh:router_e2e_request_latency_seconds", "histogram"),
+    MetricName("kvmesh:router_kv_index_blocks", "gauge"),
 )
 
 BY_SERVICE: dict[str, tuple[MetricName, ...]] = {"worker": WORKER, "kv-metadata": KV_METADATA, "router": ROUTER}
