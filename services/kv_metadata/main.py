@@ -30,7 +30,7 @@ from kvmesh.cluster.directory import WorkerDirectory
 from kvmesh.cluster.etcd_store import EtcdStore
 from kvmesh.cluster.registration import LeasedKey
 from kvmesh.hashing import hash_from_hex
-from kvmesh.kvindex.replica import IndexReplica, ReplicaListener
+from kvmesh.kvindex.replica import IndexReplica, ReplicaListener, pool_capacity
 from kvmesh.metrics.kvindex import KVIndexMetrics
 from kvmesh.protocol import (
     KVEventBatch,
@@ -145,7 +145,7 @@ class KVMetadataService:
         self.tracer = tracer("kvmesh.kv_metadata")
         self.ingest = IngestWindow()
         self.replica_bookkeeping = _Bookkeeping(self)
-        self.replica = IndexReplica(self.subjects, self._fetch_snapshot, listener=self.replica_bookkeeping)
+        self.replica = IndexReplica(self.subjects, self._fetch_snapshot, listener=self.replica_bookkeeping, capacity=self._capacity)
         self.index = self.replica.index
 
     @property
@@ -236,6 +236,10 @@ class KVMetadataService:
     # -- events --------------------------------------------------------------------------
     async def _handle_batch(self, msg: Msg) -> None:
         self.replica.receive(msg.subject, msg.data)
+
+    def _capacity(self, worker_id: str) -> int | None:
+        directory = getattr(self, "directory", None)  # none before start: the etcd rebuild is not bounded
+        return pool_capacity(directory.workers)(worker_id) if directory is not None else None
 
     async def _fetch_snapshot(self, worker_id: str) -> KVSnapshot:
         """A worker's blocks, for the replica's resync after a gap: one ``kv_resync`` span."""

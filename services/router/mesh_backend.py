@@ -58,7 +58,7 @@ from kvmesh.protocol import (
     WorkerRecord,
 )
 from kvmesh.hashing import hash_to_hex, hash_token_blocks
-from kvmesh.kvindex.replica import IndexReplica
+from kvmesh.kvindex.replica import IndexReplica, pool_capacity
 from kvmesh.routing.plugins import Candidate, RouteRequest
 from kvmesh.routing.scorer import load_scorer_config
 from kvmesh.services.router.attempts import (
@@ -139,7 +139,7 @@ class MeshBackend:
         self.pairing = LayoutPairing()  # prefill workers only for decode workers that can pull their KV
         self.kv_query_timeout = kv_query_timeout
         # this router's copy of the KV index (None: kv-metadata is asked per request)
-        self.replica = IndexReplica(self.subjects, self._fetch_snapshot) if kv_index == "replica" else None
+        self.replica = IndexReplica(self.subjects, self._fetch_snapshot, capacity=self._capacity) if kv_index == "replica" else None
         self.worker_wait = worker_wait  # seconds a request waits for a decode worker to come back
         # the longest rest of a prompt a decode worker holding more of its prefix prefills itself (0: never)
         self.local_prefill_max_tokens = local_prefill_max_tokens
@@ -204,6 +204,9 @@ class MeshBackend:
     async def _handle_kv_events(self, msg: Msg) -> None:
         if self.replica is not None:
             self.replica.receive(msg.subject, msg.data)
+
+    def _capacity(self, worker_id: str) -> int | None:
+        return pool_capacity(self.directory.workers)(worker_id)
 
     async def _fetch_snapshot(self, worker_id: str) -> KVSnapshot:
         reply = await self.nc.request(self.subjects.kv_snapshot(worker_id), b"", timeout=self.mesh.request_timeout)

@@ -258,6 +258,38 @@ async def test_a_gap_found_while_replaying_holds_the_rest_for_its_own_resync() -
     assert replica.index.prefix_match(chain(1, 2, 3, 4, 5, 6)) == {"a": 6} and len(fetches.calls) == 2
 
 
+async def test_a_worker_cannot_claim_more_blocks_than_its_pool_bound() -> None:
+    """Invented hashes past the worker's bound are left out (those it holds cost nothing);
+    its snapshot is cut the same way; another worker is not affected."""
+    snapshots = Snapshots()
+    replica = IndexReplica(S, snapshots.fetch, capacity=lambda worker: 4 if worker == "a" else None)
+    replica.receive(S.kv_events_from("a"), batch("a", 0, (1, 2, 3)))
+    replica.receive(S.kv_events_from("a"), batch("a", 1, (1, 2, 3, 4, 5, 6)))
+    assert replica.index.blocks_of("a") == 4 and replica.index.prefix_match(chain(1, 2, 3, 4, 5)) == {"a": 4}
+    assert replica.overflows == 1
+    replica.receive(S.kv_events_from("a"), batch("a", 2, removed=(4,)))
+    replica.receive(S.kv_events_from("a"), batch("a", 3, (7,)))  # room again
+    assert replica.index.prefix_match(chain(7)) == {"a": 1}
+    replica.receive(S.kv_events_from("b"), batch("b", 0, tuple(range(10, 30))))
+    assert replica.index.blocks_of("b") == 20
+    snapshots.set("a", 9, *range(100, 110))
+    replica.receive(S.kv_events_from("a"), batch("a", 10, ()))  # a gap: resynced from a 10-block snapshot
+    await settle(replica)
+    assert replica.index.blocks_of("a") == 4
+
+
+def test_the_pool_bound_comes_from_the_workers_record() -> None:
+    from kvmesh.kvindex.replica import CAPACITY_MARGIN, pool_capacity
+    from kvmesh.protocol import KVLayoutSpec, WorkerRecord
+
+    layout = KVLayoutSpec(num_blocks=64, block_size=16, num_layers=2, num_kv_heads=1, head_dim=8, dtype="float32")
+    record = WorkerRecord(
+        worker_id="a", role="decode", model="m", max_model_len=128, subject="s", host="h", pid=1, started_at=0.0, kv_layout=layout
+    )
+    capacity = pool_capacity({"a": record})
+    assert capacity("a") == CAPACITY_MARGIN * 64 and capacity("b") is None
+
+
 class Recorder(ReplicaListener):
     def __init__(self) -> None:
         self.gaps: list[str] = []

@@ -189,6 +189,12 @@ class KVIndex:
         """Workers known to the index (from their first ``stored`` until ``remove_worker``), sorted."""
         return sorted(self._slot_of)
 
+    def holds(self, worker_id: str, block_hashes: Iterable[BlockHash]) -> set[BlockHash]:
+        """Which of ``block_hashes`` ``worker_id`` holds (in any tier)."""
+        slot = self._slot_of.get(worker_id)
+        blocks = self._blocks[slot] if slot is not None else None
+        return {h for h in block_hashes if blocks is not None and h in blocks}
+
     def blocks_of(self, worker_id: str) -> int:
         slot = self._slot_of.get(worker_id)
         if slot is None:

@@ -8,8 +8,10 @@ resync overtaken by a leave (or a leave and a rejoin) changes nothing. A batch i
 from the worker's own subject, and one that does not parse (a bad hash, a negative number) is
 dropped whole. ``joined`` asks a worker that was never heard from for its snapshot at once (an
 idle worker sends no batch that would reveal what it holds); ``left`` drops a worker that left
-the directory, and its late batches. A ``ReplicaListener`` hears of every change (kv-metadata
-mirrors them in etcd and counts them).
+the directory, and its late batches. ``capacity`` bounds what one worker can claim (its pool's
+blocks, from its record): what a worker's credentials could otherwise put in every router's
+memory is invented hashes without end; past its bound a worker's new blocks are left out. A
+``ReplicaListener`` hears of every change (kv-metadata mirrors them in etcd and counts them).
 
 No I/O of its own beyond ``fetch_snapshot``; the resyncs run as tasks it owns (``close``).
 """
@@ -18,14 +20,14 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Mapping
 
 from pydantic import ValidationError
 
 from kvmesh.hashing import BlockHash, hash_from_hex
 from kvmesh.kvindex.events import EventSequencer, Gap, Verdict
 from kvmesh.kvindex.index import KVIndex
-from kvmesh.protocol import KVEventBatch, KVSnapshot, Subjects
+from kvmesh.protocol import KVEventBatch, KVSnapshot, Subjects, WorkerRecord
 
 logger = logging.getLogger(__name__)
 
@@ -33,6 +35,23 @@ logger = logging.getLogger(__name__)
 # be lost while it starts), this many seconds apart; after that its next batch resyncs it.
 JOIN_SNAPSHOT_TRIES = 3
 JOIN_SNAPSHOT_RETRY = 1.0
+
+# A worker is taken to hold at most this many times its pool's blocks (``pool_capacity``): the
+# bound is against invented hashes, not a count to enforce exactly.
+CAPACITY_MARGIN = 2
+
+
+def pool_capacity(workers: Mapping[str, WorkerRecord]) -> Callable[[str], int | None]:
+    """``IndexReplica``'s ``capacity`` from a live directory of worker records: the pool's
+    blocks (``kv_layout.num_blocks``) times ``CAPACITY_MARGIN``; None for a worker without."""
+
+    def capacity(worker_id: str) -> int | None:
+        record = workers.get(worker_id)
+        if record is None or record.kv_layout is None:
+            return None
+        return CAPACITY_MARGIN * record.kv_layout.num_blocks
+
+    return capacity
 
 
 class ReplicaListener:
@@ -62,11 +81,14 @@ class IndexReplica:
         *,
         listener: ReplicaListener | None = None,
         index: KVIndex | None = None,
+        capacity: Callable[[str], int | None] = lambda worker_id: None,
     ) -> None:
         self.subjects = subjects
         self.fetch_snapshot = fetch_snapshot
         self.listener = listener or ReplicaListener()
         self.index = index if index is not None else KVIndex()
+        self.capacity = capacity  # the most blocks a worker can hold (None: unbounded)
+        self.overflows = 0  # stored events cut short by a worker's capacity
         self.sequencer = EventSequencer()
         # worker -> the batches held while its snapshot comes; the list is the resync's token
         self._resyncing: dict[str, list[KVEventBatch]] = {}
@@ -143,14 +165,38 @@ class IndexReplica:
         self.listener.batch(batch)
         for event, hashes in zip(batch.events, parsed, strict=True):
             if event.kind == "stored":
+                hashes, hex_hashes = self._within_capacity(worker, hashes, event.block_hashes)
                 added = self.index.stored(worker, hashes, batch.tier)
-                self.listener.stored(worker, event.block_hashes, batch.tier, added)
+                self.listener.stored(worker, hex_hashes, batch.tier, added)
             elif event.kind == "removed":
                 self.index.removed(worker, hashes)
                 self.listener.removed(worker, event.block_hashes)
             else:
                 self.index.remove_worker(worker)
                 self.listener.replaced(worker, [], batch.tier)
+
+    def _within_capacity(self, worker_id: str, hashes: list[BlockHash], hex_hashes: list[str]) -> tuple[list[BlockHash], list[str]]:
+        """``hashes`` (and their hex), cut to what ``worker_id`` may still add (new ones first
+        in line: those it holds already cost nothing)."""
+        limit = self.capacity(worker_id)
+        if limit is None:
+            return hashes, hex_hashes
+        room = limit - self.index.blocks_of(worker_id)
+        if len(hashes) <= room:
+            return hashes, hex_hashes
+        held = self.index.holds(worker_id, hashes)
+        if sum(1 for h in hashes if h not in held) <= room:
+            return hashes, hex_hashes
+        kept: list[int] = []
+        for i, h in enumerate(hashes):
+            if h in held:
+                kept.append(i)
+            elif room > 0:
+                kept.append(i)
+                room -= 1
+        self.overflows += 1
+        logger.warning("%s claims more blocks than its pool holds (%d): %d left out", worker_id, limit, len(hashes) - len(kept))
+        return [hashes[i] for i in kept], [hex_hashes[i] for i in kept]
 
     def _start_resync(self, worker_id: str, held: list[KVEventBatch], *, tries: int = 1) -> None:
         if self._closed:
@@ -191,8 +237,9 @@ class IndexReplica:
         self.resyncs += 1
         self.listener.resynced(worker_id, len(blocks))
         self.index.remove_worker(worker_id)
+        blocks, hex_blocks = self._within_capacity(worker_id, blocks, snapshot.block_hashes)
         self.index.stored(worker_id, blocks, snapshot.tier)
-        self.listener.replaced(worker_id, snapshot.block_hashes, snapshot.tier)
+        self.listener.replaced(worker_id, hex_blocks, snapshot.tier)
         self.sequencer.resynced(worker_id, snapshot.epoch, snapshot.seq + 1)
         for batch in sorted(held, key=lambda b: b.seq):
             self._offer(batch)  # held again (and the rest after it) should one start another resync
@@ -210,4 +257,4 @@ def _parse(batch: KVEventBatch) -> list[list[BlockHash]]:
     return [[hash_from_hex(h) for h in event.block_hashes] for event in batch.events]
 
 
-__all__ = ["IndexReplica", "ReplicaListener"]
+__all__ = ["IndexReplica", "ReplicaListener", "pool_capacity"]
