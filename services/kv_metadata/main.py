@@ -145,17 +145,14 @@ class KVMetadataService:
         self.tracer = tracer("kvmesh.kv_metadata")
         self.ingest = IngestWindow()
         self.replica_bookkeeping = _Bookkeeping(self)
-        self.replica = IndexReplica(self.subjects, self._fetch_snapshot, listener=self.replica_bookkeeping, capacity=self._capacity)
+        # events arrive once ``start`` has the directory (the etcd rebuild before it is not bounded)
+        capacity = lambda worker_id: pool_capacity(self.directory.workers.get(worker_id))  # noqa: E731
+        self.replica = IndexReplica(self.subjects, self._fetch_snapshot, listener=self.replica_bookkeeping, capacity=capacity)
         self.index = self.replica.index
 
     @property
     def resyncs(self) -> int:
         return self.replica.resyncs
-
-    @property
-    def forged_batches(self) -> int:
-        """Batches whose worker id was not their subject's."""
-        return self.replica.forged_batches
 
     async def start(self) -> None:
         self.nc, self.store = await connect_mesh(self.mesh, self.service_id)
@@ -236,10 +233,6 @@ class KVMetadataService:
     # -- events --------------------------------------------------------------------------
     async def _handle_batch(self, msg: Msg) -> None:
         self.replica.receive(msg.subject, msg.data)
-
-    def _capacity(self, worker_id: str) -> int | None:
-        directory = getattr(self, "directory", None)  # none before start: the etcd rebuild is not bounded
-        return pool_capacity(directory.workers)(worker_id) if directory is not None else None
 
     async def _fetch_snapshot(self, worker_id: str) -> KVSnapshot:
         """A worker's blocks, for the replica's resync after a gap: one ``kv_resync`` span."""

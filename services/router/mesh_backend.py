@@ -139,7 +139,11 @@ class MeshBackend:
         self.pairing = LayoutPairing()  # prefill workers only for decode workers that can pull their KV
         self.kv_query_timeout = kv_query_timeout
         # this router's copy of the KV index (None: kv-metadata is asked per request)
-        self.replica = IndexReplica(self.subjects, self._fetch_snapshot, capacity=self._capacity) if kv_index == "replica" else None
+        self.replica = (
+            IndexReplica(self.subjects, self._fetch_snapshot, capacity=lambda w: pool_capacity(self.directory.workers.get(w)))
+            if kv_index == "replica"
+            else None
+        )
         self.worker_wait = worker_wait  # seconds a request waits for a decode worker to come back
         # the longest rest of a prompt a decode worker holding more of its prefix prefills itself (0: never)
         self.local_prefill_max_tokens = local_prefill_max_tokens
@@ -204,9 +208,6 @@ class MeshBackend:
     async def _handle_kv_events(self, msg: Msg) -> None:
         if self.replica is not None:
             self.replica.receive(msg.subject, msg.data)
-
-    def _capacity(self, worker_id: str) -> int | None:
-        return pool_capacity(self.directory.workers)(worker_id)
 
     async def _fetch_snapshot(self, worker_id: str) -> KVSnapshot:
         reply = await self.nc.request(self.subjects.kv_snapshot(worker_id), b"", timeout=self.mesh.request_timeout)
@@ -533,14 +534,15 @@ class MeshBackend:
         """How many leading blocks of the prompt's block chain each worker holds: from this
         router's replica of the index, or kv-metadata's answer (empty when it is not running
         or does not answer in time: routing then goes on load alone)."""
-        hashes = hash_token_blocks(prompt, block_size, (self.model_name,))
         if span is not None:
             span.set_attribute("kvmesh.route.kv_index", "replica" if self.replica is not None else "kv-metadata")
         if self.replica is not None:
-            return self.replica.index.prefix_match(hashes) if hashes else {}
-        if not self.directory.alive("kv-metadata") or not hashes:
+            return self.replica.index.prefix_match(hash_token_blocks(prompt, block_size, (self.model_name,)))
+        if not self.directory.alive("kv-metadata"):
             return {}
-        chain = [hash_to_hex(h) for h in hashes]
+        chain = [hash_to_hex(h) for h in hash_token_blocks(prompt, block_size, (self.model_name,))]
+        if not chain:
+            return {}
         try:
             headers = inject_headers(trace.set_span_in_context(span)) if span is not None else None  # kv-metadata's span joins the request's
             reply = await self.nc.request(

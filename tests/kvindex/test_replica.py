@@ -286,8 +286,8 @@ def test_the_pool_bound_comes_from_the_workers_record() -> None:
     record = WorkerRecord(
         worker_id="a", role="decode", model="m", max_model_len=128, subject="s", host="h", pid=1, started_at=0.0, kv_layout=layout
     )
-    capacity = pool_capacity({"a": record})
-    assert capacity("a") == CAPACITY_MARGIN * 64 and capacity("b") is None
+    assert pool_capacity(record) == CAPACITY_MARGIN * 64 and pool_capacity(None) is None
+    assert pool_capacity(record.model_copy(update={"kv_layout": None})) is None
 
 
 class Recorder(ReplicaListener):

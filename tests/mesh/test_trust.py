@@ -432,3 +432,42 @@ async def test_implausible_worker_records_are_not_used_by_the_router(mesh, first
             for key in fakes:
                 await store.delete(key)
             await admin.close()
+
+
+async def test_a_worker_claiming_more_blocks_than_its_pool_is_bounded_in_every_index(mesh, first_answer):
+    """decode-2's credentials publish, on its own subject, a fresh epoch's first batch of
+    invented hashes, many more than its pool holds: kv-metadata and the router's own copy of
+    the index take at most twice its pool's blocks (``pool_capacity``), and the mesh answers
+    as before. Run last in this module: decode-2's real blocks are out of the indexes after."""
+    admin = await nats.connect(mesh.nats.url, connect_timeout=5, **mesh.nats.connect_options())
+    worker = await Connection().open(mesh, "decode-2")
+    try:
+        pool = (await worker_stats(mesh.nats.url, "default", "decode-2", **mesh.nats.connect_options())).num_blocks
+        invented = [f"{n:032x}" for n in range(1, 2 * pool + 500)]
+        batch = KVEventBatch(
+            worker_id="decode-2", epoch="invented", seq=0, block_size=16,
+            events=[KVEventSpec(kind="stored", block_hashes=invented)],
+        )  # fmt: skip
+        await worker.nc.publish(S.kv_events_from("decode-2"), batch.encode())
+        await worker.nc.flush()
+        deadline = time.monotonic() + 10
+        while (held := (await kv_stats(admin)).workers.get("decode-2", 0)) < 2 * pool:
+            assert time.monotonic() < deadline, held
+            await asyncio.sleep(0.1)
+        stats = await kv_stats(admin)
+        assert stats.workers["decode-2"] == 2 * pool
+        async with httpx.AsyncClient(base_url=mesh.base_url, timeout=10) as client:
+            while True:  # the router's copy took the same batch
+                text = (await client.get("/metrics")).text
+                line = next(line for line in text.splitlines() if line.startswith("kvmesh:router_kv_index_blocks{"))
+                router_blocks = float(line.rsplit(" ", 1)[1])
+                if router_blocks >= 2 * pool or time.monotonic() > deadline:
+                    break
+                await asyncio.sleep(0.1)
+        assert 2 * pool <= router_blocks <= 2 * pool + stats.workers.get("prefill-1", 0)
+        response = await post(mesh.base_url, "/v1/completions", GREEDY)
+        assert response.status_code == 200 and response.json()["choices"][0]["text"] == first_answer
+        assert worker.errors == []  # its own subject: allowed, and bounded by the indexes
+    finally:
+        await worker.nc.close()
+        await admin.close()

@@ -384,7 +384,8 @@ def test_the_services_options_reach_the_services(tmp_path, default_model_dir):
     up = start_up(
         tmp_path, default_model_dir, "--prefill", "0", "--decode", "1",
         "--served-model-name", "foo", "--cors-allow-origins", origin, "--max-num-seqs", "4",
-        "--generation-config", "vllm", "--request-deadline", "600", "--pin-write-delay", "0.5", unset=("KVMESH_DTYPE",),
+        "--generation-config", "vllm", "--request-deadline", "600", "--pin-write-delay", "0.5", "--kv-index", "kv-metadata",
+        unset=("KVMESH_DTYPE",),
     )  # fmt: skip
     try:
         dtype, why = default_dtype()
@@ -419,6 +420,7 @@ def test_the_services_options_reach_the_services(tmp_path, default_model_dir):
             (router, "--served-model-name", "foo"),
             (router, "--cors-allow-origins", origin),
             (router, "--generation-config", "vllm"),
+            (router, "--kv-index", "kv-metadata"),
             (worker, "--served-model-name", "foo"),
             (worker, "--max-num-seqs", "4"),
             (worker, "--dtype", dtype),

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Awaitable, Callable, Mapping
+from collections.abc import Awaitable, Callable
 
 from pydantic import ValidationError
 
@@ -41,17 +41,12 @@ JOIN_SNAPSHOT_RETRY = 1.0
 CAPACITY_MARGIN = 2
 
 
-def pool_capacity(workers: Mapping[str, WorkerRecord]) -> Callable[[str], int | None]:
-    """``IndexReplica``'s ``capacity`` from a live directory of worker records: the pool's
-    blocks (``kv_layout.num_blocks``) times ``CAPACITY_MARGIN``; None for a worker without."""
-
-    def capacity(worker_id: str) -> int | None:
-        record = workers.get(worker_id)
-        if record is None or record.kv_layout is None:
-            return None
-        return CAPACITY_MARGIN * record.kv_layout.num_blocks
-
-    return capacity
+def pool_capacity(record: WorkerRecord | None) -> int | None:
+    """The most blocks a worker is taken to hold (``IndexReplica``'s ``capacity``): its pool's
+    (``kv_layout.num_blocks``) times ``CAPACITY_MARGIN``; None without a record or a layout."""
+    if record is None or record.kv_layout is None:
+        return None
+    return CAPACITY_MARGIN * record.kv_layout.num_blocks
 
 
 class ReplicaListener:
@@ -185,8 +180,6 @@ class IndexReplica:
         if len(hashes) <= room:
             return hashes, hex_hashes
         held = self.index.holds(worker_id, hashes)
-        if sum(1 for h in hashes if h not in held) <= room:
-            return hashes, hex_hashes
         kept: list[int] = []
         for i, h in enumerate(hashes):
             if h in held:
@@ -194,6 +187,8 @@ class IndexReplica:
             elif room > 0:
                 kept.append(i)
                 room -= 1
+        if len(kept) == len(hashes):
+            return hashes, hex_hashes
         self.overflows += 1
         logger.warning("%s claims more blocks than its pool holds (%d): %d left out", worker_id, limit, len(hashes) - len(kept))
         return [hashes[i] for i in kept], [hex_hashes[i] for i in kept]
