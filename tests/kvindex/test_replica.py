@@ -300,3 +300,25 @@ class Recorder(ReplicaListener):
 
     def replaced(self, worker_id: str, hashes: list[str], tier: str) -> None:
         self.replacements.append((worker_id, hashes))
+
+
+async def test_batches_held_while_a_snapshot_comes_are_bounded_and_the_rest_resynced() -> None:
+    """A worker that sends batch after batch while its snapshot does not come costs at most
+    ``MAX_HELD_BATCHES`` held; the dropped ones are made up by a second snapshot at once."""
+    fetches = Fetches()
+    replica = IndexReplica(S, fetches.fetch)
+    replica.receive(S.kv_events_from("a"), batch("a", 0, (1,)))
+    replica.receive(S.kv_events_from("a"), batch("a", 2, (2,)))  # 1 lost: a resync
+    await started(fetches, 1)
+    for seq in range(3, 3 + 3 * replica_module.MAX_HELD_BATCHES):
+        replica.receive(S.kv_events_from("a"), batch("a", seq, (seq,)))
+    assert len(replica._resyncing["a"]) == replica_module.MAX_HELD_BATCHES
+    await fetches.answer(0, "a", 1, 1)  # as of batch 1: the held batches 2.. apply on top
+    await started(fetches, 2)  # and the dropped ones are asked for at once
+    last = 2 + 3 * replica_module.MAX_HELD_BATCHES
+    assert replica.index.blocks_of("a") == 1 + replica_module.MAX_HELD_BATCHES
+    await fetches.answer(1, "a", last, 1, *range(2, last + 1))
+    await settle(replica)
+    assert replica.index.blocks_of("a") == last and len(fetches.calls) == 2
+    replica.receive(S.kv_events_from("a"), batch("a", last + 1, (9999,)))  # followed again
+    assert replica.index.blocks_of("a") == last + 1

@@ -434,6 +434,44 @@ async def test_implausible_worker_records_are_not_used_by_the_router(mesh, first
             await admin.close()
 
 
+async def test_a_burst_of_snapshot_requests_costs_the_engine_one_snapshot(mesh, first_answer):
+    """The router's credentials may ask any worker for its KV snapshot (its copy of the index
+    resyncs from one). Two hundred requests at once, the mesh idle, are all answered with the
+    same snapshot, taken of the engine once (``kvmesh:kv_snapshots``): asking without end
+    cannot keep a worker's engine answering."""
+    assert mesh.credentials is not None
+    router = await Connection().open(mesh, "router")
+    creds = load_credentials(mesh.credentials.file_of("router"), "etcd")
+    async with EtcdStore([mesh.etcd.address], timeout=3, credentials=creds, **mesh.etcd.store_options()) as store:
+        item = await store.get(K.worker("prefill", "prefill-1"))
+    assert item is not None
+    metrics_url = f"{WorkerRecord.decode(item.value).health_url}/metrics"
+
+    async def answers(client: httpx.AsyncClient) -> dict[str, float]:
+        found = {"engine": 0.0, "kept": 0.0}
+        for line in (await client.get(metrics_url)).text.splitlines():
+            if line.startswith("kvmesh:kv_snapshots_total{"):
+                found[line.split('answered="', 1)[1].split('"', 1)[0]] = float(line.rsplit(" ", 1)[1])
+        return found
+
+    try:
+        async with httpx.AsyncClient(timeout=10) as client:
+            before = await answers(client)
+            replies = await asyncio.gather(
+                *(router.nc.request(S.kv_snapshot("prefill-1"), b"", timeout=10) for _ in range(200))
+            )
+            after = await answers(client)
+        snapshots = {reply.data for reply in replies}
+        assert len(snapshots) == 1 and KVSnapshot.decode(replies[0].data).block_hashes  # prefill-1 holds the answer's prompt
+        assert after["engine"] - before["engine"] <= 1
+        assert after["engine"] + after["kept"] - before["engine"] - before["kept"] == 200
+        response = await post(mesh.base_url, "/v1/completions", GREEDY)
+        assert response.status_code == 200 and response.json()["choices"][0]["text"] == first_answer
+        assert router.errors == []
+    finally:
+        await router.nc.close()
+
+
 async def test_a_worker_claiming_more_blocks_than_its_pool_is_bounded_in_every_index(mesh, first_answer):
     """decode-2's credentials publish, on its own subject, a fresh epoch's first batch of
     invented hashes, many more than its pool holds: kv-metadata and the router's own copy of

@@ -4,7 +4,8 @@ router's own copy (so a request is routed without a round trip to kv-metadata).
 Each worker's batches are applied in order (``EventSequencer``); a gap, or a worker first seen
 mid-stream, is resynced from a snapshot of the worker's blocks (``fetch_snapshot``), the
 batches that arrive meanwhile held and replayed on top; one resync a worker at a time, and a
-resync overtaken by a leave (or a leave and a rejoin) changes nothing. A batch is taken only
+resync overtaken by a leave (or a leave and a rejoin) changes nothing; at most
+``MAX_HELD_BATCHES`` are held (past that the worker is resynced again). A batch is taken only
 from the worker's own subject, and one that does not parse (a bad hash, a negative number) is
 dropped whole. ``joined`` asks a worker that was never heard from for its snapshot at once (an
 idle worker sends no batch that would reveal what it holds); ``left`` drops a worker that left
@@ -35,6 +36,12 @@ logger = logging.getLogger(__name__)
 # be lost while it starts), this many seconds apart; after that its next batch resyncs it.
 JOIN_SNAPSHOT_TRIES = 3
 JOIN_SNAPSHOT_RETRY = 1.0
+
+# A worker's batches held while its snapshot comes, at most (a batch every 0.1 s at most from a
+# well-behaved worker, and a snapshot answered in milliseconds): past that they are dropped and
+# the worker resynced again once the snapshot is in, so a worker that floods batches while not
+# answering costs a bounded memory.
+MAX_HELD_BATCHES = 64
 
 # A worker is taken to hold at most this many times its pool's blocks (``pool_capacity``): the
 # bound is against invented hashes, not a count to enforce exactly.
@@ -87,6 +94,7 @@ class IndexReplica:
         self.sequencer = EventSequencer()
         # worker -> the batches held while its snapshot comes; the list is the resync's token
         self._resyncing: dict[str, list[KVEventBatch]] = {}
+        self._held_overflow: set[str] = set()  # workers whose resync dropped batches: resynced again
         self._tasks: set[asyncio.Task] = set()
         self._closed = False
         self.resyncs = 0
@@ -129,13 +137,18 @@ class IndexReplica:
         dropped = self.index.remove_worker(worker_id)
         self.sequencer.forget(worker_id)
         self._resyncing.pop(worker_id, None)
+        self._held_overflow.discard(worker_id)
         return dropped
 
     # -- applying --------------------------------------------------------------------------
     def _offer(self, batch: KVEventBatch) -> None:
         held = self._resyncing.get(batch.worker_id)
         if held is not None:  # its snapshot is on the way
-            held.append(batch)
+            if len(held) < MAX_HELD_BATCHES:
+                held.append(batch)
+            elif batch.worker_id not in self._held_overflow:
+                self._held_overflow.add(batch.worker_id)
+                logger.warning("%s sent over %d batches while its snapshot came: resynced again after", batch.worker_id, MAX_HELD_BATCHES)
             return
         try:
             parsed = _parse(batch)
@@ -197,6 +210,7 @@ class IndexReplica:
         if self._closed:
             return
         self._resyncing[worker_id] = held
+        self._held_overflow.discard(worker_id)
         self._spawn(self._resync(worker_id, held, tries), f"resync {worker_id}")
 
     async def _resync(self, worker_id: str, held: list[KVEventBatch], tries: int) -> None:
@@ -227,6 +241,8 @@ class IndexReplica:
         if not current():
             return  # it left (and perhaps came back) while its snapshot came
         del self._resyncing[worker_id]
+        again = worker_id in self._held_overflow  # batches were dropped: what they said is missing
+        self._held_overflow.discard(worker_id)
         if snapshot is None:
             return
         self.resyncs += 1
@@ -238,6 +254,8 @@ class IndexReplica:
         self.sequencer.resynced(worker_id, snapshot.epoch, snapshot.seq + 1)
         for batch in sorted(held, key=lambda b: b.seq):
             self._offer(batch)  # held again (and the rest after it) should one start another resync
+        if again and worker_id not in self._resyncing:
+            self._start_resync(worker_id, [])
 
     def _spawn(self, coroutine, name: str) -> None:
         task = asyncio.create_task(coroutine, name=name)

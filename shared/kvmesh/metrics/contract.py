@@ -47,6 +47,7 @@ WORKER: tuple[MetricName, ...] = (
     MetricName("kvmesh:kv_transfer_bytes", "counter", ("direction",)),
     MetricName("kvmesh:kv_transfer_seconds", "histogram", ("direction",)),
     MetricName("kvmesh:engine_step_seconds", "histogram"),
+    MetricName("kvmesh:kv_snapshots", "counter", ("answered",)),
 )
 
 KV_METADATA: tuple[MetricName, ...] = (

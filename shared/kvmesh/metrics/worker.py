@@ -98,6 +98,8 @@ class WorkerMetrics:
         self.transfer_bytes = {d: transfer_bytes.labels(**labels, direction=d) for d in ("in", "out")}
         self.transfer_seconds = {d: transfer_seconds.labels(**labels, direction=d) for d in ("in", "out")}
         self.step_time = histogram("kvmesh:engine_step_seconds", "One engine step", buckets.ENGINE_STEP).labels(**labels)
+        snapshots = counter("kvmesh:kv_snapshots", "Answers to requests for this worker's KV snapshot", ("answered",))
+        self.snapshots = {a: snapshots.labels(**labels, answered=a) for a in ("engine", "kept")}
         self._requests: dict[str, _Timing] = {}
         self._lock = threading.Lock()
         self._preemptions_seen = 0
@@ -186,6 +188,10 @@ class WorkerMetrics:
             return
         self.transfer_bytes[direction].inc(nbytes)
         self.transfer_seconds[direction].observe(max(0.0, seconds))
+
+    def snapshot_answered(self, taken: bool) -> None:
+        """A KV snapshot sent: ``taken`` from the engine now, or the last one again."""
+        self.snapshots["engine" if taken else "kept"].inc()
 
     # -- scrape --------------------------------------------------------------------------
     async def render(self, engine, queued: Callable[[], int] = lambda: 0) -> bytes:

@@ -1,11 +1,17 @@
 """A worker's KV cache events on NATS: drained from the engine, published in numbered
-batches, and a snapshot on request so a receiver that saw a gap can resync."""
+batches, and a snapshot on request so a receiver that saw a gap can resync.
+
+A snapshot is the worker's blocks as of its last published batch, so one taken is the answer
+to every request until the next batch: a burst of requests (every router resyncing at once, or
+a router's credentials asking without end) costs the engine one snapshot per published batch
+at most (a batch every ``interval``), not one per request."""
 
 from __future__ import annotations
 
 import asyncio
 import logging
 import uuid
+from collections.abc import Callable
 
 import nats
 from nats.aio.msg import Msg
@@ -29,7 +35,14 @@ def event_spec(event: KVCacheEvent) -> KVEventSpec:
 
 class KVEventPublisher:
     def __init__(
-        self, engine: Engine, nc: nats.NATS, subjects: Subjects, worker_id: str, *, interval: float = 0.1
+        self,
+        engine: Engine,
+        nc: nats.NATS,
+        subjects: Subjects,
+        worker_id: str,
+        *,
+        interval: float = 0.1,
+        on_snapshot: Callable[[bool], None] = lambda taken: None,
     ) -> None:
         self.engine = engine
         self.nc = nc
@@ -39,8 +52,10 @@ class KVEventPublisher:
         self.epoch = uuid.uuid4().hex[:12]
         self.seq = -1  # the last batch published
         self.block_size = engine.kv_layout.block_size
+        self.on_snapshot = on_snapshot  # told of each answer: True when the engine was asked
         self._lock = asyncio.Lock()  # a snapshot and a batch never interleave
         self._task: asyncio.Task | None = None
+        self._last_snapshot: tuple[int, bytes] | None = None  # (as of batch, encoded): until the next batch
 
     async def start(self) -> None:
         await self.nc.subscribe(self.subjects.kv_snapshot(self.worker_id), cb=self._handle_snapshot)
@@ -78,10 +93,15 @@ class KVEventPublisher:
 
     async def _handle_snapshot(self, msg: Msg) -> None:
         async with self._lock:
-            events, hashes = await self.engine.kv_snapshot()
-            if events:
-                await self._publish(events)
-            snapshot = KVSnapshot(
-                worker_id=self.worker_id, epoch=self.epoch, seq=self.seq, block_hashes=[hash_to_hex(h) for h in hashes]
-            )
-        await msg.respond(snapshot.encode())
+            last = self._last_snapshot
+            taken = last is None or last[0] != self.seq  # a batch went out since: the blocks moved on
+            if last is None or taken:  # (both: for the type checker)
+                events, hashes = await self.engine.kv_snapshot()
+                if events:
+                    await self._publish(events)
+                snapshot = KVSnapshot(
+                    worker_id=self.worker_id, epoch=self.epoch, seq=self.seq, block_hashes=[hash_to_hex(h) for h in hashes]
+                )
+                last = self._last_snapshot = (self.seq, snapshot.encode())
+        self.on_snapshot(taken)
+        await msg.respond(last[1])

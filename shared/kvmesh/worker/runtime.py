@@ -116,7 +116,9 @@ class WorkerRuntime:
         self.on_close(self.control.close)
         await self.nc.subscribe(self.subjects.stats(self.worker_id), cb=self._handle_stats)
         self._background.append(asyncio.create_task(self._report_load(), name="load-reports"))
-        self.kv_events = KVEventPublisher(self.engine, self.nc, self.subjects, self.worker_id)
+        self.kv_events = KVEventPublisher(
+            self.engine, self.nc, self.subjects, self.worker_id, on_snapshot=metrics.snapshot_answered
+        )
         await self.kv_events.start()
         self.on_close(self.kv_events.stop)
 
