@@ -1357,19 +1357,45 @@ def _decode_step_ms(engine: LLMEngine, prompts: list[list[int]], steps: int) -> 
     return statistics.median(times) * 1e3
 
 
+def _prefill_tokens_per_s(engine: LLMEngine, prompts: list[list[int]]) -> float:
+    """Prompt tokens/s of prefilling ``prompts`` together (one new token each)."""
+    for i, prompt in enumerate(prompts):
+        engine.add_request(f"abl-{time.monotonic_ns()}-{i}", prompt, SamplingParams(max_tokens=1, ignore_eos=True))
+    started = time.perf_counter()
+    while engine.has_unfinished():
+        engine.step()
+    return sum(len(prompt) for prompt in prompts) / (time.perf_counter() - started)
+
+
 ABLATIONS = (  # (name, the LlamaModel attribute that turns it on)
     ("paged decode kernel (K/V read in place)", "paged_kernel"),
     ("fused rotary + K/V store", "fused_rope"),
     ("fused residual add + RMSNorm, silu-and-mul", "fused_elementwise"),
     ("small-batch linear kernel (bfloat16: 1-2 rows, float32: 1-4)", "small_batch_linear"),
     ("AMX tile linear kernel (bfloat16: 3-64 rows)", "tile_linear"),
+    ("bfloat16 prefill attention kernel (no AMX)", "prefill_kernel"),
 )
+PREFILL_ABLATIONS = {"prefill_kernel"}  # measured on a prefill (4 x 1,024 tokens), not on decode
+
+
+def _prefill_ablation(engine: LLMEngine, prompts: PromptMaker, name: str, attr: str, dtype: str, rounds: int,
+                     count: int) -> dict[str, Any]:  # fmt: skip
+    """``attr`` off and on, rounds interleaved: prompt tokens/s of ``count`` fresh 1,024-token prompts."""
+    samples: dict[bool, list[float]] = {False: [], True: []}
+    for round_index in range(rounds):
+        for flag in (False, True) if round_index % 2 == 0 else (True, False):
+            setattr(engine.model, attr, flag)
+            samples[flag].append(_prefill_tokens_per_s(engine, [prompts.make(1024) for _ in range(count)]))
+    setattr(engine.model, attr, True)
+    off, on = statistics.median(samples[False]), statistics.median(samples[True])
+    return {"optimization": name, "dtype": dtype, "workload": f"prefill {count} x 1,024 tokens", "unit": "prompt tokens/s",
+            "off": samples[False], "on": samples[True], "off_median": off, "on_median": on, "speedup": on / off}  # fmt: skip
 
 
 def run_ablation(args: argparse.Namespace) -> tuple[list[dict[str, Any]], str]:
     """Each kept optimization off (the others on) and on, in the same engine, rounds
     interleaved (off, on, off, on...), median reported: batch-1 decode tokens/s and the
-    32-sequence decode step."""
+    32-sequence decode step (the prefill kernel: a prefill's prompt tokens/s)."""
     quick = args.quick
     new_tokens, steps, batch, prompt_len = (16, 4, 8, 64) if quick else (64, 12, 32, 128)
     results: list[dict[str, Any]] = []
@@ -1390,6 +1416,12 @@ def run_ablation(args: argparse.Namespace) -> tuple[list[dict[str, Any]], str]:
             if (name, attr) not in used:
                 lines.append(f"| {name} | {dtype} | not used for {dtype} on this CPU | | | |")
         for name, attr in used:
+            if attr in PREFILL_ABLATIONS:
+                results.append(_prefill_ablation(engine, prompts, name, attr, dtype, args.rounds, 1 if quick else 4))
+                row = results[-1]
+                lines.append(f"| {name} | {dtype} | {row['workload']} ({row['unit']}) | {row['off_median']:.1f} | "
+                             f"{row['on_median']:.1f} | {row['speedup']:.2f}x faster |")  # fmt: skip
+                continue
             rates: dict[bool, list[float]] = {False: [], True: []}
             step_ms: dict[bool, list[float]] = {False: [], True: []}
             for round_index in range(args.rounds):

@@ -239,10 +239,13 @@ def paged_attention(
     scale: float,
     kernel: bool = False,
     layer: int = 0,
+    prefill_kernel: bool = False,
 ) -> torch.Tensor:
     """Attention of the flat batch; q (T, heads, dim), k/v (T, kv_heads, dim) -> (T, heads, dim).
     ``kernel``: decode attention through the compiled kernel (see ``_decode_attention``);
-    ``layer``: which of the decode batch's kept prefix K/V (``DecodeBatch.prefix_kv``) is this one's."""
+    ``layer``: which of the decode batch's kept prefix K/V (``DecodeBatch.prefix_kv``) is this one's;
+    ``prefill_kernel``: a bfloat16 chunk that attends only to itself goes to the compiled
+    ``prefill_attention`` (csrc/prefill_attention.cpp) instead of flash attention."""
     num_decode = meta.num_decode
     if not meta.prefills and not meta.shared_prefills:
         assert meta.decode is not None
@@ -255,6 +258,9 @@ def paged_attention(
         _shared_prefill_attention(q, k, v, k_cache, v_cache, group, scale, out)
     for span in meta.prefills:
         end = span.start + span.length
+        if span.block_table is None and prefill_kernel:
+            out[span.start : end] = torch.ops.kvmesh.prefill_attention(q[span.start : end], k[span.start : end], v[span.start : end], scale)
+            continue
         queries = q[span.start : end].transpose(0, 1).unsqueeze(0)  # (1, heads, L, dim)
         if span.block_table is None:
             keys = k[span.start : end].transpose(0, 1).unsqueeze(0)

@@ -99,6 +99,12 @@ class LlamaModel:
         # than gathering the blocks at batch 1, 8 and 32 (docs/benchmarks.md, "The compiled
         # decode attention for float32").
         self.paged_kernel = compiled
+        # bfloat16 prefill attention (a chunk attending to itself) through the compiled kernel
+        # where the CPU has AVX512-BF16 and no AMX (paged_kernel.prefill_attention_wanted), for
+        # the head shapes it is built for: 1.9x PyTorch's flash attention for a 1,024-token
+        # chunk (docs/benchmarks.md, "A bfloat16 prefill attention kernel for CPUs without AMX").
+        shapes = config.head_dim in (64, 128) and config.num_heads // config.num_kv_heads <= 8
+        self.prefill_kernel = compiled and shapes and dtype == torch.bfloat16 and paged_kernel.prefill_attention_wanted()
         # Rotary and the K/V store fused into one compiled op (same library), bit-identical.
         self.fused_rope = compiled
         # The residual add and RMSNorm in one op, silu-and-mul in one (csrc/fused_ops.cpp),
@@ -174,7 +180,7 @@ class LlamaModel:
                 qk = self.rotary.apply(qk, cos, sin)
                 write_kv(k_cache, v_cache, qk[:, heads:], v, meta)
             q, k = qk[:, :heads], qk[:, heads:]
-            attn = paged_attention(q, k, v, k_cache, v_cache, meta, self.scale, self.paged_kernel, index)
+            attn = paged_attention(q, k, v, k_cache, v_cache, meta, self.scale, self.paged_kernel, index, self.prefill_kernel)
             residual, h = self._add_norm(residual, layer.o_proj(attn.view(num_tokens, self.q_size)), layer.post_norm)
             activated = self._silu_mul(layer.gate_up(h))
             residual, h = self._add_norm(residual, layer.down(activated), self.next_norms[index])

@@ -30,7 +30,7 @@ from kvmesh.native_build import build_shared_library
 logger = logging.getLogger(__name__)
 
 CSRC = Path(__file__).with_name("csrc")
-SOURCES = ["paged_decode.cpp", "fused_ops.cpp", "small_linear.cpp", "amx_linear.cpp"]  # in CSRC (or another csrc folder)
+SOURCES = ["paged_decode.cpp", "fused_ops.cpp", "small_linear.cpp", "amx_linear.cpp", "prefill_attention.cpp"]  # in CSRC (or another csrc folder)
 HEADERS = ["cpu_math.h"]
 DISABLE_ENV = "KVMESH_PAGED_KERNEL"
 FLAGS = ["-O3", "-fno-math-errno", "-fopenmp", "-shared", "-fPIC", "-std=c++17", "-Wno-psabi"]
@@ -91,6 +91,14 @@ def build(cache: Path | None = None, march: str = "native", csrc: Path = CSRC) -
     if last_failure:
         return None
     return path
+
+
+def prefill_attention_wanted() -> bool:
+    """Does bfloat16 prefill attention go to the compiled kernel (``csrc/prefill_attention.cpp``)?
+    Where it is built (AVX512-BF16) and the CPU has no AMX-BF16: without AMX, PyTorch's flash
+    attention computes bfloat16 no faster than float32 (docs/benchmarks.md, "Issue 12 on an AMD
+    EPYC Zen 4 without AMX"); with AMX it keeps flash attention, not measured against it."""
+    return available() and bool(torch.ops.kvmesh.prefill_attention_built()) and "amx_bf16" not in _cpu_flags().split()
 
 
 def available() -> bool:

@@ -1,0 +1,190 @@
+// Causal self-attention of one sequence's prefill chunk in bfloat16, for CPUs with AVX512-BF16
+// (used where they have no AMX: there PyTorch's flash attention runs bfloat16 no faster than
+// float32, while the linears run 2.4x faster; docs/benchmarks.md, "Issue 12 on an AMD EPYC
+// Zen 4 without AMX").
+//
+// q (L, heads, dim), k and v (L, kv_heads, dim): rows strided, the last dim contiguous. K is
+// packed once a call into pairs of dims for 16 keys at a time and V into pairs of keys for
+// every dim, so that q.k and p.v are both vdpbf16ps (bf16 products exact in float32, summed in
+// float32): 16 scores from 32 instructions for a 64-dim head, no horizontal sums, and the query
+// heads sharing a KV head share each load. Softmax in float32 over a row's scores (two passes:
+// one row's scores are at most L floats); the weights are rounded to bfloat16 for p.v (as a
+// bfloat16 flash attention rounds them), the output once.
+#include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <c10/util/BFloat16.h>
+#include <torch/library.h>
+
+#include <immintrin.h>
+
+#include "cpu_math.h"
+
+#include <cstdint>
+#include <cstring>
+#include <limits>
+#include <vector>
+
+namespace {
+
+#if defined(__AVX512F__) && defined(__AVX512BF16__)
+#define KVMESH_PREFILL_ATTENTION 1
+
+constexpr int64_t kKeys = 16;  // keys a score vector holds
+
+template <int64_t D, int64_t G>
+void causal_bf16(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, double scale_, at::Tensor& out) {
+  static_assert(D % 32 == 0, "D: a multiple of 32");
+  constexpr int64_t kPairs = D / 2, kVecs = D / 16;
+  const int64_t len = q.size(0), heads = q.size(1), kv_heads = k.size(1);
+  const int64_t key_blocks = (len + kKeys - 1) / kKeys, key_pairs = key_blocks * kKeys / 2;
+  const float scale = static_cast<float>(scale_);
+  const auto* qp = static_cast<const uint16_t*>(q.const_data_ptr());
+  const auto* kp = static_cast<const uint16_t*>(k.const_data_ptr());
+  const auto* vp = static_cast<const uint16_t*>(v.const_data_ptr());
+  auto* op = static_cast<uint16_t*>(out.data_ptr());
+  const int64_t qs = q.stride(0), qh = q.stride(1), ks = k.stride(0), kh = k.stride(1), vs = v.stride(0), vh = v.stride(1);
+
+  // K: [kv head][key block][pair of dims][16 keys][2]; V: [kv head][pair of keys][dim][2]; the
+  // keys past the last padded with zeros (their scores are never read, their weights are 0).
+  std::vector<uint16_t> kpack(kv_heads * key_blocks * kPairs * kKeys * 2), vpack(kv_heads * key_pairs * D * 2);
+  at::parallel_for(0, kv_heads * key_blocks, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t) {
+      const int64_t h = t / key_blocks, block = t % key_blocks;
+      uint16_t* kd = kpack.data() + t * kPairs * kKeys * 2;
+      for (int64_t j = 0; j < kKeys; ++j) {
+        const int64_t key = block * kKeys + j;
+        const uint16_t* row = key < len ? kp + key * ks + h * kh : nullptr;
+        for (int64_t p = 0; p < kPairs; ++p) {
+          kd[(p * kKeys + j) * 2] = row != nullptr ? row[2 * p] : 0;
+          kd[(p * kKeys + j) * 2 + 1] = row != nullptr ? row[2 * p + 1] : 0;
+        }
+      }
+      for (int64_t i = block * kKeys / 2; i < (block + 1) * kKeys / 2; ++i) {
+        uint16_t* vd = vpack.data() + (h * key_pairs + i) * D * 2;
+        const uint16_t* first = 2 * i < len ? vp + 2 * i * vs + h * vh : nullptr;
+        const uint16_t* second = 2 * i + 1 < len ? vp + (2 * i + 1) * vs + h * vh : nullptr;
+        for (int64_t d = 0; d < D; ++d) {
+          vd[2 * d] = first != nullptr ? first[d] : 0;
+          vd[2 * d + 1] = second != nullptr ? second[d] : 0;
+        }
+      }
+    }
+  });
+
+  // Tasks: (row r and row len-1-r, KV head), so that each thread's share of the causal
+  // triangle is even under OpenMP's static split of the range.
+  const int64_t halves = (len + 1) / 2;
+  at::parallel_for(0, halves * kv_heads, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> scores(G * key_blocks * kKeys);
+    std::vector<uint16_t> weights(G * key_blocks * kKeys);
+    for (int64_t t = begin; t < end; ++t) {
+      const int64_t h = t % kv_heads, half = t / kv_heads;
+      const int64_t rows[2] = {half, len - 1 - half};
+      for (int64_t n = 0; n < (rows[1] == rows[0] ? 1 : 2); ++n) {  // an odd length's middle row once
+        const int64_t r = rows[n];
+        const int64_t context = r + 1, blocks = (context + kKeys - 1) / kKeys, padded = blocks * kKeys;
+        int32_t qpairs[G][kPairs];
+        for (int64_t g = 0; g < G; ++g) std::memcpy(qpairs[g], qp + r * qs + (h * G + g) * qh, D * sizeof(uint16_t));
+        const uint16_t* kbase = kpack.data() + h * key_blocks * kPairs * kKeys * 2;
+        for (int64_t block = 0; block < blocks; ++block) {
+          __m512 acc[G];
+          for (int64_t g = 0; g < G; ++g) acc[g] = _mm512_setzero_ps();
+          const uint16_t* kb = kbase + block * kPairs * kKeys * 2;
+          for (int64_t p = 0; p < kPairs; ++p) {
+            const __m512i keys = _mm512_loadu_si512(kb + p * kKeys * 2);
+            for (int64_t g = 0; g < G; ++g)
+              acc[g] = _mm512_dpbf16_ps(acc[g], (__m512bh)_mm512_set1_epi32(qpairs[g][p]), (__m512bh)keys);
+          }
+          const __m512 s = _mm512_set1_ps(scale);
+          for (int64_t g = 0; g < G; ++g) _mm512_storeu_ps(scores.data() + g * padded + block * kKeys, _mm512_mul_ps(acc[g], s));
+        }
+        float inv[G];
+        for (int64_t g = 0; g < G; ++g) {
+          float* row = scores.data() + g * padded;
+          float peak = -std::numeric_limits<float>::infinity();
+          for (int64_t i = 0; i < context; ++i) peak = row[i] > peak ? row[i] : peak;
+          inv[g] = 1.f / kvmesh::cpu::exp_shifted(row, context, peak);
+          for (int64_t i = context; i < padded; ++i) row[i] = 0.f;  // the keys after r weigh nothing
+          uint16_t* w = weights.data() + g * padded;
+          for (int64_t i = 0; i < padded; i += kKeys) {
+            const __m256bh rounded = _mm512_cvtneps_pbh(_mm512_loadu_ps(row + i));
+            _mm256_storeu_si256(reinterpret_cast<__m256i*>(w + i), (__m256i)rounded);
+          }
+        }
+        __m512 acc[G][kVecs];
+        for (int64_t g = 0; g < G; ++g)
+          for (int64_t c = 0; c < kVecs; ++c) acc[g][c] = _mm512_setzero_ps();
+        const uint16_t* vbase = vpack.data() + h * key_pairs * D * 2;
+        for (int64_t i = 0; i < (context + 1) / 2; ++i) {
+          __m512i vals[kVecs];
+          for (int64_t c = 0; c < kVecs; ++c) vals[c] = _mm512_loadu_si512(vbase + (i * D + c * 16) * 2);
+          for (int64_t g = 0; g < G; ++g) {
+            int32_t pair;
+            std::memcpy(&pair, weights.data() + g * padded + 2 * i, sizeof(pair));
+            const __m512bh w = (__m512bh)_mm512_set1_epi32(pair);
+            for (int64_t c = 0; c < kVecs; ++c) acc[g][c] = _mm512_dpbf16_ps(acc[g][c], w, (__m512bh)vals[c]);
+          }
+        }
+        for (int64_t g = 0; g < G; ++g) {
+          uint16_t* dst = op + (r * heads + h * G + g) * D;
+          const __m512 norm = _mm512_set1_ps(inv[g]);
+          for (int64_t c = 0; c < kVecs; ++c) {
+            const __m256bh rounded = _mm512_cvtneps_pbh(_mm512_mul_ps(acc[g][c], norm));
+            _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + c * 16), (__m256i)rounded);
+          }
+        }
+      }
+    }
+  });
+}
+
+#define KVMESH_GROUP_CASES(D)                                          \
+  switch (q.size(1) / k.size(1)) {                                     \
+    case 1: causal_bf16<D, 1>(q, k, v, scale, out); return out;        \
+    case 2: causal_bf16<D, 2>(q, k, v, scale, out); return out;        \
+    case 3: causal_bf16<D, 3>(q, k, v, scale, out); return out;        \
+    case 4: causal_bf16<D, 4>(q, k, v, scale, out); return out;        \
+    case 5: causal_bf16<D, 5>(q, k, v, scale, out); return out;        \
+    case 6: causal_bf16<D, 6>(q, k, v, scale, out); return out;        \
+    case 7: causal_bf16<D, 7>(q, k, v, scale, out); return out;        \
+    case 8: causal_bf16<D, 8>(q, k, v, scale, out); return out;        \
+    default: break;                                                    \
+  }
+#endif
+
+// Whether this build has the kernel (AVX512-BF16), for the model to choose it.
+bool prefill_attention_built() {
+#ifdef KVMESH_PREFILL_ATTENTION
+  return true;
+#else
+  return false;
+#endif
+}
+
+// out (L, heads, dim) bfloat16, contiguous: each query row attends to the keys up to its own.
+at::Tensor prefill_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, double scale) {
+  TORCH_CHECK(q.dim() == 3 && k.dim() == 3 && v.dim() == 3, "prefill_attention: bad ranks");
+  TORCH_CHECK(q.scalar_type() == at::kBFloat16 && k.scalar_type() == at::kBFloat16 && v.scalar_type() == at::kBFloat16,
+              "prefill_attention: bfloat16 only");
+  TORCH_CHECK(q.stride(2) == 1 && k.stride(2) == 1 && v.stride(2) == 1, "prefill_attention: dim not contiguous");
+  TORCH_CHECK(k.sizes() == v.sizes() && q.size(0) == k.size(0) && q.size(2) == k.size(2) && q.size(1) % k.size(1) == 0,
+              "prefill_attention: shapes");
+  at::Tensor out = at::empty({q.size(0), q.size(1), q.size(2)}, q.options());
+  if (q.size(0) == 0) return out;
+#ifdef KVMESH_PREFILL_ATTENTION
+  if (q.size(2) == 64) KVMESH_GROUP_CASES(64)
+  if (q.size(2) == 128) KVMESH_GROUP_CASES(128)
+#endif
+  TORCH_CHECK(false, "prefill_attention: no kernel for this head dim or group in this build");
+  return out;
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(kvmesh, m) {
+  m.def("prefill_attention(Tensor q, Tensor k, Tensor v, float scale) -> Tensor");
+  m.def("prefill_attention_built() -> bool", &prefill_attention_built);
+}
+
+TORCH_LIBRARY_IMPL(kvmesh, CPU, m) { m.impl("prefill_attention", &prefill_attention); }
