@@ -109,8 +109,9 @@ def baseline_sources(rev: str, into: Path) -> Path:
     into.mkdir(parents=True, exist_ok=True)
     rel = paged_kernel.CSRC.resolve().relative_to(_repo_root())
     for name in [*paged_kernel.SOURCES, *paged_kernel.HEADERS]:
-        shown = subprocess.run(["git", "show", f"{rev}:{rel / name}"], capture_output=True, check=True, cwd=_repo_root())
-        (into / name).write_bytes(shown.stdout)
+        shown = subprocess.run(["git", "show", f"{rev}:{rel / name}"], capture_output=True, cwd=_repo_root())
+        if shown.returncode == 0:  # a file the baseline did not have yet is left out of its build
+            (into / name).write_bytes(shown.stdout)
     return into
 
 

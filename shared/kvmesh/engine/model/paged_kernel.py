@@ -57,7 +57,7 @@ def library_path(cache: Path | None = None, march: str = "native", csrc: Path = 
     from kvmesh.engine.loader.default_model import cache_dir
 
     flags = " ".join([*FLAGS, f"-march={march}"])
-    code = b"".join((csrc / name).read_bytes() for name in [*SOURCES, *HEADERS])
+    code = b"".join((csrc / name).read_bytes() for name in [*SOURCES, *HEADERS] if (csrc / name).exists())
     key = hashlib.sha256(code + torch.__version__.encode() + flags.encode() + _cpu_flags().encode()).hexdigest()[:16]
     return (cache or cache_dir()) / f"paged_decode-{key}.so"
 
@@ -83,7 +83,7 @@ def build(cache: Path | None = None, march: str = "native", csrc: Path = CSRC) -
     last_failure = build_shared_library(
         path,
         lambda output: [
-            cxx, *FLAGS, f"-march={march}", f"-D_GLIBCXX_USE_CXX11_ABI={abi}", *includes, *[str(csrc / name) for name in SOURCES], "-o", output,
+            cxx, *FLAGS, f"-march={march}", f"-D_GLIBCXX_USE_CXX11_ABI={abi}", *includes, *[str(csrc / name) for name in SOURCES if (csrc / name).exists()], "-o", output,
             *[f"-L{d}" for d in libdirs], *[f"-Wl,-rpath,{d}" for d in libdirs], "-lc10", "-ltorch_cpu", "-lmvec",
         ],  # fmt: skip
         timeout=600,
@@ -98,7 +98,9 @@ def prefill_attention_wanted() -> bool:
     Where it is built (AVX512-BF16) and the CPU has no AMX-BF16: without AMX, PyTorch's flash
     attention computes bfloat16 no faster than float32 (docs/benchmarks.md, "Issue 12 on an AMD
     EPYC Zen 4 without AMX"); with AMX it keeps flash attention, not measured against it."""
-    return available() and bool(torch.ops.kvmesh.prefill_attention_built()) and "amx_bf16" not in _cpu_flags().split()
+    if not available() or not hasattr(torch.ops.kvmesh, "prefill_attention_built"):  # an earlier commit's library
+        return False
+    return bool(torch.ops.kvmesh.prefill_attention_built()) and "amx_bf16" not in _cpu_flags().split()
 
 
 def available() -> bool:
