@@ -117,7 +117,7 @@ def available() -> bool:
         try:
             torch.ops.load_library(str(path))
             _state = True
-            logger.info("compiled CPU kernels loaded (decode attention, fused norms, small-batch and AMX linears): %s", path.name)
+            logger.info("compiled CPU kernels loaded (decode and bfloat16 prefill attention, fused norms, small-batch and AMX linears): %s", path.name)
         except (OSError, RuntimeError) as exc:
             last_failure = f"loading {path} failed: {exc}"
     if not _state:
