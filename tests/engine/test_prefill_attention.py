@@ -74,7 +74,8 @@ def test_the_engine_prefills_through_it_with_the_logprobs_of_flash_attention(tmp
 
     model_dir = build_tiny_model(tmp_path / "tiny64", arch="llama", seed=1, hidden_size=256, num_heads=4, num_kv_heads=2)
     engine = LLMEngine(EngineConfig(model=str(model_dir), dtype="bfloat16", block_size=4, num_blocks=256, enable_prefix_caching=False))
-    assert engine.model.prefill_kernel == paged_kernel.prefill_attention_wanted()
+    assert engine.model.prefill_kernel == paged_kernel.prefill_attention_wanted(64, 2)
+    assert not paged_kernel.prefill_attention_wanted(16, 2) and not paged_kernel.prefill_attention_wanted(64, 9)
     prompts = [[5 + (i * 7) % 200 for i in range(n)] for n in (3, 40, 90)]
     params = SamplingParams(max_tokens=4, ignore_eos=True, prompt_logprobs=0)
     real, calls = torch.ops.kvmesh.prefill_attention, []

@@ -55,7 +55,7 @@ class KVEventPublisher:
         self.on_snapshot = on_snapshot  # told of each answer: True when the engine was asked
         self._lock = asyncio.Lock()  # a snapshot and a batch never interleave
         self._task: asyncio.Task | None = None
-        self._last_snapshot: tuple[int, bytes] | None = None  # (as of batch, encoded): until the next batch
+        self._last_snapshot: tuple[int, bytes] = (-2, b"")  # (as of batch, encoded); -2: none taken yet
 
     async def start(self) -> None:
         await self.nc.subscribe(self.subjects.kv_snapshot(self.worker_id), cb=self._handle_snapshot)
@@ -93,15 +93,15 @@ class KVEventPublisher:
 
     async def _handle_snapshot(self, msg: Msg) -> None:
         async with self._lock:
-            last = self._last_snapshot
-            taken = last is None or last[0] != self.seq  # a batch went out since: the blocks moved on
-            if last is None or taken:  # (both: for the type checker)
+            taken = self._last_snapshot[0] != self.seq  # a batch went out since: the blocks moved on
+            if taken:
                 events, hashes = await self.engine.kv_snapshot()
                 if events:
                     await self._publish(events)
                 snapshot = KVSnapshot(
                     worker_id=self.worker_id, epoch=self.epoch, seq=self.seq, block_hashes=[hash_to_hex(h) for h in hashes]
                 )
-                last = self._last_snapshot = (self.seq, snapshot.encode())
+                self._last_snapshot = (self.seq, snapshot.encode())
+            encoded = self._last_snapshot[1]
         self.on_snapshot(taken)
-        await msg.respond(last[1])
+        await msg.respond(encoded)

@@ -259,7 +259,8 @@ def paged_attention(
     for span in meta.prefills:
         end = span.start + span.length
         if span.block_table is None and prefill_kernel:
-            out[span.start : end] = torch.ops.kvmesh.prefill_attention(q[span.start : end], k[span.start : end], v[span.start : end], scale)
+            rows = slice(span.start, end)
+            out[rows] = torch.ops.kvmesh.prefill_attention(q[rows], k[rows], v[rows], scale)
             continue
         queries = q[span.start : end].transpose(0, 1).unsqueeze(0)  # (1, heads, L, dim)
         if span.block_table is None:

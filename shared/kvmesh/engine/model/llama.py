@@ -100,11 +100,11 @@ class LlamaModel:
         # decode attention for float32").
         self.paged_kernel = compiled
         # bfloat16 prefill attention (a chunk attending to itself) through the compiled kernel
-        # where the CPU has AVX512-BF16 and no AMX (paged_kernel.prefill_attention_wanted), for
-        # the head shapes it is built for: a 4 x 1,024-token prefill 1.21x faster than with
+        # where the CPU has AVX512-BF16 and no AMX, for the head shapes it is built for
+        # (paged_kernel.prefill_attention_wanted): a 4 x 1,024-token prefill 1.21x faster than with
         # flash attention (docs/benchmarks.md, "A bfloat16 prefill attention kernel for CPUs without AMX").
-        shapes = config.head_dim in (64, 128) and config.num_heads // config.num_kv_heads <= 8
-        self.prefill_kernel = compiled and shapes and dtype == torch.bfloat16 and paged_kernel.prefill_attention_wanted()
+        group = config.num_heads // config.num_kv_heads
+        self.prefill_kernel = compiled and dtype == torch.bfloat16 and paged_kernel.prefill_attention_wanted(config.head_dim, group)
         # Rotary and the K/V store fused into one compiled op (same library), bit-identical.
         self.fused_rope = compiled
         # The residual add and RMSNorm in one op, silu-and-mul in one (csrc/fused_ops.cpp),

@@ -93,11 +93,15 @@ def build(cache: Path | None = None, march: str = "native", csrc: Path = CSRC) -
     return path
 
 
-def prefill_attention_wanted() -> bool:
-    """Does bfloat16 prefill attention go to the compiled kernel (``csrc/prefill_attention.cpp``)?
-    Where it is built (AVX512-BF16) and the CPU has no AMX-BF16: without AMX, PyTorch's flash
-    attention computes bfloat16 no faster than float32 (docs/benchmarks.md, "Issue 12 on an AMD
-    EPYC Zen 4 without AMX"); with AMX it keeps flash attention, not measured against it."""
+def prefill_attention_wanted(head_dim: int, group: int) -> bool:
+    """Does bfloat16 prefill attention of these heads (``group`` query heads a KV head) go to the
+    compiled kernel (``csrc/prefill_attention.cpp``, which is built for 64 and 128 dims and
+    groups of up to 8)? Where it is built (AVX512-BF16) and the CPU has no AMX-BF16: without AMX,
+    PyTorch's flash attention computes bfloat16 no faster than float32 (docs/benchmarks.md,
+    "Issue 12 on an AMD EPYC Zen 4 without AMX"); with AMX it keeps flash attention, not
+    measured against it."""
+    if head_dim not in (64, 128) or not 1 <= group <= 8:
+        return False
     if not available() or not hasattr(torch.ops.kvmesh, "prefill_attention_built"):  # an earlier commit's library
         return False
     return bool(torch.ops.kvmesh.prefill_attention_built()) and "amx_bf16" not in _cpu_flags().split()
