@@ -1357,14 +1357,15 @@ def _decode_step_ms(engine: LLMEngine, prompts: list[list[int]], steps: int) -> 
     return statistics.median(times) * 1e3
 
 
-def _prefill_tokens_per_s(engine: LLMEngine, prompts: list[list[int]]) -> float:
-    """Prompt tokens/s of prefilling ``prompts`` together (one new token each)."""
+def _prefill_tokens_per_s(engine: LLMEngine, prompts: list[list[int]], computed: int | None = None) -> float:
+    """Prompt tokens/s of prefilling ``prompts`` together (one new token each); ``computed``:
+    the tokens actually computed (those the prefix cache did not hold), all by default."""
     for i, prompt in enumerate(prompts):
         engine.add_request(f"abl-{time.monotonic_ns()}-{i}", prompt, SamplingParams(max_tokens=1, ignore_eos=True))
     started = time.perf_counter()
     while engine.has_unfinished():
         engine.step()
-    return sum(len(prompt) for prompt in prompts) / (time.perf_counter() - started)
+    return (sum(len(prompt) for prompt in prompts) if computed is None else computed) / (time.perf_counter() - started)
 
 
 ABLATIONS = (  # (name, the LlamaModel attribute that turns it on)
@@ -1375,27 +1376,55 @@ ABLATIONS = (  # (name, the LlamaModel attribute that turns it on)
     ("AMX tile linear kernel (bfloat16: 3-64 rows)", "tile_linear"),
     ("bfloat16 prefill attention kernel (no AMX)", "prefill_kernel"),
 )
-PREFILL_ABLATIONS = {"prefill_kernel"}  # measured on a prefill (4 x 1,024 tokens), not on decode
+PREFILL_ABLATIONS = {"prefill_kernel"}  # measured on prefills (_prefill_workloads), not on decode
+
+
+def _prefill_workloads(prompts: PromptMaker, quick: bool) -> list[tuple[str, Callable[[LLMEngine], float]]]:
+    """The prefill kernel's three uses: chunks alone, a chunk after earlier context (a long
+    prompt's later chunks under the step's 1,024-token budget), and a ``SharedPrefill`` group
+    (prompts on one cached prefix, their own tokens prefilled in one step)."""
+    count, long_len, group, own = (1, 2048, 4, 32) if quick else (4, 4096, 16, 32)
+
+    def fresh(engine: LLMEngine) -> float:
+        return _prefill_tokens_per_s(engine, [prompts.make(1024) for _ in range(count)])
+
+    def chunked(engine: LLMEngine) -> float:
+        return _prefill_tokens_per_s(engine, [prompts.make(long_len)])
+
+    def shared(engine: LLMEngine) -> float:
+        prefix = prompts.make(2048)
+        _prefill_tokens_per_s(engine, [prefix])  # now cached: the group's prompts find it
+        return _prefill_tokens_per_s(engine, [prefix + prompts.make(own) for _ in range(group)], computed=group * own)
+
+    return [
+        (f"prefill {count} x 1,024 tokens", fresh),
+        (f"prefill 1 x {long_len:,} tokens in 1,024-token chunks", chunked),
+        (f"{group} x {own} own tokens on a cached 2,048-token prefix (one shared-prefix group)", shared),
+    ]
 
 
 def _prefill_ablation(engine: LLMEngine, prompts: PromptMaker, name: str, attr: str, dtype: str, rounds: int,
-                     count: int) -> dict[str, Any]:  # fmt: skip
-    """``attr`` off and on, rounds interleaved: prompt tokens/s of ``count`` fresh 1,024-token prompts."""
-    samples: dict[bool, list[float]] = {False: [], True: []}
-    for round_index in range(rounds):
-        for flag in (False, True) if round_index % 2 == 0 else (True, False):
-            setattr(engine.model, attr, flag)
-            samples[flag].append(_prefill_tokens_per_s(engine, [prompts.make(1024) for _ in range(count)]))
-    setattr(engine.model, attr, True)
-    off, on = statistics.median(samples[False]), statistics.median(samples[True])
-    return {"optimization": name, "dtype": dtype, "workload": f"prefill {count} x 1,024 tokens", "unit": "prompt tokens/s",
-            "off": samples[False], "on": samples[True], "off_median": off, "on_median": on, "speedup": on / off}  # fmt: skip
+                      quick: bool) -> list[dict[str, Any]]:  # fmt: skip
+    """``attr`` off and on, rounds interleaved: prompt tokens/s (computed tokens) of each of
+    ``_prefill_workloads``, fresh prompts every time."""
+    rows = []
+    for workload, run in _prefill_workloads(prompts, quick):
+        samples: dict[bool, list[float]] = {False: [], True: []}
+        for round_index in range(rounds):
+            for flag in (False, True) if round_index % 2 == 0 else (True, False):
+                setattr(engine.model, attr, flag)
+                samples[flag].append(run(engine))
+        setattr(engine.model, attr, True)
+        off, on = statistics.median(samples[False]), statistics.median(samples[True])
+        rows.append({"optimization": name, "dtype": dtype, "workload": workload, "unit": "prompt tokens/s",
+                     "off": samples[False], "on": samples[True], "off_median": off, "on_median": on, "speedup": on / off})  # fmt: skip
+    return rows
 
 
 def run_ablation(args: argparse.Namespace) -> tuple[list[dict[str, Any]], str]:
     """Each kept optimization off (the others on) and on, in the same engine, rounds
     interleaved (off, on, off, on...), median reported: batch-1 decode tokens/s and the
-    32-sequence decode step (the prefill kernel: a prefill's prompt tokens/s)."""
+    32-sequence decode step (the prefill kernel: prompt tokens/s of three prefills)."""
     quick = args.quick
     new_tokens, steps, batch, prompt_len = (16, 4, 8, 64) if quick else (64, 12, 32, 128)
     results: list[dict[str, Any]] = []
@@ -1417,10 +1446,10 @@ def run_ablation(args: argparse.Namespace) -> tuple[list[dict[str, Any]], str]:
                 lines.append(f"| {name} | {dtype} | not used for {dtype} on this CPU | | | |")
         for name, attr in used:
             if attr in PREFILL_ABLATIONS:
-                results.append(_prefill_ablation(engine, prompts, name, attr, dtype, args.rounds, 1 if quick else 4))
-                row = results[-1]
-                lines.append(f"| {name} | {dtype} | {row['workload']} ({row['unit']}) | {row['off_median']:.1f} | "
-                             f"{row['on_median']:.1f} | {row['speedup']:.2f}x faster |")  # fmt: skip
+                for row in _prefill_ablation(engine, prompts, name, attr, dtype, args.rounds, quick):
+                    results.append(row)
+                    lines.append(f"| {name} | {dtype} | {row['workload']} ({row['unit']}) | {row['off_median']:.1f} | "
+                                 f"{row['on_median']:.1f} | {row['speedup']:.2f}x faster |")  # fmt: skip
                 continue
             rates: dict[bool, list[float]] = {False: [], True: []}
             step_ms: dict[bool, list[float]] = {False: [], True: []}

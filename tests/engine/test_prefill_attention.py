@@ -49,6 +49,65 @@ def test_the_kernel_is_as_close_to_float64_as_flash_attention(length: int, heads
     assert error.mean() <= 1.1 * flash_error.mean() + 1e-5
 
 
+def _after_context(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, dtype: torch.dtype) -> torch.Tensor:
+    """Query row r is at position S - L + r and attends to the keys up to it."""
+    length, keys = q.shape[0], k.shape[0]
+    visible = torch.arange(keys).unsqueeze(0) <= (keys - length + torch.arange(length)).unsqueeze(1)
+
+    def heads_first(x: torch.Tensor) -> torch.Tensor:
+        return x.to(dtype).transpose(0, 1).unsqueeze(0)
+
+    out = F.scaled_dot_product_attention(heads_first(q), heads_first(k), heads_first(v), attn_mask=visible, scale=scale, enable_gqa=True)
+    return out.squeeze(0).transpose(0, 1)
+
+
+@pytest.mark.parametrize(
+    ("length", "keys", "heads", "kv_heads", "dim"),
+    [(1, 17, 9, 3, 64), (5, 40, 9, 3, 64), (16, 48, 9, 3, 64), (33, 300, 9, 3, 64), (7, 100, 8, 1, 128), (64, 65, 4, 4, 64)],
+)  # fmt: skip
+def test_a_chunk_after_earlier_context_attends_to_it(length: int, keys: int, heads: int, kv_heads: int, dim: int) -> None:
+    """K/V longer than the queries: the chunk is the last ``length`` of ``keys`` positions (a
+    cached prefix before it), each row attending to the context and to its chunk up to itself;
+    as close to float64 as flash attention with that mask."""
+    gen = torch.Generator().manual_seed(keys)
+    q = (torch.randn(length, heads, dim, generator=gen) * 2).bfloat16()
+    kv = torch.randn(keys, 2, kv_heads, dim, generator=gen).bfloat16()
+    k, v = kv[:, 0], kv[:, 1]  # rows strided as the pool's gathered blocks are not: any stride is read
+    scale = dim**-0.5
+    exact = _after_context(q, k, v, scale, torch.float64)
+    got = torch.ops.kvmesh.prefill_attention(q, k, v, scale)
+    flash = _after_context(q, k, v, scale, torch.bfloat16).double()
+    error, flash_error = (got.double() - exact).abs(), (flash - exact).abs()
+    assert got.shape == (length, heads, dim)
+    assert error.max() <= 1.5 * flash_error.max() + 1e-3
+    assert error.mean() <= 1.1 * flash_error.mean() + 1e-5
+    # the last row sees every key, the first only the context and itself: not a causal square
+    assert not torch.allclose(got.double(), _causal(q, k[-length:], v[-length:], scale, torch.float64), atol=0.05)
+
+
+@pytest.mark.parametrize("causal", [True, False])
+@pytest.mark.parametrize(("length", "keys", "heads", "kv_heads", "dim"), [(5, 40, 9, 3, 64), (33, 100, 8, 2, 128), (16, 16, 9, 3, 64)])
+def test_the_log_sum_exp_variant_gives_each_rows_lse(causal: bool, length: int, keys: int, heads: int, kv_heads: int, dim: int) -> None:
+    """``prefill_attention_lse``: the same output, causal or every row to every key (a shared
+    prefix's part), and each row's log-sum-exp of its scaled scores, as float64 has it."""
+    gen = torch.Generator().manual_seed(keys + length)
+    q = (torch.randn(length, heads, dim, generator=gen) * 2).bfloat16()
+    k = torch.randn(keys, kv_heads, dim, generator=gen).bfloat16()
+    v = torch.randn(keys, kv_heads, dim, generator=gen).bfloat16()
+    scale = dim**-0.5
+    out, lse = torch.ops.kvmesh.prefill_attention_lse(q, k, v, scale, causal)
+    assert out.dtype == torch.bfloat16 and lse.dtype == torch.float32 and lse.shape == (length, heads)
+    scores = torch.einsum("lhd,shd->hls", q.double(), k.double().repeat_interleave(heads // kv_heads, dim=1)) * scale
+    if causal:
+        visible = torch.arange(keys).unsqueeze(0) <= (keys - length + torch.arange(length)).unsqueeze(1)
+        scores = scores.masked_fill(~visible, float("-inf"))
+        assert torch.equal(out, torch.ops.kvmesh.prefill_attention(q, k, v, scale))
+    exact_lse = torch.logsumexp(scores, dim=-1).transpose(0, 1)
+    torch.testing.assert_close(lse.double(), exact_lse, atol=0.02, rtol=0)  # q.k's products exact, sums in float32
+    exact = torch.einsum("hls,shd->lhd", torch.softmax(scores, dim=-1), v.double().repeat_interleave(heads // kv_heads, dim=1))
+    assert (out.double() - exact).abs().max() < 0.05
+
+
 def test_bad_inputs_are_refused_by_name() -> None:
     q = torch.zeros(4, 6, 64, dtype=torch.bfloat16)
     with pytest.raises(RuntimeError, match="bfloat16 only"):
@@ -59,7 +118,7 @@ def test_bad_inputs_are_refused_by_name() -> None:
     with pytest.raises(RuntimeError, match="no kernel for this head dim or group"):  # 9 query heads a KV head
         wide = torch.zeros(4, 18, 64, dtype=torch.bfloat16)
         torch.ops.kvmesh.prefill_attention(wide, wide[:, :2], wide[:, :2], 0.125)
-    with pytest.raises(RuntimeError, match="shapes"):
+    with pytest.raises(RuntimeError, match="shapes"):  # fewer keys than queries
         torch.ops.kvmesh.prefill_attention(q, q[:3, :2], q[:3, :2], 0.125)
 
 
@@ -105,3 +164,104 @@ def test_the_engine_prefills_through_it_with_the_logprobs_of_flash_attention(tmp
     assert max(kernel_errors) <= 1.5 * max(flash_errors) + 0.02
     assert sum(kernel_errors) <= 1.2 * sum(flash_errors) + 0.01 * len(kernel_errors)
     assert all(len(out.new_token_ids) == 4 for out in runs[0])
+
+
+def test_chunks_after_earlier_context_go_through_it_with_the_logprobs_of_flash_attention(tmp_path, monkeypatch) -> None:
+    """A prompt chunked by the step's token budget, and prompts whose first blocks are in the
+    prefix cache, attend to that earlier context through the kernel too (calls with more keys
+    than queries: counted): the chunked prompt's logprobs, and the next token's after a cached
+    prefix, as close to a float32 engine's as flash attention's."""
+    from kvmesh.engine.llm_engine import EngineConfig, LLMEngine
+    from kvmesh.engine.request import SamplingParams
+    from kvmesh.testing.tiny_model import build_tiny_model
+
+    model_dir = build_tiny_model(tmp_path / "tiny64", arch="llama", seed=2, hidden_size=256, num_heads=4, num_kv_heads=2)
+
+    def engine(dtype: str) -> LLMEngine:
+        config = EngineConfig(model=str(model_dir), dtype=dtype, block_size=4, num_blocks=256, max_num_batched_tokens=32)
+        return LLMEngine(config)
+
+    shared = [5 + (i * 7) % 200 for i in range(40)]
+    first = [*shared, *[9 + (i * 5) % 190 for i in range(50)]]  # 90 tokens: chunks of 32, 32, 26
+    follow_ups = [[*shared, *[11 + (i * j) % 180 for i in range(n)]] for j, n in ((3, 6), (13, 21))]  # 40 tokens cached
+
+    def run(e: LLMEngine) -> list:  # one at a time: the follow-ups find the first prompt's blocks cached
+        # (a request for prompt logprobs looks up no cache: the follow-ups ask for the next token's)
+        chunked = e.generate([first], SamplingParams(max_tokens=1, ignore_eos=True, prompt_logprobs=0))
+        return chunked + [e.generate([p], SamplingParams(max_tokens=1, ignore_eos=True, logprobs=8))[0] for p in follow_ups]
+
+    kernel_engine = engine("bfloat16")
+    if not kernel_engine.model.prefill_kernel:
+        pytest.skip("the engine keeps flash attention on this CPU (AMX)")
+    real, calls = torch.ops.kvmesh.prefill_attention, []
+
+    def counted(*args):
+        calls.append((args[0].shape[0], args[1].shape[0]))
+        return real(*args)
+
+    monkeypatch.setattr(torch.ops.kvmesh, "prefill_attention", counted)
+    with_kernel = run(kernel_engine)
+    layers = len(kernel_engine.model.layers)
+    assert sorted(set(calls)) == [(6, 46), (21, 61), (26, 90), (32, 32), (32, 64)]  # (queries, keys)
+    assert len(calls) == 5 * layers
+    flash_engine = engine("bfloat16")
+    flash_engine.model.prefill_kernel = False
+    with_flash = run(flash_engine)
+    assert len(calls) == 5 * layers  # none with the kernel off
+    reference = run(engine("float32"))
+    assert [out.num_cached_tokens for out in (*with_kernel, *reference)] == [0, 40, 40] * 2
+
+    def errors(outputs) -> list[float]:  # the chunked prompt's logprobs, then the follow-ups' top 8 next tokens
+        found = [abs(got.logprob - want.logprob)
+                 for got, want in zip(outputs[0].prompt_logprobs[1:], reference[0].prompt_logprobs[1:], strict=True)]  # fmt: skip
+        for out, ref in zip(outputs[1:], reference[1:], strict=True):
+            top = dict(out.logprobs[0].top)
+            found += [abs(top[token] - logprob) for token, logprob in ref.logprobs[0].top if token in top]
+        return found
+
+    kernel_errors, flash_errors = errors(with_kernel), errors(with_flash)
+    assert len(kernel_errors) >= 89 + 8
+    assert max(kernel_errors) <= 1.5 * max(flash_errors) + 0.02
+    assert sum(kernel_errors) <= 1.2 * sum(flash_errors) + 0.01 * len(kernel_errors)
+
+
+def test_a_shared_prefix_group_goes_through_it_as_close_to_float64_as_flash_attention(tmp_path) -> None:
+    """Prompts on one cached prefix, prefilled in one step, form a ``SharedPrefill``: with the
+    kernel both its parts (every query against the prefix, each chunk against its own context)
+    go through ``prefill_attention_lse`` and merge by the log-sum-exp; the result is as close to
+    float64 (the plain per-chunk attention of the same step) as flash attention's grouped one."""
+    from kvmesh.engine.llm_engine import EngineConfig, LLMEngine
+    from kvmesh.engine.model.attention import paged_attention, write_kv
+    from kvmesh.engine.request import SamplingParams
+    from kvmesh.testing.tiny_model import build_tiny_model
+
+    model_dir = build_tiny_model(tmp_path / "tiny64", arch="llama", seed=3, hidden_size=256, num_heads=4, num_kv_heads=2)
+    engine = LLMEngine(EngineConfig(model=str(model_dir), dtype="bfloat16", block_size=4, num_blocks=256))
+    if not engine.model.prefill_kernel:
+        pytest.skip("the engine keeps flash attention on this CPU (AMX)")
+    engine.runner.cascade_min_blocks = 2
+    prefix = [7 + (i * 11) % 150 for i in range(26)]
+    engine.generate([prefix], SamplingParams(max_tokens=1))
+    engine.generate([prefix + [3, 4, 5, 6, 7, 8, 9]], SamplingParams(max_tokens=1))
+    batch = [prefix + [3, 4, 5, 6, 7, 8, 9, 10, 11, 12], *[prefix + [20 + j] * (5 + 3 * j) for j in range(3)]]
+    for index, prompt in enumerate(batch):
+        engine.add_request(f"s{index}", prompt, SamplingParams(max_tokens=1))
+    out = engine.scheduler.schedule()
+    _, _, grouped, _, _ = engine.runner.prepare(out)
+    assert len(grouped.shared_prefills) == 1 and not grouped.prefills
+    assert sum(span.block_table is not None for span in grouped.shared_prefills[0].spans) == 1  # after cached blocks of its own
+    engine.runner.shared_prefill = False
+    _, _, plain, _, _ = engine.runner.prepare(out)
+    cfg = engine.model_config
+    k_cache, v_cache = engine.kv_pool.layer_views(0)
+    gen = torch.Generator().manual_seed(0)
+    q = (torch.randn(out.num_tokens, cfg.num_heads, cfg.head_dim, generator=gen) * 2).bfloat16()
+    k, v = torch.randn(2, out.num_tokens, cfg.num_kv_heads, cfg.head_dim, generator=gen).bfloat16()
+    write_kv(k_cache, v_cache, k, v, plain)
+    scale = cfg.head_dim**-0.5
+    exact = paged_attention(q.double(), k.double(), v.double(), k_cache.double(), v_cache.double(), plain, scale)
+    kernel = paged_attention(q, k, v, k_cache, v_cache, grouped, scale, prefill_kernel=True)
+    flash = paged_attention(q, k, v, k_cache, v_cache, grouped, scale)
+    error, flash_error = (kernel.double() - exact).abs(), (flash.double() - exact).abs()
+    assert error.max() <= 1.5 * flash_error.max() + 1e-3
+    assert error.mean() <= 1.1 * flash_error.mean() + 1e-5

@@ -103,6 +103,12 @@ def _gather_view(cache: torch.Tensor, block_table: torch.Tensor) -> torch.Tensor
     return gathered.view(-1, kv_heads, dim).transpose(0, 1)
 
 
+def _context_rows(cache: torch.Tensor, block_table: torch.Tensor, context_len: int) -> torch.Tensor:
+    """K or V of a chunk's context as (context_len, kv_heads, dim): the blocks copied in their
+    own layout (one ``index_select``), the prefill kernel's rows."""
+    return torch.index_select(cache, 0, block_table).flatten(0, 1)[:context_len]
+
+
 def _decode_attention(
     q: torch.Tensor,
     k_cache: torch.Tensor,
@@ -244,7 +250,8 @@ def paged_attention(
     """Attention of the flat batch; q (T, heads, dim), k/v (T, kv_heads, dim) -> (T, heads, dim).
     ``kernel``: decode attention through the compiled kernel (see ``_decode_attention``);
     ``layer``: which of the decode batch's kept prefix K/V (``DecodeBatch.prefix_kv``) is this one's;
-    ``prefill_kernel``: a bfloat16 chunk that attends only to itself goes to the compiled
+    ``prefill_kernel``: a bfloat16 chunk, alone or after earlier context (not a
+    ``SharedPrefill``'s, whose parts need their log-sum-exp), goes to the compiled
     ``prefill_attention`` (csrc/prefill_attention.cpp) instead of flash attention."""
     num_decode = meta.num_decode
     if not meta.prefills and not meta.shared_prefills:
@@ -255,12 +262,17 @@ def paged_attention(
         assert meta.decode is not None
         out[:num_decode] = _decode_attention(q[:num_decode], k_cache, v_cache, meta.decode, scale, kernel, layer)
     for group in meta.shared_prefills:
-        _shared_prefill_attention(q, k, v, k_cache, v_cache, group, scale, out)
+        _shared_prefill_attention(q, k, v, k_cache, v_cache, group, scale, out, prefill_kernel)
     for span in meta.prefills:
         end = span.start + span.length
-        if span.block_table is None and prefill_kernel:
+        if prefill_kernel:
             rows = slice(span.start, end)
-            out[rows] = torch.ops.kvmesh.prefill_attention(q[rows], k[rows], v[rows], scale)
+            if span.block_table is None:
+                keys, values = k[rows], v[rows]
+            else:  # the context's blocks, this chunk's own K/V among them (stored before attention)
+                keys = _context_rows(k_cache, span.block_table, span.context_len)
+                values = _context_rows(v_cache, span.block_table, span.context_len)
+            out[rows] = torch.ops.kvmesh.prefill_attention(q[rows], keys, values, scale)
             continue
         queries = q[span.start : end].transpose(0, 1).unsqueeze(0)  # (1, heads, L, dim)
         if span.block_table is None:
@@ -288,18 +300,35 @@ def _shared_prefill_attention(
     group: SharedPrefill,
     scale: float,
     out: torch.Tensor,
+    prefill_kernel: bool = False,
 ) -> None:
-    """Attention of a ``SharedPrefill`` group, written into its rows of ``out``."""
-    assert flash_attention_with_lse is not None
-    per_kv = q.shape[1] // k_cache.shape[2]
+    """Attention of a ``SharedPrefill`` group, written into its rows of ``out``; both parts
+    through the compiled ``prefill_attention_lse`` with ``prefill_kernel``."""
     rows = torch.cat([q[span.start : span.start + span.length] for span in group.spans])  # (N, heads, dim)
-    prefix_out, prefix_lse = _prefix_attention(rows, k_cache, v_cache, group.prefix, scale)
+    if prefill_kernel:
+        prefix_len = group.prefix.numel() * k_cache.shape[1]
+        prefix_keys, prefix_values = _context_rows(k_cache, group.prefix, prefix_len), _context_rows(v_cache, group.prefix, prefix_len)
+        prefix_out, prefix_lse = torch.ops.kvmesh.prefill_attention_lse(rows, prefix_keys, prefix_values, scale, False)
+    else:
+        prefix_out, prefix_lse = _prefix_attention(rows, k_cache, v_cache, group.prefix, scale)
 
     own_out = torch.empty_like(prefix_out)
     own_lse = torch.empty_like(prefix_lse)
     row = 0
     for span in group.spans:
         end = span.start + span.length
+        own = slice(row, row + span.length)
+        row += span.length
+        if prefill_kernel:
+            if span.block_table is None:
+                keys, values = k[span.start : end], v[span.start : end]
+            else:
+                keys = _context_rows(k_cache, span.block_table, span.context_len)
+                values = _context_rows(v_cache, span.block_table, span.context_len)
+            own_out[own], own_lse[own] = torch.ops.kvmesh.prefill_attention_lse(q[span.start : end], keys, values, scale, True)
+            continue
+        assert flash_attention_with_lse is not None
+        per_kv = q.shape[1] // k_cache.shape[2]
         queries = q[span.start : end].transpose(0, 1).unsqueeze(0)  # (1, heads, L, dim)
         if span.block_table is None:
             keys, values = k[span.start : end].transpose(0, 1), v[span.start : end].transpose(0, 1)
@@ -311,9 +340,8 @@ def _shared_prefill_attention(
         attended, lse = flash_attention_with_lse(
             queries, keys, values, is_causal=span.mask is None, attn_mask=span.mask, scale=scale
         )
-        own_out[row : row + span.length] = attended.squeeze(0).transpose(0, 1)
-        own_lse[row : row + span.length] = lse.squeeze(0).transpose(0, 1)
-        row += span.length
+        own_out[own] = attended.squeeze(0).transpose(0, 1)
+        own_lse[own] = lse.squeeze(0).transpose(0, 1)
 
     merged = _merge(prefix_out, prefix_lse.unsqueeze(-1), own_out, own_lse.unsqueeze(-1)).to(q.dtype)
     row = 0

@@ -1,15 +1,20 @@
-// Causal self-attention of one sequence's prefill chunk in bfloat16, for CPUs with AVX512-BF16
+// Causal attention of one sequence's prefill chunk in bfloat16, for CPUs with AVX512-BF16
 // (used where they have no AMX: there PyTorch's flash attention runs bfloat16 no faster than
 // float32, while the linears run 2.4x faster; docs/benchmarks.md, "Issue 12 on an AMD EPYC
 // Zen 4 without AMX").
 //
-// q (L, heads, dim), k and v (L, kv_heads, dim): rows strided, the last dim contiguous. K is
+// q (L, heads, dim), k and v (S, kv_heads, dim), S >= L: the chunk's queries are the last L of
+// the S positions (S - L tokens of earlier context, e.g. a cached prefix, then the chunk
+// itself), and query row r attends to keys 0 .. S - L + r. Rows strided, the last dim
+// contiguous. K is
 // packed once a call into pairs of dims for 16 keys at a time and V into pairs of keys for
 // every dim, so that q.k and p.v are both vdpbf16ps (bf16 products exact in float32, summed in
 // float32): 16 scores from 32 instructions for a 64-dim head, no horizontal sums, and the query
 // heads sharing a KV head share each load. Softmax in float32 over a row's scores (two passes:
 // one row's scores are at most L floats); the weights are rounded to bfloat16 for p.v (as a
-// bfloat16 flash attention rounds them), the output once.
+// bfloat16 flash attention rounds them), the output once. prefill_attention_lse also gives each
+// row's log-sum-exp, and attends every row to every key where asked (a shared prefix's part of
+// a grouped prefill, merged with the chunk's own part by the two log-sum-exps).
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
@@ -20,9 +25,11 @@
 
 #include "cpu_math.h"
 
+#include <cmath>
 #include <cstdint>
 #include <cstring>
 #include <limits>
+#include <tuple>
 #include <vector>
 
 namespace {
@@ -32,12 +39,16 @@ namespace {
 
 constexpr int64_t kKeys = 16;  // keys a score vector holds
 
+// causal: row r attends to keys 0 .. S - L + r; otherwise to all S (the queries after the keys,
+// as a shared prefix's are). lse, where given, (L, heads) float32: each row's log-sum-exp of
+// its scaled scores, to merge with attention over other keys.
 template <int64_t D, int64_t G>
-void causal_bf16(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, double scale_, at::Tensor& out) {
+void attend_bf16(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, double scale_, bool causal, at::Tensor& out,
+                 float* lse) {
   static_assert(D % 32 == 0, "D: a multiple of 32");
   constexpr int64_t kPairs = D / 2, kVecs = D / 16;
-  const int64_t len = q.size(0), heads = q.size(1), kv_heads = k.size(1);
-  const int64_t key_blocks = (len + kKeys - 1) / kKeys, key_pairs = key_blocks * kKeys / 2;
+  const int64_t len = q.size(0), keys_len = k.size(0), offset = keys_len - len, heads = q.size(1), kv_heads = k.size(1);
+  const int64_t key_blocks = (keys_len + kKeys - 1) / kKeys, key_pairs = key_blocks * kKeys / 2;
   const float scale = static_cast<float>(scale_);
   const auto* qp = static_cast<const uint16_t*>(q.const_data_ptr());
   const auto* kp = static_cast<const uint16_t*>(k.const_data_ptr());
@@ -54,7 +65,7 @@ void causal_bf16(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, 
       uint16_t* kd = kpack.data() + t * kPairs * kKeys * 2;
       for (int64_t j = 0; j < kKeys; ++j) {
         const int64_t key = block * kKeys + j;
-        const uint16_t* row = key < len ? kp + key * ks + h * kh : nullptr;
+        const uint16_t* row = key < keys_len ? kp + key * ks + h * kh : nullptr;
         for (int64_t p = 0; p < kPairs; ++p) {
           kd[(p * kKeys + j) * 2] = row != nullptr ? row[2 * p] : 0;
           kd[(p * kKeys + j) * 2 + 1] = row != nullptr ? row[2 * p + 1] : 0;
@@ -62,8 +73,8 @@ void causal_bf16(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, 
       }
       for (int64_t i = block * kKeys / 2; i < (block + 1) * kKeys / 2; ++i) {
         uint16_t* vd = vpack.data() + (h * key_pairs + i) * D * 2;
-        const uint16_t* first = 2 * i < len ? vp + 2 * i * vs + h * vh : nullptr;
-        const uint16_t* second = 2 * i + 1 < len ? vp + (2 * i + 1) * vs + h * vh : nullptr;
+        const uint16_t* first = 2 * i < keys_len ? vp + 2 * i * vs + h * vh : nullptr;
+        const uint16_t* second = 2 * i + 1 < keys_len ? vp + (2 * i + 1) * vs + h * vh : nullptr;
         for (int64_t d = 0; d < D; ++d) {
           vd[2 * d] = first != nullptr ? first[d] : 0;
           vd[2 * d + 1] = second != nullptr ? second[d] : 0;
@@ -72,8 +83,8 @@ void causal_bf16(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, 
     }
   });
 
-  // Tasks: (row r and row len-1-r, KV head), so that each thread's share of the causal
-  // triangle is even under OpenMP's static split of the range.
+  // Tasks: (row r and row len-1-r, KV head): causal, a pair's keys are 2 * offset + len + 1
+  // whichever pair, so each thread's share of the triangle is even under OpenMP's static split.
   const int64_t halves = (len + 1) / 2;
   at::parallel_for(0, halves * kv_heads, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> scores(G * key_blocks * kKeys);
@@ -83,7 +94,7 @@ void causal_bf16(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, 
       const int64_t rows[2] = {half, len - 1 - half};
       for (int64_t n = 0; n < (rows[1] == rows[0] ? 1 : 2); ++n) {  // an odd length's middle row once
         const int64_t r = rows[n];
-        const int64_t context = r + 1, blocks = (context + kKeys - 1) / kKeys, padded = blocks * kKeys;
+        const int64_t context = causal ? offset + r + 1 : keys_len, blocks = (context + kKeys - 1) / kKeys, padded = blocks * kKeys;
         int32_t qpairs[G][kPairs];
         for (int64_t g = 0; g < G; ++g) std::memcpy(qpairs[g], qp + r * qs + (h * G + g) * qh, D * sizeof(uint16_t));
         const uint16_t* kbase = kpack.data() + h * key_blocks * kPairs * kKeys * 2;
@@ -104,7 +115,9 @@ void causal_bf16(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, 
           float* row = scores.data() + g * padded;
           float peak = -std::numeric_limits<float>::infinity();
           for (int64_t i = 0; i < context; ++i) peak = row[i] > peak ? row[i] : peak;
-          inv[g] = 1.f / kvmesh::cpu::exp_shifted(row, context, peak);
+          const float total = kvmesh::cpu::exp_shifted(row, context, peak);
+          inv[g] = 1.f / total;
+          if (lse != nullptr) lse[r * heads + h * G + g] = peak + std::log(total);
           for (int64_t i = context; i < padded; ++i) row[i] = 0.f;  // the keys after r weigh nothing
           uint16_t* w = weights.data() + g * padded;
           for (int64_t i = 0; i < padded; i += kKeys) {
@@ -139,17 +152,17 @@ void causal_bf16(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, 
   });
 }
 
-#define KVMESH_GROUP_CASES(D)                                          \
-  switch (q.size(1) / k.size(1)) {                                     \
-    case 1: causal_bf16<D, 1>(q, k, v, scale, out); return out;        \
-    case 2: causal_bf16<D, 2>(q, k, v, scale, out); return out;        \
-    case 3: causal_bf16<D, 3>(q, k, v, scale, out); return out;        \
-    case 4: causal_bf16<D, 4>(q, k, v, scale, out); return out;        \
-    case 5: causal_bf16<D, 5>(q, k, v, scale, out); return out;        \
-    case 6: causal_bf16<D, 6>(q, k, v, scale, out); return out;        \
-    case 7: causal_bf16<D, 7>(q, k, v, scale, out); return out;        \
-    case 8: causal_bf16<D, 8>(q, k, v, scale, out); return out;        \
-    default: break;                                                    \
+#define KVMESH_GROUP_CASES(D)                                                       \
+  switch (q.size(1) / k.size(1)) {                                                  \
+    case 1: attend_bf16<D, 1>(q, k, v, scale, causal, out, lse); return true;       \
+    case 2: attend_bf16<D, 2>(q, k, v, scale, causal, out, lse); return true;       \
+    case 3: attend_bf16<D, 3>(q, k, v, scale, causal, out, lse); return true;       \
+    case 4: attend_bf16<D, 4>(q, k, v, scale, causal, out, lse); return true;       \
+    case 5: attend_bf16<D, 5>(q, k, v, scale, causal, out, lse); return true;       \
+    case 6: attend_bf16<D, 6>(q, k, v, scale, causal, out, lse); return true;       \
+    case 7: attend_bf16<D, 7>(q, k, v, scale, causal, out, lse); return true;       \
+    case 8: attend_bf16<D, 8>(q, k, v, scale, causal, out, lse); return true;       \
+    default: break;                                                                 \
   }
 #endif
 
@@ -162,30 +175,58 @@ bool prefill_attention_built() {
 #endif
 }
 
-// out (L, heads, dim) bfloat16, contiguous: each query row attends to the keys up to its own.
-at::Tensor prefill_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, double scale) {
+void check_inputs(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, bool causal) {
   TORCH_CHECK(q.dim() == 3 && k.dim() == 3 && v.dim() == 3, "prefill_attention: bad ranks");
   TORCH_CHECK(q.scalar_type() == at::kBFloat16 && k.scalar_type() == at::kBFloat16 && v.scalar_type() == at::kBFloat16,
               "prefill_attention: bfloat16 only");
   TORCH_CHECK(q.stride(2) == 1 && k.stride(2) == 1 && v.stride(2) == 1, "prefill_attention: dim not contiguous");
-  TORCH_CHECK(k.sizes() == v.sizes() && q.size(0) == k.size(0) && q.size(2) == k.size(2) && k.size(1) > 0 &&
+  TORCH_CHECK(k.sizes() == v.sizes() && (q.size(0) <= k.size(0) || !causal) && q.size(2) == k.size(2) && k.size(1) > 0 &&
                   q.size(1) % k.size(1) == 0,
               "prefill_attention: shapes");
-  at::Tensor out = at::empty({q.size(0), q.size(1), q.size(2)}, q.options());
-  if (q.size(0) == 0) return out;
+}
+
+// Into out (and lse, where not null); false: no kernel for this head dim or group in this build.
+bool attend(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, double scale, bool causal, at::Tensor& out,
+            float* lse) {
 #ifdef KVMESH_PREFILL_ATTENTION
   if (q.size(2) == 64) KVMESH_GROUP_CASES(64)
   if (q.size(2) == 128) KVMESH_GROUP_CASES(128)
 #endif
-  TORCH_CHECK(false, "prefill_attention: no kernel for this head dim or group in this build");
+  return false;
+}
+
+// out (L, heads, dim) bfloat16, contiguous: each query row attends to the keys up to its own
+// position (row r is at position S - L + r).
+at::Tensor prefill_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, double scale) {
+  check_inputs(q, k, v, true);
+  at::Tensor out = at::empty({q.size(0), q.size(1), q.size(2)}, q.options());
+  if (q.size(0) == 0) return out;
+  TORCH_CHECK(attend(q, k, v, scale, true, out, nullptr), "prefill_attention: no kernel for this head dim or group in this build");
   return out;
+}
+
+// (out, lse (L, heads) float32): causal as prefill_attention, or every row to every key.
+std::tuple<at::Tensor, at::Tensor> prefill_attention_lse(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                                                         double scale, bool causal) {
+  check_inputs(q, k, v, causal);
+  TORCH_CHECK(k.size(0) > 0, "prefill_attention: no keys");
+  at::Tensor out = at::empty({q.size(0), q.size(1), q.size(2)}, q.options());
+  at::Tensor lse = at::empty({q.size(0), q.size(1)}, q.options().dtype(at::kFloat));
+  if (q.size(0) == 0) return {out, lse};
+  TORCH_CHECK(attend(q, k, v, scale, causal, out, lse.data_ptr<float>()),
+              "prefill_attention: no kernel for this head dim or group in this build");
+  return {out, lse};
 }
 
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(kvmesh, m) {
   m.def("prefill_attention(Tensor q, Tensor k, Tensor v, float scale) -> Tensor");
+  m.def("prefill_attention_lse(Tensor q, Tensor k, Tensor v, float scale, bool causal) -> (Tensor, Tensor)");
   m.def("prefill_attention_built() -> bool", &prefill_attention_built);
 }
 
-TORCH_LIBRARY_IMPL(kvmesh, CPU, m) { m.impl("prefill_attention", &prefill_attention); }
+TORCH_LIBRARY_IMPL(kvmesh, CPU, m) {
+  m.impl("prefill_attention", &prefill_attention);
+  m.impl("prefill_attention_lse", &prefill_attention_lse);
+}
