@@ -132,3 +132,66 @@ async def test_the_engine_thread_takes_the_cores_the_board_allows(tmp_path):
     finally:
         await engine.shutdown()
     assert path.read_bytes() == b"\x00\x00"
+
+
+def test_a_borrower_gives_the_cores_back_between_layers_when_their_owner_turns_busy(tmp_path):
+    path = board(tmp_path, 2)
+    borrower, owner = CoreLending(path, 0, own=1, most=2), CoreLending(path, 1, own=1, most=2)
+    assert borrower.threads_for_step() == 2
+    assert borrower.give_back() is None  # the owner still idle: keep them
+    # the owner turns busy in the middle of the borrower's step: it waits for the give-back,
+    # which the borrower's next layer makes (20 ms later here), not for the step's end
+    layer = threading.Timer(0.02, lambda: given.append(borrower.give_back()))
+    given: list[int | None] = []
+    layer.start()
+    started = time.monotonic()
+    assert owner.threads_for_step() == 1
+    waited = time.monotonic() - started
+    layer.join()
+    assert given == [1] and 0.01 < waited < HANDOVER / 2, (given, waited)
+    assert path.read_bytes() == bytes([OWN, OWN])
+    assert borrower.give_back() is None  # on its share already
+    assert borrower.threads_for_step() == 1
+
+
+async def test_a_step_on_borrowed_cores_drops_to_its_share_at_the_next_layer(tmp_path):
+    """Through the engine: a long prefill on both cores, the other engine turning busy in the
+    middle of it; the layers after that run on one thread, and the other engine waited less
+    than the step took."""
+    from kvmesh.engine.llm_engine import EngineConfig, LLMEngine
+    from kvmesh.engine.request import SamplingParams
+    from kvmesh.testing.tiny_model import build_tiny_model
+
+    path = board(tmp_path, 2)
+    model_dir = build_tiny_model(tmp_path / "tiny", arch="llama", seed=1, num_layers=12)
+    llm = LLMEngine(EngineConfig(model=str(model_dir), dtype="float32", block_size=4, num_blocks=512, max_num_batched_tokens=2048))
+    layers: list[int] = []
+    engine = AsyncEngine(llm, CoreLending(path, 0, own=1, most=2))
+    hook = llm.model.between_layers
+    assert hook is not None
+
+    def recorded() -> None:  # the other engine turns busy at the fifth layer; each layer slowed to 10 ms
+        if len(layers) == 4:
+            threading.Thread(target=lambda: waits.append(owner_turns_busy())).start()
+        time.sleep(0.01)
+        hook()
+        layers.append(torch.get_num_threads())
+
+    def owner_turns_busy() -> float:
+        started = time.monotonic()
+        assert owner.threads_for_step() == 1
+        return time.monotonic() - started
+
+    waits: list[float] = []
+    owner = CoreLending(path, 1, own=1, most=2)
+    llm.model.between_layers = recorded
+    try:
+        prompt = [5 + i % 200 for i in range(1500)]
+        async for _ in engine.generate("long", prompt, SamplingParams(max_tokens=1)):
+            pass
+    finally:
+        await engine.shutdown()
+    first_step = layers[: len(llm.model.layers) - 1]
+    assert first_step[:4] == [2, 2, 2, 2] and set(first_step[6:]) == {1}, first_step
+    assert waits and waits[0] < 0.1  # a few layers of 10 ms, not the rest of the step
+    assert path.read_bytes()[1] == OWN

@@ -54,6 +54,9 @@ class AsyncEngine:
         self._beat = time.monotonic()
         self._load = engine.load()  # replaced (never mutated) by the engine thread
         self._observer: StepObserver | None = None
+        model = getattr(engine, "model", None)
+        if lending is not None and model is not None and hasattr(model, "between_layers"):
+            model.between_layers = self._give_back  # kvmesh's model: a borrowed step gives back between layers
         self._thread = threading.Thread(target=self._run, name="kvmesh-engine", daemon=True)
         self._thread.start()
 
@@ -101,7 +104,17 @@ class AsyncEngine:
         """Before a step: the threads the lending board allows now."""
         if self._lending is None:
             return
-        threads = self._lending.threads_for_step()
+        self._set_threads(self._lending.threads_for_step())
+
+    def _give_back(self) -> None:
+        """Between a step's layers: back to this engine's share once another engine wants
+        the cores it borrowed."""
+        if self._lending is not None and self._threads > self._lending.own:
+            threads = self._lending.give_back()
+            if threads is not None:
+                self._set_threads(threads)
+
+    def _set_threads(self, threads: int) -> None:
         if threads != self._threads:
             torch.set_num_threads(threads)
             self._threads = threads

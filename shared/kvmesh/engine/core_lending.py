@@ -12,9 +12,11 @@ of the throughput, docs/benchmarks.md).
 The board is a file of one byte per engine (``create``), mapped by every engine: its own
 byte says whether it is idle, busy on its share, or busy on more (borrowing). Before each
 step an engine marks itself busy and reads the others'; when it waits for work it marks
-itself idle. An engine turning busy while another borrows its cores waits for that one's
-step in flight to end (at most ``HANDOVER`` seconds): the borrower's next step sees it busy
-and keeps to its share. Not waiting, the two would run one step on the same cores, where
+itself idle. An engine turning busy while another borrows its cores waits for the borrower
+to give them back (at most ``HANDOVER`` seconds): the borrower reads the board between the
+layers of its step (``give_back``) and keeps to its share from the next layer on, so the
+wait is one layer's time, not a whole step's (a 1,024-token prefill chunk borrowing both
+cores takes longer than ``HANDOVER``). Not waiting, the two would run on the same cores, where
 the borrower's OpenMP team stalls on a helper that is not running and the newcomer runs at
 half speed. An engine that dies busy leaves its byte set, so the others keep to their share
 until it is back (it clears its byte when it starts), and one that dies borrowing costs each
@@ -66,6 +68,14 @@ class CoreLending:
             return self.own
         self._mark(BORROWING)
         return self.most
+
+    def give_back(self) -> int | None:
+        """Within a step (between its layers): ``own``, marked busy on its share, once another
+        engine has turned busy while this one borrows (that one waits for it); else None."""
+        if self._board[self.slot] != BORROWING or not any(self._others()):
+            return None
+        self._mark(OWN)
+        return self.own
 
     def idle(self) -> None:
         self._mark(IDLE)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -105,6 +106,9 @@ class LlamaModel:
         # flash attention (docs/benchmarks.md, "A bfloat16 prefill attention kernel for CPUs without AMX").
         group = config.num_heads // config.num_kv_heads
         self.prefill_kernel = compiled and dtype == torch.bfloat16 and paged_kernel.prefill_attention_wanted(config.head_dim, group)
+        # Called before each layer after the first (AsyncEngine's, with --lend-cores: a step on
+        # borrowed cores gives them back between layers when their owner turns busy).
+        self.between_layers: Callable[[], None] | None = None
         # Rotary and the K/V store fused into one compiled op (same library), bit-identical.
         self.fused_rope = compiled
         # The residual add and RMSNorm in one op, silu-and-mul in one (csrc/fused_ops.cpp),
@@ -170,6 +174,8 @@ class LlamaModel:
         residual = F.embedding(input_ids, self.embed)  # a new tensor: the fused ops add into it in place
         h = self._norm(residual, self.layers[0].input_norm if self.layers else self.norm)
         for index, layer in enumerate(self.layers):
+            if index and self.between_layers is not None:
+                self.between_layers()
             qkv = layer.qkv(h)
             qk = qkv[:, : self.q_size + self.kv_size].view(num_tokens, heads + kv_heads, head_dim)
             v = qkv[:, self.q_size + self.kv_size :].view(num_tokens, kv_heads, head_dim)
