@@ -23,6 +23,7 @@ import asyncio
 import json
 import logging
 import os
+import statistics
 import sys
 import tempfile
 import time
@@ -119,13 +120,34 @@ def breakdown(sent: list[Sent], spans: list[ReceivedSpan]) -> dict[str, Any]:
     return {"rows": rows, "p50": summary}
 
 
-async def measure(base_url: str, prompts: list[list[int]], new_tokens: int) -> list[Sent]:
+async def in_process_ttft(engine: Any, prompt: list[int], new_tokens: int, rid: str) -> float:
+    """The same prompt's first token from an engine in this process (ms): the worker's engine
+    stage without the mesh around it."""
+    from kvmesh.engine.request import SamplingParams
+
+    started = time.perf_counter()
+    first = None
+    async for out in engine.generate(rid, prompt, SamplingParams(max_tokens=new_tokens, ignore_eos=True)):
+        if out.new_token_ids and first is None:
+            first = 1e3 * (time.perf_counter() - started)
+    if first is None:  # read to the end, as the mesh's client does: no steps left running into the next request
+        raise RuntimeError("no token")
+    return first
+
+
+async def measure(base_url: str, prompts: list[list[int]], new_tokens: int, engine: Any = None) -> tuple[list[Sent], list[float]]:
+    """Each prompt through the mesh and, with ``engine``, in this process too (the order
+    turning each prompt)."""
     model = vsb.served_model(base_url)
-    out = []
+    out, local = [], []
     async with httpx.AsyncClient(base_url=base_url, timeout=httpx.Timeout(120), trust_env=False) as client:
-        for prompt in prompts:
+        for i, prompt in enumerate(prompts):
+            if engine is not None and i % 2:
+                local.append(await in_process_ttft(engine, prompt, new_tokens, f"local-{i}"))
             out.append(await one_request(client, model, prompt, new_tokens))
-    return out
+            if engine is not None and not i % 2:
+                local.append(await in_process_ttft(engine, prompt, new_tokens, f"local-{i}"))
+    return out, local
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -139,6 +161,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--dtype", default="float32")
     p.add_argument("--ready-timeout", type=float, default=600.0)
     p.add_argument("--extra-env", default="", help="KEY=VALUE,... for the mesh's services")
+    p.add_argument("--up-args", default="", help="more arguments for `kvmesh up`, e.g. '--num-threads 2'")
+    p.add_argument("--in-process-threads", type=int, default=0,
+                   help="also each prompt on an engine in this process with this many threads (kvmesh engine only): "
+                        "its TTFT beside the worker's engine stage")  # fmt: skip
     p.add_argument("--json", type=Path)
     args = p.parse_args(argv)
     args.vllm_python = args.vllm_python or vsb.default_vllm_python()
@@ -152,13 +178,11 @@ def main(argv: list[str] | None = None) -> int:
         key, _, value = pair.partition("=")
         os.environ[key] = value
     workdir = Path(tempfile.mkdtemp(prefix="kvmesh-ttft-trace-"))
-    extra = ["--engine", "vllm"] if args.engine == "vllm" else []
+    extra = [*(["--engine", "vllm"] if args.engine == "vllm" else []), *args.up_args.split()]
     before = vsb.machine_state()
     server = vsb.start_kvmesh_up(f"mesh-{args.engine}", args, workdir, extra)
     try:
-        asyncio.run(measure(server.base_url, vsb.random_prompts(2, args.input_len, vocab, seed=999), args.new_tokens))
-        prompts = vsb.random_prompts(args.requests, args.input_len, vocab, seed=1000)
-        sent = asyncio.run(measure(server.base_url, prompts, args.new_tokens))
+        sent, local = asyncio.run(run_prompts(args, server.base_url, vocab))
         time.sleep(1.5)  # the exporters' last batches
     finally:
         server.stop()
@@ -166,6 +190,13 @@ def main(argv: list[str] | None = None) -> int:
     result = breakdown(sent, sink.snapshot())
     result["machine_before"] = before
     result["engine"] = args.engine
+    result["up_args"] = args.up_args
+    if local:
+        result["in_process_ttft_ms"] = local
+        result["p50"]["in-process engine TTFT (same prompts)"] = round(vsb.percentile(local, 0.5), 2)
+        engine_stage = "worker: engine step + output to the loop"
+        paired = [row[engine_stage] - ms for row, ms in zip(result["rows"], local, strict=False) if row.get(engine_stage) is not None]
+        result["p50"]["worker's engine stage - in-process TTFT, paired"] = round(statistics.median(paired), 2) if paired else None
     for label, value in result["p50"].items():
         print(f"{value!s:>8}  {label}")
     middle = result["rows"][len(result["rows"]) // 2]
@@ -174,6 +205,23 @@ def main(argv: list[str] | None = None) -> int:
     if args.json:
         args.json.write_text(json.dumps(result, indent=1) + "\n")
     return 0
+
+
+async def run_prompts(args: argparse.Namespace, base_url: str, vocab: int) -> tuple[list[Sent], list[float]]:
+    engine = None
+    if args.in_process_threads:
+        from kvmesh.engine.async_engine import AsyncEngine
+        from kvmesh.engine.llm_engine import EngineConfig
+
+        config = EngineConfig(dtype=args.dtype, kv_cache_bytes=args.kv_cache_mib * 2**20, num_threads=args.in_process_threads)
+        engine = await AsyncEngine.create(config)
+    try:
+        await measure(base_url, vsb.random_prompts(2, args.input_len, vocab, seed=999), args.new_tokens, engine)  # warm-up
+        prompts = vsb.random_prompts(args.requests, args.input_len, vocab, seed=1000)
+        return await measure(base_url, prompts, args.new_tokens, engine)
+    finally:
+        if engine is not None:
+            await engine.shutdown()
 
 
 if __name__ == "__main__":

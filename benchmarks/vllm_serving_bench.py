@@ -709,11 +709,15 @@ MESH_FLAGS = {"mesh-vllm": ["--engine", "vllm"], "mesh-kvmesh": [], "mesh-prefil
 def server_start(name: str, args: argparse.Namespace) -> tuple[str, Callable[[argparse.Namespace, Path], Server]]:
     """The label and start of a server by its name (``mesh-vllm@base``: from the baseline tree;
     ``mesh-prefill0:--max-num-batched-tokens=2048``: with more `kvmesh up` flags, ``+`` between
-    two, for an on/off row in one run)."""
+    two, for an on/off row in one run; both: ``mesh-kvmesh:--lend-cores@base``)."""
     plain, _, flags = name.partition(":")
     if flags and plain in MESH_FLAGS:
-        extra = [*MESH_FLAGS[plain], *flags.split("+")]
-        return f"{SERVER_STARTS[plain][0]} {' '.join(extra[len(MESH_FLAGS[plain]):])}", lambda a, w: start_kvmesh_up(name, a, w, extra)
+        based = flags.endswith(BASELINE)
+        if based and getattr(args, "baseline_tree", None) is None:
+            raise SystemExit(f"--servers {name}: needs --baseline-tree")
+        extra = [*MESH_FLAGS[plain], *flags.removesuffix(BASELINE).split("+")]
+        label = f"{SERVER_STARTS[plain][0]} {' '.join(extra[len(MESH_FLAGS[plain]):])}" + (f", from {args.baseline_tree}" if based else "")
+        return label, lambda a, w: start_kvmesh_up(name, a, w, extra, tree=a.baseline_tree if based else None)
     if not name.endswith(BASELINE):
         return SERVER_STARTS[name]
     plain = name[: -len(BASELINE)]

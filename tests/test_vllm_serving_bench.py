@@ -249,6 +249,18 @@ def test_a_mesh_server_with_more_flags_is_its_own_row():
         parse_args(["--vllm-python", "/x", "--servers", "vllm:--block-size=16"])
 
 
+def test_a_mesh_server_with_flags_runs_from_the_baseline_tree_too(tmp_path):
+    from benchmarks.vllm_serving_bench import parse_args, server_start
+
+    args = parse_args(["--vllm-python", "/x", "--baseline-tree", str(tmp_path), "--servers", "mesh-kvmesh,mesh-kvmesh:--lend-cores@base"])
+    label, _ = server_start("mesh-kvmesh:--lend-cores+--prefill=0@base", args)
+    assert label == f"kvmesh up --lend-cores --prefill=0, from {tmp_path}"  # the flags without the suffix
+    assert server_start("mesh-kvmesh:--lend-cores", args)[0] == "kvmesh up --lend-cores"
+    args = parse_args(["--vllm-python", "/x", "--servers", "mesh-kvmesh,mesh-kvmesh:--lend-cores@base"])
+    with pytest.raises(SystemExit, match="needs --baseline-tree"):  # never silently this tree's code
+        server_start("mesh-kvmesh:--lend-cores@base", args)
+
+
 def test_a_server_name_with_a_path_in_its_flags_makes_a_plain_file_name():
     from benchmarks.vllm_serving_bench import file_stem
 
