@@ -1357,15 +1357,16 @@ def _decode_step_ms(engine: LLMEngine, prompts: list[list[int]], steps: int) -> 
     return statistics.median(times) * 1e3
 
 
-def _prefill_tokens_per_s(engine: LLMEngine, prompts: list[list[int]], computed: int | None = None) -> float:
-    """Prompt tokens/s of prefilling ``prompts`` together (one new token each); ``computed``:
-    the tokens actually computed (those the prefix cache did not hold), all by default."""
+def _prefill_tokens_per_s(engine: LLMEngine, prompts: list[list[int]]) -> float:
+    """Prompt tokens computed a second prefilling ``prompts`` together (one new token each):
+    those the prefix cache did not hold."""
     for i, prompt in enumerate(prompts):
         engine.add_request(f"abl-{time.monotonic_ns()}-{i}", prompt, SamplingParams(max_tokens=1, ignore_eos=True))
     started = time.perf_counter()
+    cached = 0
     while engine.has_unfinished():
-        engine.step()
-    return (sum(len(prompt) for prompt in prompts) if computed is None else computed) / (time.perf_counter() - started)
+        cached += sum(out.num_cached_tokens for out in engine.step() if out.finished)
+    return (sum(len(prompt) for prompt in prompts) - cached) / (time.perf_counter() - started)
 
 
 ABLATIONS = (  # (name, the LlamaModel attribute that turns it on)
@@ -1394,7 +1395,7 @@ def _prefill_workloads(prompts: PromptMaker, quick: bool) -> list[tuple[str, Cal
     def shared(engine: LLMEngine) -> float:
         prefix = prompts.make(2048)
         _prefill_tokens_per_s(engine, [prefix])  # now cached: the group's prompts find it
-        return _prefill_tokens_per_s(engine, [prefix + prompts.make(own) for _ in range(group)], computed=group * own)
+        return _prefill_tokens_per_s(engine, [prefix + prompts.make(own) for _ in range(group)])
 
     return [
         (f"prefill {count} x 1,024 tokens", fresh),

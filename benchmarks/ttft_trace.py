@@ -107,7 +107,7 @@ def breakdown(sent: list[Sent], spans: list[ReceivedSpan]) -> dict[str, Any]:
                 t.setdefault(f"{key}:{name}", at)
         if "queue_wait.end" not in t and "prefill.start" in t:
             t["queue_wait.end"] = t["prefill.start"]
-        row: dict[str, Any] = {"ttft_ms": client.ttft_ms, "lines": client.lines[:4]}
+        row: dict[str, Any] = {"ttft_ms": client.ttft_ms, "lines": client.lines[:4], "sent_ns": client.sent_ns}
         for label, a, b in STAGES:
             if a in t and b in t:
                 row[label] = round((t[b] - t[a]) / 1e6, 2)
@@ -167,6 +167,8 @@ def main(argv: list[str] | None = None) -> int:
                         "its TTFT beside the worker's engine stage")  # fmt: skip
     p.add_argument("--json", type=Path)
     args = p.parse_args(argv)
+    if args.in_process_threads and args.engine != "kvmesh":
+        p.error("--in-process-threads: beside --engine kvmesh only (the engine in this process is kvmesh's)")
     args.vllm_python = args.vllm_python or vsb.default_vllm_python()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     from kvmesh.engine.loader.default_model import resolve_model
@@ -195,7 +197,8 @@ def main(argv: list[str] | None = None) -> int:
         result["in_process_ttft_ms"] = local
         result["p50"]["in-process engine TTFT (same prompts)"] = round(vsb.percentile(local, 0.5), 2)
         engine_stage = "worker: engine step + output to the loop"
-        paired = [row[engine_stage] - ms for row, ms in zip(result["rows"], local, strict=False) if row.get(engine_stage) is not None]
+        prompt_of = {s.sent_ns: i for i, s in enumerate(sent)}  # a request breakdown skipped shifts no pair
+        paired = [row[engine_stage] - local[prompt_of[row["sent_ns"]]] for row in result["rows"] if row.get(engine_stage) is not None]
         result["p50"]["worker's engine stage - in-process TTFT, paired"] = round(statistics.median(paired), 2) if paired else None
     for label, value in result["p50"].items():
         print(f"{value!s:>8}  {label}")

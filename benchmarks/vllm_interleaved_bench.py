@@ -542,6 +542,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     ]
     if unknown:
         p.error(f"--servers: unknown {', '.join(unknown)}")
+    based = [n for n in args.servers if n.endswith(serving.BASELINE)]
+    if based and not args.baseline_tree:
+        p.error(f"--servers {', '.join(based)}: these need --baseline-tree")
     if args.mesh not in args.servers:
         p.error(f"--mesh {args.mesh} is not among --servers")
     args.baselines = [b for b in args.baselines if b in args.servers]

@@ -987,7 +987,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     args = p.parse_args(argv)
     args.vllm_python = args.vllm_python or default_vllm_python()
     if args.servers:
+        flagged_based = {n for n in args.servers if n.endswith(BASELINE) and n.partition(":")[0] in MESH_FLAGS and n.partition(":")[2]}
         based = {n for n in args.servers if n.endswith(BASELINE) and n[: -len(BASELINE)] in SERVER_STARTS and n.startswith("mesh-")}
+        based |= flagged_based
         if based and args.baseline_tree is None:
             p.error(f"--servers {', '.join(sorted(based))}: these need --baseline-tree")
         flagged = {n for n in args.servers if n.partition(":")[0] in MESH_FLAGS and n.partition(":")[2]}

@@ -125,6 +125,11 @@ def test_arguments():
     quick = parse_args(["--vllm-python", "/x", "--quick", "--servers", "vllm-1core,mesh-vllm:--local-prefill-max-tokens=0", "--mesh",
                         "mesh-vllm:--local-prefill-max-tokens=0"])  # fmt: skip
     assert quick.slots == 2 and quick.rounds == 1
+    with pytest.raises(SystemExit):  # the code before, with flags, but no tree to take it from
+        parse_args(["--vllm-python", "/x", "--servers", "mesh-kvmesh,mesh-kvmesh:--lend-cores@base", "--mesh", "mesh-kvmesh"])
+    based = parse_args(["--vllm-python", "/x", "--servers", "mesh-kvmesh,mesh-kvmesh:--lend-cores@base", "--mesh", "mesh-kvmesh",
+                        "--baseline-tree", "/tmp"])  # fmt: skip
+    assert based.servers == ["mesh-kvmesh", "mesh-kvmesh:--lend-cores@base"]
 
 
 def test_serve_rounds_are_summarized_and_paired_with_the_baseline():

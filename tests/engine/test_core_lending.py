@@ -185,13 +185,32 @@ async def test_a_step_on_borrowed_cores_drops_to_its_share_at_the_next_layer(tmp
     waits: list[float] = []
     owner = CoreLending(path, 1, own=1, most=2)
     llm.model.between_layers = recorded
+    threads_before = torch.get_num_threads()
     try:
         prompt = [5 + i % 200 for i in range(1500)]
         async for _ in engine.generate("long", prompt, SamplingParams(max_tokens=1)):
             pass
     finally:
         await engine.shutdown()
+        torch.set_num_threads(threads_before)  # the engine thread's changes are the process's
     first_step = layers[: len(llm.model.layers) - 1]
     assert first_step[:4] == [2, 2, 2, 2] and set(first_step[6:]) == {1}, first_step
     assert waits and waits[0] < 0.1  # a few layers of 10 ms, not the rest of the step
     assert path.read_bytes()[1] == OWN
+
+
+async def test_the_layer_hook_goes_with_the_engine_thread(tmp_path):
+    """The model's hook is the lending engine's while its thread runs, and cleared when it
+    ends (the board it reads is closed then); an engine without lending sets none."""
+    from kvmesh.engine.llm_engine import EngineConfig, LLMEngine
+    from kvmesh.testing.tiny_model import build_tiny_model
+
+    model_dir = build_tiny_model(tmp_path / "tiny", arch="llama", seed=1)
+    llm = LLMEngine(EngineConfig(model=str(model_dir), dtype="float32", block_size=4, num_blocks=64))
+    engine = AsyncEngine(llm, CoreLending(board(tmp_path, 2), 0, own=1, most=2))
+    assert llm.model.between_layers == engine._give_back
+    await engine.shutdown()
+    assert llm.model.between_layers is None
+    plain = AsyncEngine(llm)
+    assert llm.model.between_layers is None
+    await plain.shutdown()

@@ -55,8 +55,8 @@ class AsyncEngine:
         self._load = engine.load()  # replaced (never mutated) by the engine thread
         self._observer: StepObserver | None = None
         model = getattr(engine, "model", None)
-        if lending is not None and model is not None and hasattr(model, "between_layers"):
-            model.between_layers = self._give_back  # kvmesh's model: a borrowed step gives back between layers
+        if model is not None and hasattr(model, "between_layers"):  # kvmesh's model: a borrowed step gives back between layers
+            model.between_layers = self._give_back if lending is not None else None
         self._thread = threading.Thread(target=self._run, name="kvmesh-engine", daemon=True)
         self._thread.start()
 
@@ -95,6 +95,9 @@ class AsyncEngine:
             self._error = exc
         finally:
             self._stop.set()
+            model = getattr(self.engine, "model", None)
+            if getattr(model, "between_layers", None) == self._give_back:  # not to read a closed board later
+                model.between_layers = None  # type: ignore[union-attr]
             if self._lending is not None:
                 self._lending.close()
             self._fail_everything()

@@ -33,7 +33,7 @@ from pathlib import Path
 __all__ = ["CoreLending", "parse_lending"]
 
 IDLE, OWN, BORROWING = 0, 1, 2  # an engine's byte on the board
-HANDOVER = 0.25  # seconds an engine turning busy waits at most for a borrower's step to end
+HANDOVER = 0.25  # seconds an engine turning busy waits at most for a borrower to give its cores back
 
 
 class CoreLending:

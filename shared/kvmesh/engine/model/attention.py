@@ -250,9 +250,9 @@ def paged_attention(
     """Attention of the flat batch; q (T, heads, dim), k/v (T, kv_heads, dim) -> (T, heads, dim).
     ``kernel``: decode attention through the compiled kernel (see ``_decode_attention``);
     ``layer``: which of the decode batch's kept prefix K/V (``DecodeBatch.prefix_kv``) is this one's;
-    ``prefill_kernel``: a bfloat16 chunk, alone or after earlier context (not a
-    ``SharedPrefill``'s, whose parts need their log-sum-exp), goes to the compiled
-    ``prefill_attention`` (csrc/prefill_attention.cpp) instead of flash attention."""
+    ``prefill_kernel``: a bfloat16 chunk, alone or after earlier context, goes to the compiled
+    ``prefill_attention`` (csrc/prefill_attention.cpp) instead of flash attention, and both
+    parts of a ``SharedPrefill`` group to ``prefill_attention_lse``."""
     num_decode = meta.num_decode
     if not meta.prefills and not meta.shared_prefills:
         assert meta.decode is not None

@@ -102,8 +102,8 @@ def prefill_attention_wanted(head_dim: int, group: int) -> bool:
     measured against it."""
     if head_dim not in (64, 128) or not 1 <= group <= 8:
         return False
-    if not available() or not hasattr(torch.ops.kvmesh, "prefill_attention_built"):  # an earlier commit's library
-        return False
+    if not available() or not hasattr(torch.ops.kvmesh, "prefill_attention_lse"):  # an earlier commit's library
+        return False  # (before 3fb611e the op took no earlier context and had no log-sum-exp variant)
     return bool(torch.ops.kvmesh.prefill_attention_built()) and "amx_bf16" not in _cpu_flags().split()
 
 
