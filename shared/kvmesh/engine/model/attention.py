@@ -109,6 +109,18 @@ def _context_rows(cache: torch.Tensor, block_table: torch.Tensor, context_len: i
     return torch.index_select(cache, 0, block_table).flatten(0, 1)[:context_len]
 
 
+def _span_kernel_kv(
+    span: PrefillSpan, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The K and V rows a prefill span attends to, as the prefill kernel takes them: its own
+    rows of ``k``/``v`` when it has no earlier context, else its context's blocks (this chunk's
+    own K/V among them: they are stored before attention)."""
+    if span.block_table is None:
+        rows = slice(span.start, span.start + span.length)
+        return k[rows], v[rows]
+    return _context_rows(k_cache, span.block_table, span.context_len), _context_rows(v_cache, span.block_table, span.context_len)
+
+
 def _decode_attention(
     q: torch.Tensor,
     k_cache: torch.Tensor,
@@ -267,11 +279,7 @@ def paged_attention(
         end = span.start + span.length
         if prefill_kernel:
             rows = slice(span.start, end)
-            if span.block_table is None:
-                keys, values = k[rows], v[rows]
-            else:  # the context's blocks, this chunk's own K/V among them (stored before attention)
-                keys = _context_rows(k_cache, span.block_table, span.context_len)
-                values = _context_rows(v_cache, span.block_table, span.context_len)
+            keys, values = _span_kernel_kv(span, k, v, k_cache, v_cache)
             out[rows] = torch.ops.kvmesh.prefill_attention(q[rows], keys, values, scale)
             continue
         queries = q[span.start : end].transpose(0, 1).unsqueeze(0)  # (1, heads, L, dim)
@@ -320,11 +328,7 @@ def _shared_prefill_attention(
         own = slice(row, row + span.length)
         row += span.length
         if prefill_kernel:
-            if span.block_table is None:
-                keys, values = k[span.start : end], v[span.start : end]
-            else:
-                keys = _context_rows(k_cache, span.block_table, span.context_len)
-                values = _context_rows(v_cache, span.block_table, span.context_len)
+            keys, values = _span_kernel_kv(span, k, v, k_cache, v_cache)
             own_out[own], own_lse[own] = torch.ops.kvmesh.prefill_attention_lse(q[span.start : end], keys, values, scale, True)
             continue
         assert flash_attention_with_lse is not None
