@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from kvmesh.engine.async_engine import AsyncEngine
-from kvmesh.engine.core_lending import BORROWING, HANDOVER, IDLE, OWN, CoreLending, parse_lending
+from kvmesh.engine.core_lending import BORROWING, HANDOVER, IDLE, OWN, CoreLending, LendingCounts, parse_lending
 
 
 def board(tmp_path, slots: int = 3):
@@ -33,6 +33,9 @@ def test_an_engine_runs_on_every_core_while_the_others_are_idle(tmp_path):
     assert decode.threads_for_step() == 2
     decode.idle()
     assert path.read_bytes() == bytes(3)
+    # what each counted (its worker's kvmesh:core_lending): two borrowed steps; one wait given up
+    assert decode.counts == LendingCounts(borrowed=2, given_back=0, wait_given_up=0)
+    assert prefill.counts == LendingCounts(borrowed=0, given_back=0, wait_given_up=1)
 
 
 def test_an_engine_turning_busy_waits_for_the_borrowers_step_in_flight(tmp_path):
@@ -152,6 +155,8 @@ def test_a_borrower_gives_the_cores_back_between_layers_when_their_owner_turns_b
     assert path.read_bytes() == bytes([OWN, OWN])
     assert borrower.give_back() is None  # on its share already
     assert borrower.threads_for_step() == 1
+    assert borrower.counts == LendingCounts(borrowed=1, given_back=1, wait_given_up=0)
+    assert owner.counts == LendingCounts()  # the borrower gave them back in time
 
 
 async def test_a_step_on_borrowed_cores_drops_to_its_share_at_the_next_layer(tmp_path):

@@ -486,10 +486,51 @@ def test_workers_lending_each_other_cores_answer_as_one_process(tmp_path, defaul
             done.set()
             watcher.join()
         assert any(any(state) for state in seen), seen
+        # The decode worker decodes a long answer alone, on both cores; prompts arriving at the
+        # prefill worker meanwhile make it give them back between two layers of a step.
+        asyncio.run(prefills_during_a_decode(up.base_url))
         deadline = time.monotonic() + 10
         while board.read_bytes()[:2] != b"\x00\x00" and time.monotonic() < deadline:
             time.sleep(0.05)
         assert board.read_bytes()[:2] == b"\x00\x00"
+        prefill, decode = (asyncio.run(core_lending(up, name)) for name in ("prefill-1", "decode-2"))
+        # the first prefill ran while the decode worker had nothing: on both cores
+        assert prefill["borrowed"] >= 1, prefill
+        assert decode["borrowed"] >= 1 and decode["given_back"] >= 1, decode
+        assert prefill["wait_given_up"] == decode["wait_given_up"] == 0, (prefill, decode)
         assert up.stop() == (0, pytest.approx(0, abs=10))
     finally:
         up.cleanup()
+
+
+async def prefills_during_a_decode(base_url: str) -> None:
+    """One streamed answer of 160 tokens; after its first chunk, three other long prompts
+    one after another (each a step the prefill worker turns busy for, mid-step for the decoding
+    worker nearly always: three make missing it unlikely), then the stream to its end."""
+    body = {"model": MODEL, "max_tokens": 160, "temperature": 0, "ignore_eos": True}
+    first = asyncio.Event()
+
+    async def on_event(events: list[dict]) -> None:
+        first.set()
+
+    streaming = asyncio.create_task(stream(base_url, "/v1/completions", {**body, "prompt": "Count slowly:"}, on_event=on_event))
+    await asyncio.wait_for(first.wait(), 60)
+    for i in range(3):
+        prompt = f"Text {i}: " + " ".join(f"word{i}x{j}" for j in range(120))
+        await post_text(base_url, "/v1/completions", {**body, "max_tokens": 1, "prompt": prompt})
+    assert not streaming.done(), "the decode ended before the prompts came: lengthen it"
+    assert len(await streaming) > 100
+
+
+async def core_lending(up: Up, worker: str) -> dict[str, float]:
+    """A worker's ``kvmesh:core_lending`` counts by event, from its own /metrics (its address
+    from its log's health line)."""
+    log = (up.workdir / "logs" / f"{worker}.log").read_text()
+    health = re.search(r"health checks on (http://\S+)/health/live", log).group(1)
+    async with httpx.AsyncClient(timeout=10) as client:
+        text = (await client.get(f"{health}/metrics")).text
+    counts = {}
+    for line in text.splitlines():
+        if line.startswith("kvmesh:core_lending_total{"):
+            counts[line.split('event="', 1)[1].split('"', 1)[0]] = float(line.rsplit(" ", 1)[1])
+    return counts

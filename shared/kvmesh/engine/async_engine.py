@@ -22,7 +22,7 @@ from typing import Any, TypeVar
 
 import torch
 
-from kvmesh.engine.core_lending import CoreLending
+from kvmesh.engine.core_lending import CoreLending, LendingCounts
 from kvmesh.engine.kv_cache_manager import PoolStats
 from kvmesh.engine.llm_engine import EngineConfig, LLMEngine
 from kvmesh.engine.outputs import RequestOutput, StepObserver
@@ -357,6 +357,14 @@ class AsyncEngine:
         """Running and waiting requests and free blocks as of the engine thread's last step
         or command round (as ``LLMEngine.load``), read without waiting for that thread."""
         return dict(self._load)
+
+    def lending_counts(self) -> LendingCounts | None:
+        """What lending cores did (``--lend-cores``) as of now, read without waiting for the
+        engine thread; None without lending."""
+        if self._lending is None:
+            return None
+        counts = self._lending.counts
+        return LendingCounts(counts.borrowed, counts.given_back, counts.wait_given_up)
 
     # -- health --------------------------------------------------------------------------
     def is_alive(self) -> bool:

@@ -28,12 +28,22 @@ from __future__ import annotations
 import mmap
 import os
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
-__all__ = ["CoreLending", "parse_lending"]
+__all__ = ["CoreLending", "LendingCounts", "parse_lending"]
 
 IDLE, OWN, BORROWING = 0, 1, 2  # an engine's byte on the board
 HANDOVER = 0.25  # seconds an engine turning busy waits at most for a borrower to give its cores back
+
+
+@dataclass(slots=True)
+class LendingCounts:
+    """What one engine's lending did since it started (its worker's ``kvmesh:core_lending``)."""
+
+    borrowed: int = 0  # steps begun on more than its share: the other engines idle
+    given_back: int = 0  # borrowed steps that gave the cores back between layers (another engine turned busy)
+    wait_given_up: int = 0  # turning busy, waits for a borrower that ended after ``HANDOVER`` without it
 
 
 class CoreLending:
@@ -48,6 +58,7 @@ class CoreLending:
         self.slot = slot
         self.own = max(1, own)
         self.most = max(self.own, most)
+        self.counts = LendingCounts()
         self._mark(IDLE)  # a restarted engine's byte may say its last run's state
 
     @staticmethod
@@ -61,12 +72,16 @@ class CoreLending:
         if self._board[self.slot] == IDLE:
             self._mark(OWN)
             give_up = time.monotonic() + HANDOVER
-            while BORROWING in self._others() and time.monotonic() < give_up:
+            while BORROWING in self._others():
+                if time.monotonic() >= give_up:
+                    self.counts.wait_given_up += 1
+                    break
                 time.sleep(0.0005)
         if any(self._others()) or self.most == self.own:
             self._mark(OWN)
             return self.own
         self._mark(BORROWING)
+        self.counts.borrowed += 1
         return self.most
 
     def give_back(self) -> int | None:
@@ -75,6 +90,7 @@ class CoreLending:
         if self._board[self.slot] != BORROWING or not any(self._others()):
             return None
         self._mark(OWN)
+        self.counts.given_back += 1
         return self.own
 
     def idle(self) -> None:

@@ -48,6 +48,7 @@ WORKER: tuple[MetricName, ...] = (
     MetricName("kvmesh:kv_transfer_seconds", "histogram", ("direction",)),
     MetricName("kvmesh:engine_step_seconds", "histogram"),
     MetricName("kvmesh:kv_snapshots", "counter", ("answered",)),
+    MetricName("kvmesh:core_lending", "counter", ("event",)),
 )
 
 KV_METADATA: tuple[MetricName, ...] = (

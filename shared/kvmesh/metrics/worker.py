@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
+from kvmesh.engine.core_lending import LendingCounts
 from kvmesh.engine.kv_cache_manager import PoolStats
 from kvmesh.engine.outputs import RequestOutput
 from kvmesh.engine.request import FinishReason
@@ -33,6 +34,7 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 POOL_STATS_WAIT = 0.5  # seconds a scrape waits for the engine thread's pool stats; then the last ones
+LENDING_EVENTS = ("borrowed", "given_back", "wait_given_up")  # LendingCounts' fields, as kvmesh:core_lending's events
 TIER = "device"  # the one tier today; the label is there for host and disk tiers
 
 
@@ -100,6 +102,9 @@ class WorkerMetrics:
         self.step_time = histogram("kvmesh:engine_step_seconds", "One engine step", buckets.ENGINE_STEP).labels(**labels)
         snapshots = counter("kvmesh:kv_snapshots", "Answers to requests for this worker's KV snapshot", ("answered",))
         self.snapshots = {a: snapshots.labels(**labels, answered=a) for a in ("engine", "kept")}
+        lending = counter("kvmesh:core_lending", "What lending cores between workers did (--lend-cores)", ("event",))
+        self.lending = {e: lending.labels(**labels, event=e) for e in LENDING_EVENTS}
+        self._lending_seen = LendingCounts()
         self._requests: dict[str, _Timing] = {}
         self._lock = threading.Lock()
         self._preemptions_seen = 0
@@ -220,4 +225,14 @@ class WorkerMetrics:
         self.kv_blocks["used"].set(total - free)
         self.kv_blocks["cached"].set(cached)
         self.kv_blocks["free"].set(free - cached)
+        self._count_lending(engine.lending_counts())
         return generate_latest(self.registry)
+
+    def _count_lending(self, counts: LendingCounts | None) -> None:
+        if counts is None:
+            return
+        for event in LENDING_EVENTS:
+            new = getattr(counts, event) - getattr(self._lending_seen, event)
+            if new > 0:
+                self.lending[event].inc(new)
+        self._lending_seen = counts

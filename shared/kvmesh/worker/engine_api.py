@@ -17,6 +17,7 @@ from collections.abc import AsyncIterator
 from typing import Protocol
 
 from kvmesh.engine.block_pool import AllBlocksCleared, BlockRemoved, BlockStored, KVCacheEvent
+from kvmesh.engine.core_lending import LendingCounts
 from kvmesh.engine.kv_cache_manager import PoolStats
 from kvmesh.engine.outputs import KVExport, RequestOutput, StepObserver
 from kvmesh.engine.request import FinishReason, SamplingParams
@@ -147,6 +148,11 @@ class Engine(Protocol):
         """``running``, ``waiting`` and ``free_blocks``, read without waiting for the engine
         (kvmesh's engine adds ``reserved_blocks``: the free ones its admission keeps back for
         the running requests' growth)."""
+        ...
+
+    def lending_counts(self) -> LendingCounts | None:
+        """What lending cores between engines did (``--lend-cores``), read without waiting for
+        the engine; None for an engine that does not lend."""
         ...
 
     def observe_steps(self, observer: StepObserver) -> None:
