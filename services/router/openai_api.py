@@ -18,7 +18,9 @@ from pydantic import (
     BeforeValidator,
     ConfigDict,
     Field,
+    ModelWrapValidatorHandler,
     PrivateAttr,
+    ValidationError,
     ValidationInfo,
     WithJsonSchema,
     field_validator,
@@ -43,6 +45,7 @@ from kvmesh.services.router.openai_fields import (
     _parse_metadata,
     _parse_prompt,
     _parse_stop,
+    lone_surrogate,
     unicode_problem,
 )
 from kvmesh.services.router.tools import (
@@ -204,6 +207,22 @@ class _GenerationRequest(BaseModel):
     structured_outputs: Annotated[
         GuidedDecoding | None, BeforeValidator(parse_structured_outputs), WithJsonSchema(STRUCTURED_OUTPUTS_SCHEMA)
     ] = None
+
+    @model_validator(mode="wrap")
+    @classmethod
+    def _all_text_valid(cls, data: Any, handler: ModelWrapValidatorHandler[Any]) -> Any:
+        """Every string valid Unicode (``lone_surrogate``): a field that checks its own text
+        refuses it in its words; any other is refused here, before it reaches the tokenizer."""
+        found = lone_surrogate(data)
+        if found is None:
+            return handler(data)
+        try:
+            handler(data)
+        except ValidationError:
+            raise
+        except Exception:  # noqa: BLE001, S110 - what the text does elsewhere; refused below either way
+            pass
+        raise APIError(400, f"{found[0]}: {found[1]}", param=found[0])
 
     @model_validator(mode="after")
     def _one_guided_field(self) -> _GenerationRequest:

@@ -32,6 +32,30 @@ def unicode_problem(text: str) -> str | None:
     return f"must be valid Unicode text, but has a lone surrogate U+{ord(match.group()):04X} at character {match.start()}"
 
 
+def lone_surrogate(value: Any) -> tuple[str, str] | None:
+    """The first string anywhere in a decoded JSON request (object keys included) that is not
+    valid Unicode, as (its field's path, why); None when every string is valid. Run after
+    the fields' own checks (which say it their way): it catches the rest (a tool's description
+    or schema, a tool call's arguments), text that reaches the tokenizer or a grammar, which
+    take only valid Unicode."""
+    pending: list[tuple[str, Any]] = [("", value)]
+    while pending:
+        path, item = pending.pop()
+        if isinstance(item, str):
+            problem = unicode_problem(item)
+            if problem is not None:
+                return path, problem
+        elif isinstance(item, dict):
+            for key, inner in reversed(item.items()):
+                where = f"{path}.{key}" if path else str(key)
+                if isinstance(key, str) and unicode_problem(key) is not None:
+                    return path or "body", f"has a key that {unicode_problem(key)}"
+                pending.append((where, inner))
+        elif isinstance(item, list):
+            pending.extend((f"{path}.{i}", inner) for i, inner in reversed(list(enumerate(item))))
+    return None
+
+
 def _valid_text(value: str) -> str:
     problem = unicode_problem(value)
     if problem is not None:

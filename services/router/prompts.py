@@ -10,7 +10,7 @@ from __future__ import annotations
 import json
 
 from kvmesh.engine.tokenizer import ChatTemplateError, Tokenizer
-from kvmesh.services.router.openai_api import APIError, ChatCompletionRequest, CompletionRequest
+from kvmesh.services.router.openai_api import APIError, ChatCompletionRequest, CompletionRequest, unicode_problem
 from kvmesh.services.router.tools import render_messages
 
 __all__ = [
@@ -75,6 +75,9 @@ def chat_prompt_ids(request: ChatCompletionRequest, tokenizer: Tokenizer, max_mo
         text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, **extra)
     except ChatTemplateError as exc:
         raise APIError(400, str(exc), param="messages") from exc
+    problem = unicode_problem(text)
+    if problem is not None:  # from text decoded once more: a tool call's arguments are JSON in a string
+        raise APIError(400, f"messages: the rendered prompt {problem} (from a tool call's arguments?)", param="messages")
     ids = tokenizer.encode(text, add_special_tokens=False)
     if not ids:
         raise APIError(400, "the prompt is empty", param="messages")

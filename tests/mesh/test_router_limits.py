@@ -96,6 +96,23 @@ async def test_four_1_mb_stop_strings_are_a_400(mesh: LocalMesh) -> None:
     assert response.json()["error"]["param"] == "stop"
 
 
+TOOL_CHAT = {"model": MODEL, "max_tokens": 3, "messages": [{"role": "user", "content": "x"}]}
+
+
+def tool(**function: object) -> dict:
+    return {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}, **function}}
+
+
+def called(arguments: str, name: str = "f") -> list[dict]:
+    """A history in which the assistant called ``name`` with ``arguments`` and the tool answered."""
+    call = {"id": "c1", "type": "function", "function": {"name": name, "arguments": arguments}}
+    return [
+        {"role": "user", "content": "x"},
+        {"role": "assistant", "content": None, "tool_calls": [call]},
+        {"role": "tool", "tool_call_id": "c1", "content": "r"},
+    ]
+
+
 @pytest.mark.parametrize(
     ("path", "body", "param"),
     [
@@ -103,14 +120,45 @@ async def test_four_1_mb_stop_strings_are_a_400(mesh: LocalMesh) -> None:
         ("/v1/completions", f'{{"model": "{MODEL}", "prompt": "{LONE}"}}', "prompt"),
         ("/v1/completions", f'{{"model": "{LONE}", "prompt": "x"}}', "model"),
         ("/v1/completions", f'{{"model": "{MODEL}", "prompt": "x", "stop": ["{LONE}"]}}', "stop"),
+        ("/v1/chat/completions", json.dumps(TOOL_CHAT | {"tools": [tool(description="a\ud800b")]}), "tools.0.function.description"),
+        (
+            "/v1/chat/completions",
+            json.dumps(TOOL_CHAT | {"tools": [tool(parameters={"type": "object", "properties": {"a\ud800b": {"type": "string"}}})]}),
+            "tools.0.function.parameters.properties",
+        ),
+        ("/v1/chat/completions", json.dumps(TOOL_CHAT | {"messages": called('{"a": "b"}', name="f\ud800")}), "messages.1.tool_calls.0.function.name"),
+        # JSON in a JSON string: the surrogate appears only once the template reads the arguments
+        ("/v1/chat/completions", json.dumps(TOOL_CHAT | {"messages": called('{"a": "\\ud800"}')}), "messages"),
     ],
-    ids=["content", "prompt", "model", "stop"],
+    ids=["content", "prompt", "model", "stop", "tool-description", "tool-schema-key", "tool-call-name", "tool-call-arguments"],
 )
 async def test_a_lone_surrogate_is_a_400(mesh: LocalMesh, path: str, body: str, param: str) -> None:
+    """Anywhere in the request, never a 500; and the connection stays open for the next request
+    (a 500 from the app closed it under the client)."""
     async with httpx.AsyncClient(base_url=mesh.base_url, timeout=30) as client:
         response = await client.post(path, content=body.encode(), headers={"content-type": "application/json"})
-    assert response.status_code == 400, response.text[:300]
-    assert response.json()["error"]["param"] == param
+        assert response.status_code == 400, response.text[:300]
+        assert response.json()["error"]["param"] == param
+        assert "lone surrogate U+D800" in response.json()["error"]["message"]
+        assert (await client.get("/health")).status_code == 200  # the same connection
+
+
+async def test_what_a_client_sends_cannot_forge_a_log_line(mesh: LocalMesh) -> None:
+    """The router logs a refused request with what the client sent (a model's name, a path);
+    line breaks and NUL in it are written as escapes: no forged line, no binary log."""
+    forged = "2026-12-06 04:00:00,000 CRITICAL kvmesh.fake [trace=- span=-]: FORGED"
+    async with httpx.AsyncClient(base_url=mesh.base_url, timeout=30) as client:
+        assert (await client.post("/v1/completions", json={"model": f"y\n{forged}", "prompt": "x"})).status_code == 404
+        assert (await client.get("/v1/models/a%00b")).status_code == 404
+    log = mesh.workdir / "logs" / "router.log"
+    deadline = time.monotonic() + 10
+    while "a\\x00b" not in log.read_text(errors="replace") and time.monotonic() < deadline:
+        await asyncio.sleep(0.1)
+    text = log.read_bytes()
+    assert b"\x00" not in text
+    lines = text.decode().splitlines()
+    assert not [line for line in lines if line.startswith(forged[:20])], "a forged line"
+    assert any(f"y\\n{forged}" in line for line in lines)
 
 
 async def test_the_mesh_still_serves(mesh: LocalMesh) -> None:

@@ -137,6 +137,21 @@ PROBLEM = "must be valid Unicode text, but has a lone surrogate U+D800 at charac
             "messages.0.content",
         ),
         (CHAT, f'{{"model": "{LONE}", "messages": [{{"role": "user", "content": "x"}}]}}', f"model: {PROBLEM}", "model"),
+        # fields without a check of their own: found wherever they are
+        (
+            CHAT,
+            f'{{"model": "{MODEL}", "messages": [{{"role": "user", "content": "x"}}], '
+            f'"tools": [{{"type": "function", "function": {{"name": "f", "description": "{LONE}"}}}}]}}',
+            f"tools.0.function.description: {PROBLEM}",
+            "tools.0.function.description",
+        ),
+        (
+            CHAT,
+            f'{{"model": "{MODEL}", "messages": [{{"role": "user", "content": "x"}}], "tools": [{{"type": "function", '
+            f'"function": {{"name": "f", "parameters": {{"type": "object", "properties": {{"{LONE}": {{}}}}}}}}}}]}}',
+            f"tools.0.function.parameters.properties: has a key that {PROBLEM}",
+            "tools.0.function.parameters.properties",
+        ),
     ],
 )
 async def test_a_lone_surrogate_is_a_400_naming_the_field(
