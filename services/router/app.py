@@ -43,6 +43,7 @@ from kvmesh.services.router.auth import BearerAuth
 from kvmesh.services.router.backend import GenerationBackend, HealthReport
 from kvmesh.services.router.generation import CHAT_COMPLETIONS, COMPLETIONS, SESSION_HEADER, Generation
 from kvmesh.services.router.generation_defaults import GenerationDefaults
+from kvmesh.services.router.internal_errors import InternalErrors
 from kvmesh.services.router.limits import BodyLimit, Limits
 from kvmesh.services.router.metrics import RouterMetrics
 from kvmesh.services.router.openai_api import (
@@ -205,6 +206,8 @@ def create_app(
     app.state.shutdown = shutdown
     app.state.limits = limits
     app.state.rate_limiter = limiter
+    # innermost: what a handler raised and nothing answered becomes a 500 with an error body
+    app.add_middleware(InternalErrors, metrics=metrics, counted_paths=GENERATION_PATHS)
     if api_keys is not None:
         app.add_middleware(
             BearerAuth,

@@ -21,7 +21,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from kvmesh.services.router.metrics import RouterMetrics
 from kvmesh.services.router.openai_api import APIError, error_json
 
-__all__ = ["BodyLimit", "Limits", "read_body"]
+__all__ = ["BodyLimit", "Limits", "answer_error", "read_body"]
 
 logger = logging.getLogger(__name__)
 
@@ -122,7 +122,7 @@ class BodyLimit:
             logger.info("%s %s rejected: %d %s", scope["method"], scope["path"], error.status, error.message)
             if scope["path"] in self.counted_paths:
                 self.metrics.count(scope["path"], error.status)
-            await _answer(send, error)
+            await answer_error(send, error)
             return
         await self.app(scope, _replay(body, gone, receive), send)
 
@@ -140,7 +140,7 @@ def _replay(body: bytes, gone: Message | None, receive: Receive) -> Receive:
     return replay
 
 
-async def _answer(send: Send, error: APIError) -> None:
+async def answer_error(send: Send, error: APIError) -> None:
     """The error response. No ``Connection: close``: a server that closed now, with the body's
     rest unread, would reset the connection and the client could miss the answer; the HTTP
     protocol (``http_protocol``) drains that rest for a bounded time, then closes."""
