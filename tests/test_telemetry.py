@@ -6,7 +6,7 @@ import logging
 
 from opentelemetry.sdk.trace import TracerProvider
 
-from kvmesh.telemetry import LOG_FORMAT, MASK, TraceContextFilter, log_settings, masked
+from kvmesh.telemetry import LOG_FORMAT, MASK, OneLineFilter, TraceContextFilter, log_settings, masked
 
 
 def test_secrets_are_masked_and_paths_are_not():
@@ -53,3 +53,13 @@ def test_log_lines_name_their_trace(caplog):
     with caplog.at_level(logging.INFO, logger="kvmesh.telemetry"):
         log_settings("svc", {"nats_url": "nats://a:b@h:1", "api_key": "k"})
     assert caplog.messages[-1] == "svc settings: nats_url=nats://a:***@h:1, api_key=***"
+
+
+def test_a_message_stays_on_one_line():
+    """Control characters, line separators and lone surrogates in a message (from its
+    arguments, which may quote a client) become escapes; tabs and other text stay."""
+    record = logging.LogRecord("n", logging.INFO, "p", 1, "%s rejected: %s", ("/a\x00b", "y\nFORGED\u2028\ud800 é\t中"), None)
+    assert OneLineFilter().filter(record)
+    assert record.getMessage() == "/a\\x00b rejected: y\\nFORGED\\u2028\\ud800 é\t中"
+    plain = logging.LogRecord("n", logging.INFO, "p", 1, "%d blocks", (3,), None)
+    assert OneLineFilter().filter(plain) and (plain.msg, plain.args) == ("%d blocks", (3,))  # untouched

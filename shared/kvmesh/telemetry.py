@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import logging
 import os
+import re
 import time
 
 from opentelemetry import context, propagate, trace
@@ -31,6 +32,28 @@ class TraceContextFilter(logging.Filter):
             record.span_id = format(context_.span_id, "016x")
         else:
             record.trace_id = record.span_id = "-"
+        return True
+
+
+# What may not reach a log line as it is: line breaks (a forged line), NUL and the other
+# control characters (a terminal's escapes; grep calling the file binary), lone surrogates
+# (not encodable: the line would be lost to a logging error).
+_UNSAFE = re.compile("[\x00-\x08\x0a-\x1f\x7f-\x9f\u2028\u2029\ud800-\udfff]")
+
+
+def _escaped(match: re.Match[str]) -> str:
+    return match.group().encode("unicode_escape", "backslashreplace").decode("ascii")
+
+
+class OneLineFilter(logging.Filter):
+    """A record's message on one line: control characters, line separators and lone surrogates
+    written as escapes (``\\n``, ``\\x00``, ``\\ud800``), since a message may quote what a client
+    sent (a model name, a path). A traceback is formatted after this and keeps its lines."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        message = record.getMessage()
+        if _UNSAFE.search(message):
+            record.msg, record.args = _UNSAFE.sub(_escaped, message), None
         return True
 
 
@@ -72,8 +95,9 @@ def setup_logging(level: int = logging.INFO) -> None:
     """The services' logging: to stderr, each line with its trace and span ids."""
     logging.basicConfig(level=level, format=LOG_FORMAT)
     for handler in logging.getLogger().handlers:
-        if not any(isinstance(f, TraceContextFilter) for f in handler.filters):
-            handler.addFilter(TraceContextFilter())
+        for kind in (TraceContextFilter, OneLineFilter):
+            if not any(isinstance(f, kind) for f in handler.filters):
+                handler.addFilter(kind())
 
 
 def setup_tracing(service_name: str, worker_id: str | None = None) -> TracerProvider:
