@@ -121,6 +121,9 @@ def test_a_rebuilt_matcher_continues_where_the_grammar_was(engine: LLMEngine, co
         (GuidedDecoding("json_schema", "{nope"), "not valid JSON"),
         (GuidedDecoding("regex", "(ab"), "unclosed group"),
         (GuidedDecoding("choice", "[]"), "non-empty list"),
+        # compiled by llguidance, but no instance ends: nothing, or a parser error mid-answer
+        (GuidedDecoding.json_schema({"$defs": {"a": {"$ref": "#/$defs/a"}}, "$ref": "#/$defs/a"}), "no finite instance"),
+        (GuidedDecoding.json_schema({"type": "object", "properties": {"x": {"$ref": "#"}}, "required": ["x"]}), "no finite instance"),
     ],
 )
 def test_what_cannot_be_compiled_is_refused_with_the_reason(spec: GuidedDecoding, message: str) -> None:

@@ -88,6 +88,21 @@ async def test_structured_output_fields_become_the_grammar(
     [
         ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "strin"}}}}, "response_format", "Invalid type: strin"),
         ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"not": {}}}}}, "response_format", 'Unimplemented keys: ["not"]'),
+        (  # compiles, but no instance ends (it answered "" with finish_reason stop)
+            {"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"$defs": {"a": {"$ref": "#/$defs/a"}}, "$ref": "#/$defs/a"}}}},
+            "response_format",
+            "no finite instance",
+        ),
+        (  # it failed mid-stream, the parser's item limit
+            {"guided_json": {"type": "object", "properties": {"x": {"$ref": "#"}}, "required": ["x"]}},
+            "guided_json",
+            "no finite instance",
+        ),
+        (
+            {"tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "object", "properties": {"x": {"$ref": "#"}}, "required": ["x"]}}}]},
+            "tools",
+            "no finite instance",
+        ),
         ({"response_format": {"type": "json_schema"}}, "response_format", "needs a \"json_schema\" object"),
         ({"response_format": {"type": "xml"}}, "response_format", "response_format.type must be"),
         ({"guided_regex": "(a"}, "guided_regex", "unclosed group"),

@@ -34,6 +34,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Literal
 
+from kvmesh.engine.schema_finite import has_finite_instance
+
 if TYPE_CHECKING:
     import torch
 
@@ -123,6 +125,8 @@ def grammar_of(spec: GuidedDecoding) -> str:
         return str(llg.LLMatcher.grammar_from_json_schema({"type": "object"}, defaults=JSON_OPTIONS))
     if spec.kind == "json_schema":
         schema = json_schema_of(spec)
+        if not has_finite_instance(schema):
+            raise GrammarError("the JSON schema has no finite instance: a $ref it requires leads back to itself")
         try:
             return str(llg.LLMatcher.grammar_from_json_schema(schema, defaults=JSON_OPTIONS))
         except ValueError as exc:
