@@ -258,4 +258,30 @@ def test_an_import_waits_behind_the_waiting_requests() -> None:
 def test_without_the_reserve_an_import_takes_what_fits() -> None:
     sched = make(4, reserve_growth=False)
     assert sched.take_import("x", 8, 100) == [0, 1] and sched.take_import("y", 8, 100) == [2, 3]
-    assert sched.importing == {} and sched.take_import("z", 4, 1) is None
+    assert set(sched.importing) == {"x", "y"} and sched.take_import("z", 4, 1) is None
+
+
+def test_an_import_needs_a_seat_in_the_batch() -> None:
+    # max_num_seqs 2: a and b run from imports; c's blocks would fit, but the batch is full
+    # (imports on their way hold their seat too) until one of them ends; a resumed stream,
+    # mid-answer, is not held back
+    sched = make(32, max_num_seqs=2)
+    prompts = {n: [10 * i + t for t in range(8)] for i, n in enumerate("abc")}
+    assert sched.take_import("a", 8, 8) is not None
+    a = imported(sched, "a", prompts["a"])
+    assert sched.take_import("b", 8, 8) is not None  # on its way: its seat is taken
+    assert sched.take_import("c", 8, 8) is None
+    assert sched.take_import("resumed", 8, 8, resumed=True) is not None
+    sched.kv.release_held("resumed")
+    b = imported(sched, "b", prompts["b"])
+    assert sched.take_import("c", 8, 8) is None
+    while not a.is_finished:
+        out, _ = step(sched)
+        assert len(sched.running) <= 2
+    assert sched.take_import("c", 8, 8) is not None
+    c = imported(sched, "c", prompts["c"])
+    while sched.has_unfinished():
+        step(sched)
+        assert len(sched.running) <= 2
+    assert [r.output_token_ids for r in (a, b, c)] == [[1000 + i for i in range(8)]] * 3
+    assert sched.kv.stats().num_in_use == 0 and sched.importing == {}

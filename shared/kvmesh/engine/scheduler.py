@@ -109,15 +109,20 @@ class Scheduler:
     def take_import(self, handle: str, num_tokens: int, max_tokens: int | None, *, resumed: bool = False) -> list[int] | None:
         """Blocks, held under ``handle``, for the KV of ``num_tokens`` prompt tokens pulled
         from a peer; ``None`` if no room. With ``max_tokens`` (a request to decode here,
-        its first token made where its prompt was) only where admission takes it now:
-        after the waiting requests and, as theirs, beside the growth of those running
+        its first token made where its prompt was) only where admission takes it now: with
+        a seat in the batch (``max_num_seqs``, imports on their way counted), after the
+        waiting requests and, as theirs, beside the growth of those running
         (``kvmesh.engine.admission``); ``resumed`` (a stream mid-answer) or without
         ``max_tokens`` (a borrowed prefix), wherever the blocks fit. The growth of a
         request's import counts for the others' admission until it runs."""
-        if max_tokens is None or not self.config.reserve_growth:
+        if max_tokens is None:
             return self.kv.allocate_held(handle, num_tokens)
-        if not resumed and not self._admits_import(num_tokens, max_tokens):
-            return None
+        if not resumed:
+            self._forget_arrived_imports()
+            if len(self.running) + len(self.importing) >= self.config.max_num_seqs:
+                return None  # every seat of the batch taken or promised: ``max_num_seqs`` holds for imports too
+            if self.config.reserve_growth and not self._admits_import(num_tokens, max_tokens):
+                return None
         block_ids = self.kv.allocate_held(handle, num_tokens)
         if block_ids is not None:
             self.importing[handle] = PendingImport(num_tokens + 1, max_tokens - 1, len(block_ids))
