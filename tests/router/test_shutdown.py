@@ -133,6 +133,12 @@ def fake_router(tmp_path: Path, tiny_model_dir: Path) -> ManagedProcess:
     process.stop(grace=5)
 
 
+async def both_in_flight(url: str) -> None:
+    async with httpx.AsyncClient(base_url=url, timeout=5) as client:
+        while "kvmesh_router_requests_in_flight 2.0" not in (await client.get("/metrics")).text:
+            await asyncio.sleep(0.02)
+
+
 @pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT])
 async def test_a_signal_ends_the_router_process_cleanly(fake_router: ManagedProcess, signum: int) -> None:
     line = await asyncio.to_thread(fake_router.wait_for_line, lambda text: "fake router listening on" in text, 60)
@@ -141,6 +147,7 @@ async def test_a_signal_ends_the_router_process_cleanly(fake_router: ManagedProc
     stream = asyncio.create_task(read_stream(url, "/v1/completions", {"model": MODEL, "prompt": "x"}, first))
     waiting = asyncio.create_task(post(url, "/v1/completions", {"model": MODEL, "prompt": "x"}))
     await asyncio.wait_for(first.wait(), 10)
+    await asyncio.wait_for(both_in_flight(url), 10)  # the second too (on a busy machine it came after the first token)
 
     fake_router.signal(signum)
     started = time.monotonic()
