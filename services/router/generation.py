@@ -42,7 +42,7 @@ from kvmesh.services.router.openai_api import (
     CompletionRequest,
     Usage,
 )
-from kvmesh.services.router.prompts import check_logit_bias, check_min_tokens, resolve_max_tokens
+from kvmesh.services.router.prompts import check_token_ids, check_min_tokens, resolve_max_tokens
 from kvmesh.services.router.rate_limit import RateLimiter
 from kvmesh.services.router.shutdown import Shutdown
 from kvmesh.services.router.streaming import (
@@ -134,7 +134,9 @@ class Generation:
             for ids in prompts
         ]
         check_min_tokens(body.min_tokens, budgets)
-        check_logit_bias(body.logit_bias, self.backend.tokenizer.vocab_size)
+        vocab_size = self.backend.tokenizer.vocab_size
+        check_token_ids(body.logit_bias, vocab_size, param="logit_bias")
+        check_token_ids(body.stop_token_ids, vocab_size, param="stop_token_ids")
         check_prompt_logprobs(body.num_prompt_logprobs, prompts)
         check_choices(body.num_choices, len(prompts))
         request_id = uuid.uuid4().hex

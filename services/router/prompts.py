@@ -8,6 +8,7 @@ refused before it is tokenized.
 from __future__ import annotations
 
 import json
+from collections.abc import Iterable
 
 from kvmesh.engine.tokenizer import ChatTemplateError, Tokenizer
 from kvmesh.services.router.openai_api import APIError, ChatCompletionRequest, CompletionRequest, unicode_problem
@@ -16,7 +17,7 @@ from kvmesh.services.router.tools import render_messages
 __all__ = [
     "PROMPT_CHARS_PER_TOKEN",
     "chat_prompt_ids",
-    "check_logit_bias",
+    "check_token_ids",
     "check_min_tokens",
     "check_prompt_chars",
     "completion_prompt_ids",
@@ -117,9 +118,8 @@ def check_min_tokens(min_tokens: int | None, budgets: list[int]) -> None:
         )
 
 
-def check_logit_bias(logit_bias: dict[int, float] | None, vocab_size: int) -> None:
-    bad = next((t for t in logit_bias or () if not 0 <= t < vocab_size), None)
+def check_token_ids(token_ids: Iterable[int] | None, vocab_size: int, *, param: str) -> None:
+    """Token ids a request names (``logit_bias``'s keys, ``stop_token_ids``) are the vocabulary's."""
+    bad = next((t for t in token_ids or () if not 0 <= t < vocab_size), None)
     if bad is not None:
-        raise APIError(
-            400, f"logit_bias token id {bad} is out of range for a vocabulary of {vocab_size}", param="logit_bias"
-        )
+        raise APIError(400, f"{param} token id {bad} is out of range for a vocabulary of {vocab_size}", param=param)

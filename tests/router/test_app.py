@@ -167,6 +167,7 @@ async def post_error(client: httpx.AsyncClient, path: str, payload: object, stat
         ),
         ({"logit_bias": {"1": "5"}}, "logit_bias: logit_bias['1'] must be a finite number, got '5'", "logit_bias"),
         ({"logit_bias": {"512": 5}}, "logit_bias token id 512 is out of range for a vocabulary of 512", "logit_bias"),
+        ({"stop_token_ids": [3, 512]}, "stop_token_ids token id 512 is out of range for a vocabulary of 512", "stop_token_ids"),
         ({"store": True}, "store: store is not supported (completions are not stored)", "store"),
         ({"guided_json": {"type": "strin"}}, "guided_json: guided_json is not a JSON schema kvmesh can enforce: Invalid type: strin", "guided_json"),
         ({"stream_options": {"include_usage": True}}, "stream_options: stream_options is only allowed when stream is true", "stream_options"),
