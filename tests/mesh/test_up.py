@@ -447,11 +447,13 @@ def test_workers_lending_each_other_cores_answer_as_one_process(tmp_path, defaul
     """``kvmesh up --lend-cores``: each worker has its own slot on one board in the workdir,
     eight greedy requests at once (the two workers busy together, then in turn, their threads
     changing with it) answer as one process does, the board shows them busy meanwhile, and
-    afterwards every worker idle, so a worker waiting for work never keeps the other from its cores."""
+    afterwards every worker idle, so a worker waiting for work never keeps the other from its cores.
+    With ``--max-num-seqs 4`` the decode worker never runs more than four (its imports wait
+    for a seat), and the lending counts say what happened (``kvmesh:core_lending``)."""
     from kvmesh.engine.llm_engine import EngineConfig, LLMEngine
     from kvmesh.engine.request import SamplingParams
 
-    up = start_up(tmp_path, default_model_dir, "--lend-cores")
+    up = start_up(tmp_path, default_model_dir, "--lend-cores", "--max-num-seqs", "4")
     try:
         board = up.workdir / "cores"
         slots = []
@@ -465,10 +467,24 @@ def test_workers_lending_each_other_cores_answer_as_one_process(tmp_path, defaul
         outs = engine.generate([engine.tokenizer.encode(p) for p in PROMPTS], SamplingParams(max_tokens=TOKENS, ignore_eos=True))
         body = {"model": MODEL, "max_tokens": TOKENS, "temperature": 0, "ignore_eos": True}
 
+        running: list[float] = []  # the decode worker's running batch, as its /metrics says
+
         async def answers() -> list[str]:
-            return list(
-                await asyncio.gather(*(post_text(up.base_url, "/v1/completions", {**body, "prompt": p}) for p in PROMPTS))
-            )
+            done = asyncio.Event()
+
+            async def watch_running() -> None:
+                while not done.is_set():
+                    running.append(worker_metrics(await scrape(up, "decode-2"), "kvmesh:num_requests_running", None)[None])
+                    await asyncio.sleep(0.05)
+
+            watcher = asyncio.create_task(watch_running())
+            try:
+                return list(
+                    await asyncio.gather(*(post_text(up.base_url, "/v1/completions", {**body, "prompt": p}) for p in PROMPTS))
+                )
+            finally:
+                done.set()
+                await watcher
 
         seen: set[bytes] = set()  # the workers' bytes while they serve: their engines use the board
         done = threading.Event()
@@ -486,6 +502,7 @@ def test_workers_lending_each_other_cores_answer_as_one_process(tmp_path, defaul
             done.set()
             watcher.join()
         assert any(any(state) for state in seen), seen
+        assert 2 <= max(running) <= 4, running  # seen batching, never past --max-num-seqs
         # The decode worker decodes a long answer alone, on both cores; prompts arriving at the
         # prefill worker meanwhile make it give them back between two layers of a step.
         asyncio.run(prefills_during_a_decode(up.base_url))
@@ -493,7 +510,7 @@ def test_workers_lending_each_other_cores_answer_as_one_process(tmp_path, defaul
         while board.read_bytes()[:2] != b"\x00\x00" and time.monotonic() < deadline:
             time.sleep(0.05)
         assert board.read_bytes()[:2] == b"\x00\x00"
-        prefill, decode = (asyncio.run(core_lending(up, name)) for name in ("prefill-1", "decode-2"))
+        prefill, decode = (worker_metrics(asyncio.run(scrape(up, name)), "kvmesh:core_lending_total", "event") for name in ("prefill-1", "decode-2"))
         # the first prefill ran while the decode worker had nothing: on both cores
         assert prefill["borrowed"] >= 1, prefill
         assert decode["borrowed"] >= 1 and decode["given_back"] >= 1, decode
@@ -522,15 +539,19 @@ async def prefills_during_a_decode(base_url: str) -> None:
     assert len(await streaming) > 100
 
 
-async def core_lending(up: Up, worker: str) -> dict[str, float]:
-    """A worker's ``kvmesh:core_lending`` counts by event, from its own /metrics (its address
-    from its log's health line)."""
+async def scrape(up: Up, worker: str) -> str:
+    """A worker's /metrics (its address from its log's health line)."""
     log = (up.workdir / "logs" / f"{worker}.log").read_text()
     health = re.search(r"health checks on (http://\S+)/health/live", log).group(1)
     async with httpx.AsyncClient(timeout=10) as client:
-        text = (await client.get(f"{health}/metrics")).text
-    counts = {}
+        return (await client.get(f"{health}/metrics")).text
+
+
+def worker_metrics(text: str, name: str, label: str | None) -> dict[str | None, float]:
+    """One metric's samples in a scrape, by the value of ``label`` (None: unlabelled by it)."""
+    found: dict[str | None, float] = {}
     for line in text.splitlines():
-        if line.startswith("kvmesh:core_lending_total{"):
-            counts[line.split('event="', 1)[1].split('"', 1)[0]] = float(line.rsplit(" ", 1)[1])
-    return counts
+        if line.startswith(name + "{") or line.startswith(name + " "):
+            key = line.split(f'{label}="', 1)[1].split('"', 1)[0] if label else None
+            found[key] = float(line.rsplit(" ", 1)[1])
+    return found
