@@ -52,7 +52,7 @@ def lone_surrogate(value: Any) -> tuple[str, str] | None:
                     return path or "body", f"has a key that {unicode_problem(key)}"
                 pending.append((where, inner))
         elif isinstance(item, list):
-            pending.extend((f"{path}.{i}", inner) for i, inner in reversed(list(enumerate(item))))
+            pending.extend((f"{path}.{i}" if path else str(i), inner) for i, inner in reversed(list(enumerate(item))))
     return None
 
 
