@@ -141,13 +141,25 @@ def test_up_on_a_busy_port_fails_at_once_on_one_line(tmp_path):
         (["--engine", "sglang"], "kvmesh up: error: argument --engine: invalid choice: 'sglang'"),
         (["--host", "no-such-host.invalid"], "kvmesh up: error: --host no-such-host.invalid:"),
         (["--no-such-flag"], "kvmesh: error: unrecognized arguments: --no-such-flag"),
+        (["--port", "abc"], "kvmesh up: error: argument --port: must be an integer, got 'abc'"),
+        (["--kv-cache-mib", "1e12"], "kvmesh up: error: argument --kv-cache-mib: must be an integer, got '1e12'"),
+        # a model its worker would refuse only after the servers had started
+        (["--model", "{tmp}/badjson"], "kvmesh up: error: --model {tmp}/badjson: {tmp}/badjson/config.json cannot be read as JSON"),
+        (["--model", "{tmp}/keyless"], "kvmesh up: error: --model {tmp}/keyless: config.json has no 'num_attention_heads'"),
+        (["--model", "/tmp/" + "a" * 300], "kvmesh up: error: --model /tmp/aaaa"),  # too long a name: no traceback
+        (["--workdir", "/proc/self"], "kvmesh up: error: --workdir /proc/self: not writable"),
     ],
 )
 def test_up_bad_arguments_fail_at_once_on_one_line(tmp_path, args, message):
     import time
 
     (tmp_path / "empty").mkdir()
-    args = [a.replace("{empty_dir}", str(tmp_path / "empty")) for a in args]
+    (tmp_path / "badjson").mkdir()
+    (tmp_path / "badjson" / "config.json").write_text("{not json")
+    (tmp_path / "keyless").mkdir()
+    (tmp_path / "keyless" / "config.json").write_text('{"model_type": "llama"}')
+    args = [a.replace("{empty_dir}", str(tmp_path / "empty")).replace("{tmp}", str(tmp_path)) for a in args]
+    message = message.replace("{tmp}", str(tmp_path))
     began = time.monotonic()
     # --engine vllm: no Python with vLLM for the workers, even where the repository has a .venv-vllm
     done = kvmesh("up", "--port", "0", "--workdir", str(tmp_path / "w"), *args, env={"KVMESH_VLLM_PYTHON": "/nonexistent/python"})
@@ -157,3 +169,28 @@ def test_up_bad_arguments_fail_at_once_on_one_line(tmp_path, args, message):
     assert done.stderr.count("\n") == 1 and done.stdout == ""
     assert took < 1.0, took
     assert not (tmp_path / "w" / "logs").exists()
+
+
+def test_up_refuses_a_workdir_another_kvmesh_up_uses(tmp_path):
+    """A second ``kvmesh up`` on the same --workdir would write its credentials, CA and
+    pids.json over the first's, and the first's restarted services could not connect."""
+    import fcntl
+
+    from kvmesh.infra.up import LOCK_FILE
+
+    workdir = tmp_path / "w"
+    workdir.mkdir()
+    with open(workdir / LOCK_FILE, "w") as held:  # as the running one holds it
+        fcntl.flock(held, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        held.write("4242\n")
+        held.flush()
+        done = kvmesh("up", "--port", "0", "--workdir", str(workdir))
+    assert (done.returncode, done.stdout) == (2, "")
+    assert done.stderr == f"kvmesh up: error: --workdir {workdir} is in use by another kvmesh up (PID 4242)\n"
+    assert not (workdir / "logs").exists() and not (workdir / "pids.json").exists()
+
+
+def test_up_refuses_a_model_cache_it_cannot_write(tmp_path):
+    done = kvmesh("up", "--port", "0", "--workdir", str(tmp_path / "w"), env={"KVMESH_CACHE_DIR": "/proc/self/kvmesh-cache"})
+    assert done.returncode == 2 and done.stdout == "" and "Traceback" not in done.stderr, done.stderr
+    assert done.stderr.startswith("kvmesh up: error: the model cache /proc/self/kvmesh-cache (KVMESH_CACHE_DIR) is not writable"), done.stderr

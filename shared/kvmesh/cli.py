@@ -42,22 +42,29 @@ class _NoKeyInArgv(argparse.Action):
         parser.error("--api-key is gone (ps shows argv to everyone): use --api-key-file PATH or the environment variable KVMESH_API_KEY")
 
 
+def _integer(text: str) -> int:
+    try:
+        return int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be an integer, got {text!r}") from None
+
+
 def _port(text: str) -> int:
-    value = int(text)
+    value = _integer(text)
     if not 0 <= value <= 65535:
         raise argparse.ArgumentTypeError(f"must be a port number in 0..65535, got {text}")
     return value
 
 
 def _non_negative_int(text: str) -> int:
-    value = int(text)
+    value = _integer(text)
     if value < 0:
         raise argparse.ArgumentTypeError(f"must be >= 0, got {text}")
     return value
 
 
 def _positive_int(text: str) -> int:
-    value = int(text)
+    value = _integer(text)
     if value < 1:
         raise argparse.ArgumentTypeError(f"must be a positive integer, got {text}")
     return value

@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import errno
 import json
+import os
 import signal
 import socket
 import sys
@@ -164,16 +165,30 @@ def service_args(args: argparse.Namespace) -> tuple[list[str], list[str], dict[s
 
 
 # -- checks, all before anything starts ---------------------------------------------------
-def check_model(model: str | None) -> None:
+def check_model(model: str | None, engine: str = "kvmesh") -> None:
+    """The model is there, and (a directory for kvmesh's engine) its config.json is one the
+    engine reads: a worker that found otherwise would fail after the servers had started."""
     if model is None or model == DEFAULT_MODEL:
         return
     path = Path(model).expanduser()
-    if not path.exists():
+    try:
+        exists, is_dir = path.exists(), path.is_dir()
+    except OSError as exc:  # a name too long, say
+        raise UpUsageError(f"--model {model[:80]}{'...' if len(model) > 80 else ''}: {exc.strerror or exc}") from None
+    if not exists:
         raise UpUsageError(f"model path {model} does not exist")
-    if path.is_dir() and not (path / "config.json").is_file():
+    if is_dir and not (path / "config.json").is_file():
         raise UpUsageError(f"model directory {model} has no config.json")
-    if not path.is_dir() and path.suffix.lower() != ".gguf":
+    if not is_dir and path.suffix.lower() != ".gguf":
         raise UpUsageError(f"model {model} is neither a model directory nor a .gguf file")
+    if is_dir and engine == "kvmesh":
+        from kvmesh.engine.model.config import ModelConfig
+        from kvmesh.errors import ModelLoadError
+
+        try:
+            ModelConfig.from_dir(path)
+        except ModelLoadError as exc:
+            raise UpUsageError(f"--model {model}: {exc}") from None
 
 
 def check_port(host: str, port: int) -> None:
@@ -193,15 +208,53 @@ def check_port(host: str, port: int) -> None:
             raise UpUsageError(f"cannot listen on {host} port {port}: {exc.strerror}") from None
 
 
+LOCK_FILE = "kvmesh-up.lock"  # in the workdir: held by the kvmesh up using it, with its PID
+_workdir_lock: Any = None  # the open lock file, held until this process exits
+
+
 def check_workdir(workdir: str | None) -> Path:
+    """The workdir, made, writable and this process's alone: a second ``kvmesh up`` writing
+    its credentials, CA and ``pids.json`` over a running one's would leave that mesh's
+    restarted services unable to connect."""
+    global _workdir_lock
     if workdir is None:
-        return Path(tempfile.mkdtemp(prefix="kvmesh-up-"))
-    path = Path(workdir).expanduser()
+        path = Path(tempfile.mkdtemp(prefix="kvmesh-up-"))
+    else:
+        path = Path(workdir).expanduser()
+        try:
+            path.mkdir(parents=True, exist_ok=True)
+        except OSError as exc:
+            raise UpUsageError(f"--workdir {workdir}: {exc.strerror or exc}") from None
+    import fcntl
+
+    try:
+        lock = open(path / LOCK_FILE, "a+")  # noqa: SIM115 - held open for the process's life
+    except OSError as exc:
+        raise UpUsageError(f"--workdir {workdir}: not writable ({exc.strerror or exc})") from None
+    try:
+        fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:
+        lock.seek(0)
+        holder = lock.read().strip() or "?"
+        lock.close()
+        raise UpUsageError(f"--workdir {workdir} is in use by another kvmesh up (PID {holder})") from None
+    lock.truncate(0)
+    lock.write(f"{os.getpid()}\n")
+    lock.flush()
+    _workdir_lock = lock
+    return path
+
+
+def check_cache_dir() -> None:
+    """Where the default model is converted (``KVMESH_CACHE_DIR``, else ~/.cache/kvmesh) can be written."""
+    from kvmesh.engine.loader.default_model import cache_dir
+
+    path = cache_dir()
     try:
         path.mkdir(parents=True, exist_ok=True)
+        tempfile.TemporaryFile(dir=path).close()
     except OSError as exc:
-        raise UpUsageError(f"--workdir {workdir}: {exc.strerror or exc}") from None
-    return path
+        raise UpUsageError(f"the model cache {path} (KVMESH_CACHE_DIR) is not writable: {exc.strerror or exc}") from None
 
 
 def check_api_key_file(path: str | None) -> None:
@@ -287,7 +340,9 @@ def choose_machine_defaults(args: argparse.Namespace) -> list[str]:
 def check_args(args: argparse.Namespace) -> Path:
     """Everything that can be checked without starting anything; returns the workdir."""
     check_engine(args.engine)
-    check_model(args.model)
+    check_model(args.model, args.engine)
+    if args.model is None or args.model == DEFAULT_MODEL or str(args.model).lower().endswith(".gguf"):
+        check_cache_dir()  # where the workers convert it
     check_port(args.host, args.port)
     workdir = check_workdir(args.workdir)
     check_api_key_file(args.api_key_file)

@@ -34,6 +34,19 @@ class ModelConfig:
 
     @classmethod
     def from_dict(cls, raw: dict) -> ModelConfig:
+        """The hyper-parameters of a ``config.json``'s contents; ``UnsupportedModelError`` names
+        what is missing or of the wrong type."""
+        if not isinstance(raw, dict):
+            raise UnsupportedModelError("config.json is not a JSON object")
+        try:
+            return cls._from_dict(raw)
+        except KeyError as exc:
+            raise UnsupportedModelError(f"config.json has no {exc.args[0]!r}") from None
+        except (TypeError, ValueError, AttributeError, ZeroDivisionError) as exc:
+            raise UnsupportedModelError(f"config.json has a value of the wrong kind: {exc}") from None
+
+    @classmethod
+    def _from_dict(cls, raw: dict) -> ModelConfig:
         model_type = raw.get("model_type", "")
         if model_type not in SUPPORTED_ARCHITECTURES:
             raise UnsupportedModelError(
@@ -74,4 +87,8 @@ class ModelConfig:
         path = Path(model_dir) / "config.json"
         if not path.is_file():
             raise UnsupportedModelError(f"{model_dir} has no config.json")
-        return cls.from_dict(json.loads(path.read_text()))
+        try:
+            raw = json.loads(path.read_text())
+        except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+            raise UnsupportedModelError(f"{path} cannot be read as JSON: {exc}") from None
+        return cls.from_dict(raw)
