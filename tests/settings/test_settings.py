@@ -196,6 +196,10 @@ def test_a_worker_flag_beats_its_variable(monkeypatch: pytest.MonkeyPatch) -> No
         ("KVMESH_PIN_WRITE_DELAY", "30", "--pin-write-delay must be at least 0 and less than --pin-ttl (30), not 30"),
         ("KVMESH_PIN_WRITE_DELAY", "-1", "--pin-write-delay must be at least 0 and less than --pin-ttl (30), not -1"),
         ("KVMESH_DTYPE", "fp8", "KVMESH_DTYPE='fp8': invalid choice: 'fp8' (choose from 'float32', 'bfloat16', 'float16', 'auto')"),
+        # where the mesh is: refused at start, not retried for ever (or failing at every wait)
+        ("KVMESH_REQUEST_TIMEOUT", "-1", "--request-timeout must be a positive number of seconds, got -1"),
+        ("KVMESH_REQUEST_DEADLINE", "0", "--request-deadline must be a positive number of seconds, got 0"),
+        ("KVMESH_NAMESPACE", "a.b", "bad namespace 'a.b': one NATS token, no dots or wildcards"),
     ],
 )
 def test_a_bad_worker_value_is_one_error_line(
@@ -204,6 +208,21 @@ def test_a_bad_worker_value_is_one_error_line(
     monkeypatch.setenv(variable, value)
     with pytest.raises(SystemExit) as exit_:
         worker_settings("decode", MESH)
+    assert exit_.value.code == 2
+    assert last_error(capsys) == f"kvmesh-decode-worker: error: {error}"
+
+
+@pytest.mark.parametrize(
+    ("nats", "etcd", "error"),
+    [
+        ("http://n:4222", "e:1", "--nats-url: 'http://n:4222' is not [nats://|tls://]host[:port]"),
+        ("nats://u:pw@n:99999", "e:1", "--nats-url: 'n:99999' is not [nats://|tls://]host[:port]"),  # no password shown
+        ("nats://n", "e:1,e", "--etcd: 'e' is not [http://|https://]host:port"),
+    ],
+)
+def test_where_the_mesh_is_must_be_an_address(capsys: pytest.CaptureFixture[str], nats: str, etcd: str, error: str) -> None:
+    with pytest.raises(SystemExit) as exit_:
+        worker_settings("decode", ["--nats-url", nats, "--etcd", etcd])
     assert exit_.value.code == 2
     assert last_error(capsys) == f"kvmesh-decode-worker: error: {error}"
 

@@ -4,8 +4,11 @@ service has, and their flags (``add_mesh_args``)."""
 from __future__ import annotations
 
 import argparse
+import math
 from dataclasses import dataclass
+from urllib.parse import urlsplit
 
+from kvmesh.protocol import Subjects
 from kvmesh.settings import env
 from kvmesh.settings.flags import SettingsParser
 
@@ -33,6 +36,30 @@ class MeshSettings:
     def __post_init__(self) -> None:
         if not 0 < self.heartbeat_interval < self.silence_timeout:
             raise ValueError("the heartbeat interval must be positive and shorter than the silence timeout")
+        for name in ("request_timeout", "request_deadline"):
+            value = getattr(self, name)
+            if not 0 < value < math.inf:
+                raise ValueError(f"--{name.replace('_', '-')} must be a positive number of seconds, got {value:g}")
+        Subjects(self.namespace)  # one NATS token
+        for url in self.nats_url.split(","):
+            _check_address(url.strip(), "--nats-url", schemes=("nats", "tls"), port_optional=True)  # 4222
+        for endpoint in self.etcd_endpoints:
+            _check_address(endpoint, "--etcd", schemes=("http", "https"))
+
+
+def _check_address(address: str, flag: str, schemes: tuple[str, ...], port_optional: bool = False) -> None:
+    """``[scheme://][user:password@]host[:port]`` with a known scheme and a port in 1..65535
+    (required unless ``port_optional``)."""
+    parts = urlsplit(address if "://" in address else f"{schemes[0]}://{address}")
+    try:
+        port = parts.port
+        bad_port = (port is None and not port_optional) or (port is not None and not 0 < port < 65536)
+    except ValueError:
+        bad_port = True
+    if parts.scheme not in schemes or not parts.hostname or bad_port:
+        shown = address.rpartition("@")[2]  # never a password
+        port_text = "[:port]" if port_optional else ":port"
+        raise ValueError(f"{flag}: {shown!r} is not [{'|'.join(f'{s}://' for s in schemes)}]host{port_text}")
 
 
 def add_mesh_args(parser: SettingsParser) -> None:
