@@ -279,6 +279,7 @@ def test_router_settings_from_the_environment_and_flags_beating_it(monkeypatch: 
         ("KVMESH_KV_QUERY_TIMEOUT", "0", "KVMESH_KV_QUERY_TIMEOUT='0': must be more than 0, got '0'"),
         ("KVMESH_AUTH_METRICS", "1", "--auth-metrics / --auth-docs need API keys: give --api-key-file or KVMESH_API_KEY"),
         ("KVMESH_API_KEY_FILE", "/nowhere/keys", "cannot read the API key file /nowhere/keys"),
+        ("KVMESH_GENERATION_CONFIG", "/nowhere", "--generation-config /nowhere: not auto, vllm or a directory"),  # it only warned
     ],
 )
 def test_a_bad_router_value_is_one_error_line(
