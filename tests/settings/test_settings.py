@@ -200,6 +200,7 @@ def test_a_worker_flag_beats_its_variable(monkeypatch: pytest.MonkeyPatch) -> No
         ("KVMESH_REQUEST_TIMEOUT", "-1", "--request-timeout must be a positive number of seconds, got -1"),
         ("KVMESH_REQUEST_DEADLINE", "0", "--request-deadline must be a positive number of seconds, got 0"),
         ("KVMESH_NAMESPACE", "a.b", "bad namespace 'a.b': one NATS token, no dots or wildcards"),
+        ("KVMESH_HEALTH_PORT", "70000", "KVMESH_HEALTH_PORT='70000': must be a port number in 0..65535, got '70000'"),  # was an OverflowError at bind
     ],
 )
 def test_a_bad_worker_value_is_one_error_line(
@@ -280,6 +281,7 @@ def test_router_settings_from_the_environment_and_flags_beating_it(monkeypatch: 
         ("KVMESH_AUTH_METRICS", "1", "--auth-metrics / --auth-docs need API keys: give --api-key-file or KVMESH_API_KEY"),
         ("KVMESH_API_KEY_FILE", "/nowhere/keys", "cannot read the API key file /nowhere/keys"),
         ("KVMESH_GENERATION_CONFIG", "/nowhere", "--generation-config /nowhere: not auto, vllm or a directory"),  # it only warned
+        ("KVMESH_ROUTER_PORT", "70000", "KVMESH_ROUTER_PORT='70000': must be a port number in 0..65535, got '70000'"),
     ],
 )
 def test_a_bad_router_value_is_one_error_line(
@@ -392,3 +394,17 @@ def test_the_kv_query_timeout_is_a_router_setting(monkeypatch: pytest.MonkeyPatc
     monkeypatch.setenv("KVMESH_KV_QUERY_TIMEOUT", "0.25")
     assert router_settings(MESH).kv_query_timeout == 0.25
     assert router_settings([*MESH, "--kv-query-timeout", "1"]).kv_query_timeout == 1.0
+
+
+@pytest.mark.parametrize(
+    ("flags", "error"),
+    [
+        (["--mirror-interval", "-1"], "argument --mirror-interval: must be more than 0, got '-1'"),  # it was accepted
+        (["--health-port", "70000"], "argument --health-port: must be a port number in 0..65535, got '70000'"),
+    ],
+)
+def test_a_bad_kv_metadata_flag_is_one_error_line(capsys: pytest.CaptureFixture[str], flags: list[str], error: str) -> None:
+    with pytest.raises(SystemExit) as exit_:
+        kv_metadata_settings([*MESH, *flags])
+    assert exit_.value.code == 2
+    assert last_error(capsys) == f"kvmesh-kv-metadata: error: {error}"

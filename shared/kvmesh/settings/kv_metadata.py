@@ -7,7 +7,7 @@ import uuid
 from dataclasses import dataclass, field
 
 from kvmesh.settings import env
-from kvmesh.settings.flags import SettingsParser, from_args
+from kvmesh.settings.flags import SettingsParser, from_args, port_number, positive_seconds
 from kvmesh.settings.mesh import MeshSettings, add_mesh_args, mesh_settings
 
 INGEST_SPAN_INTERVAL = 10.0  # seconds one kv_ingest span sums up (KVMESH_INGEST_SPAN_INTERVAL)
@@ -32,14 +32,14 @@ def kv_metadata_parser() -> SettingsParser:
     add_mesh_args(parser)
     option = parser.option
     option("--service-id", env=env.SERVICE_ID)
-    option("--mirror-interval", env=env.MIRROR_INTERVAL, type=float, default=0.2)
+    option("--mirror-interval", env=env.MIRROR_INTERVAL, type=positive_seconds, default=0.2)
     option(
         "--ingest-span-interval", env=env.INGEST_SPAN_INTERVAL, type=float, default=INGEST_SPAN_INTERVAL,
         help="seconds of event ingestion one kv_ingest span sums up (KVMESH_INGEST_SPAN_INTERVAL)",
     )  # fmt: skip
     option("--health-host", env=env.HEALTH_HOST, default="127.0.0.1")
     option(
-        "--health-port", env=env.HEALTH_PORT, type=int, default=0,
+        "--health-port", env=env.HEALTH_PORT, type=port_number, default=0,
         help="port of /health/live and /health/ready; 0 picks a free one (KVMESH_HEALTH_PORT)",
     )  # fmt: skip
     return parser

@@ -17,7 +17,7 @@ from kvmesh.services.router.limits import Limits
 from kvmesh.services.router.rate_limits import RateLimitConfig, RateLimitConfigError, load_rate_limits
 from kvmesh.services.router.worker_choice import KV_INDEXES, LOCAL_PREFILL_MAX_TOKENS
 from kvmesh.settings import env
-from kvmesh.settings.flags import SettingsParser, from_args, switch
+from kvmesh.settings.flags import SettingsParser, from_args, port_number, positive_seconds, switch
 from kvmesh.settings.mesh import MeshSettings, add_mesh_args, mesh_settings
 
 NO_KEY_IN_ARGV = "--api-key is gone: a key on the command line is visible to every user (ps); use --api-key-file PATH or KVMESH_API_KEY"
@@ -68,16 +68,6 @@ def _not_negative(value: str) -> int:
     return number
 
 
-def _positive_seconds(value: str) -> float:
-    try:
-        number = float(value)
-    except ValueError:
-        raise _Negative(f"invalid float value: {value!r}") from None
-    if not number > 0:
-        raise _Negative(f"must be more than 0, got {value!r}")
-    return number
-
-
 def _origins(value: str) -> tuple[str, ...]:
     return tuple(origin.strip().rstrip("/") for origin in value.split(",") if origin.strip())
 
@@ -87,7 +77,7 @@ def router_parser() -> SettingsParser:
     add_mesh_args(parser)
     option = parser.option
     option("--host", env=env.ROUTER_HOST, default="127.0.0.1")
-    option("--port", env=env.ROUTER_PORT, type=int, default=8000, help="0 picks a free port")
+    option("--port", env=env.ROUTER_PORT, type=port_number, default=8000, help="0 picks a free port")
     option("--model", env=env.MODEL, help="for the tokenizer and chat template")
     option("--served-model-name", env=env.SERVED_MODEL_NAME)
     auth = parser.add_argument_group("API keys and rate limits")
@@ -135,7 +125,7 @@ def router_parser() -> SettingsParser:
         "from the workers' KV events: no round trip a request; the default) or kv-metadata (asked once a request)",
     )  # fmt: skip
     option(
-        "--kv-query-timeout", env=env.KV_QUERY_TIMEOUT, type=_positive_seconds, default=0.05,
+        "--kv-query-timeout", env=env.KV_QUERY_TIMEOUT, type=positive_seconds, default=0.05,
         help="seconds the router waits for kv-metadata's answer of which workers hold a prompt's prefix; past it the "
         "request is routed by load alone (default: %(default)s)",
     )  # fmt: skip

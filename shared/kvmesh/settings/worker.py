@@ -14,7 +14,7 @@ from kvmesh.machine import DTYPE_CHOICES, default_dtype
 from kvmesh.protocol import Role
 from kvmesh.settings import env
 from kvmesh.settings.env import EnvError
-from kvmesh.settings.flags import SettingsParser, from_args, int_or_none
+from kvmesh.settings.flags import SettingsParser, from_args, int_or_none, port_number
 from kvmesh.settings.mesh import MeshSettings, add_mesh_args, mesh_settings
 from kvmesh.transfer.mooncake_agent import mooncake_env_range, parse_port_range
 from kvmesh.worker.engines import DEFAULT_BLOCK_SIZE, ENGINES, unavailable
@@ -144,7 +144,7 @@ def worker_parser(role: Role) -> SettingsParser:
     option("--drain-timeout", env=env.DRAIN_TIMEOUT, type=float, default=60.0)
     option("--health-host", env=env.HEALTH_HOST, default="127.0.0.1", help="(KVMESH_HEALTH_HOST)")
     option(
-        "--health-port", env=env.HEALTH_PORT, type=int, default=0,
+        "--health-port", env=env.HEALTH_PORT, type=port_number, default=0,
         help="port of /health/live and /health/ready; 0 picks a free one (KVMESH_HEALTH_PORT)",
     )  # fmt: skip
     option(
