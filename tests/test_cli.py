@@ -61,7 +61,9 @@ def test_default_model_chat_answers_paris(default_model_dir):
     "args, message",
     [
         (["--max-tokens", "0"], "--max-tokens: must be a positive integer"),
-        (["--temperature", "-1"], "--temperature: must be >= 0"),
+        (["--temperature", "-1"], "--temperature: must be 0 or more"),
+        (["--temperature", "nan"], "--temperature: must be a finite number"),  # was taken
+        (["--seed", str(2**64)], f"seed must be in [{-(2**63)}, {2**64 - 1}]"),  # was a traceback after the model loaded
         (["--top-p", "2"], "top_p must be in (0, 1]"),
         (["--model", "/nonexistent/model"], "unknown model"),
         (["--logit-bias", "5"], "must be TOKEN=BIAS"),
@@ -133,9 +135,9 @@ def test_up_on_a_busy_port_fails_at_once_on_one_line(tmp_path):
     [
         (["--model", "/nonexistent/model"], "kvmesh up: error: model path /nonexistent/model does not exist"),
         (["--model", "{empty_dir}"], "kvmesh up: error: model directory {empty_dir} has no config.json"),
-        (["--port", "70000"], "kvmesh up: error: argument --port: must be a port number in 0..65535, got 70000"),
-        (["--prefill", "-1"], "kvmesh up: error: argument --prefill: must be >= 0, got -1"),
-        (["--decode", "0"], "kvmesh up: error: argument --decode: must be a positive integer, got 0"),
+        (["--port", "70000"], "kvmesh up: error: argument --port: must be a port number in 0..65535, got '70000'"),
+        (["--prefill", "-1"], "kvmesh up: error: argument --prefill: must be 0 or more, got '-1'"),
+        (["--decode", "0"], "kvmesh up: error: argument --decode: must be a positive integer, got '0'"),
         (["--dtype", "float64"], "kvmesh up: error: argument --dtype: invalid choice: 'float64'"),
         (["--engine", "vllm"], "kvmesh up: error: --engine vllm: "),
         (["--engine", "sglang"], "kvmesh up: error: argument --engine: invalid choice: 'sglang'"),
@@ -148,6 +150,8 @@ def test_up_on_a_busy_port_fails_at_once_on_one_line(tmp_path):
         (["--model", "{tmp}/keyless"], "kvmesh up: error: --model {tmp}/keyless: config.json has no 'num_attention_heads'"),
         (["--model", "/tmp/" + "a" * 300], "kvmesh up: error: --model /tmp/aaaa"),  # too long a name: no traceback
         (["--workdir", "/proc/self"], "kvmesh up: error: --workdir /proc/self: not writable"),
+        # vLLM refused it only once its worker had loaded the model
+        (["--engine", "vllm", "--block-size", "48"], "kvmesh up: error: --block-size 48: vLLM on CPU takes a multiple of 32"),
     ],
 )
 def test_up_bad_arguments_fail_at_once_on_one_line(tmp_path, args, message):
@@ -169,6 +173,24 @@ def test_up_bad_arguments_fail_at_once_on_one_line(tmp_path, args, message):
     assert done.stderr.count("\n") == 1 and done.stdout == ""
     assert took < 1.0, took
     assert not (tmp_path / "w" / "logs").exists()
+
+
+@pytest.mark.slow
+def test_up_says_a_workers_refusal_in_one_line(default_model_dir, tmp_path):
+    """A setting only the worker can judge (a KV block larger than its pool) stops ``kvmesh up``
+    with the worker's own one line and where its log is, not 20 lines of its log and a traceback."""
+    done = kvmesh(
+        "up", "--port", "0", "--workdir", str(tmp_path / "w"), "--dtype", "float32",
+        "--block-size", "100000", "--kv-cache-mib", "64", "--prefill", "0",
+        env={"KVMESH_CACHE_DIR": str(default_model_dir.parent.parent)},
+    )  # fmt: skip
+    assert done.returncode == 1, done.stderr
+    log = tmp_path / "w" / "logs" / "decode-1.log"
+    assert done.stderr.splitlines()[-1] == (
+        f"kvmesh up: error: decode-1 exited with 1: a KV budget of {64 * 2**20} bytes "
+        f"does not hold one 4608000000-byte block (its log: {log})"
+    )
+    assert "Traceback" not in done.stderr and "Traceback" not in log.read_text()
 
 
 def test_up_refuses_a_workdir_another_kvmesh_up_uses(tmp_path):

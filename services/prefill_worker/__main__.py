@@ -2,4 +2,4 @@ from kvmesh.service_main import run_service
 from kvmesh.services.prefill_worker.main import main
 
 if __name__ == "__main__":
-    run_service(main())
+    run_service(main(), "kvmesh-prefill-worker")

@@ -29,6 +29,7 @@ async def main(argv: list[str] | None = None) -> None:
     settings = router_settings(argv)
     mesh, keys, rate_limits = settings.mesh, settings.api_keys, settings.rate_limit_config
     await start_service("router", settings)
+    sock = bind(settings.host, settings.port)  # before anything connects: a bad --host or a taken port fails at once
     logger.info(
         "API keys: %s; rate limits: %s (store: %s)",
         ", ".join(keys.names) if keys else "none (/v1 is open)",
@@ -72,7 +73,6 @@ async def main(argv: list[str] | None = None) -> None:
     except ImportError:
         logger.info("opentelemetry-instrumentation-fastapi not installed: no HTTP spans")
 
-    sock = bind(settings.host, settings.port)
     try:
         await serve(RouterServer(app, settings.limits), sock)
     finally:

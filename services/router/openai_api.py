@@ -27,7 +27,7 @@ from pydantic import (
     model_validator,
 )
 
-from kvmesh.engine.request import MAX_LOGPROBS, PENALTY_RANGE
+from kvmesh.engine.request import MAX_LOGPROBS, PENALTY_RANGE, SEED_RANGE
 from kvmesh.engine.structured import GrammarError, GuidedDecoding, check_guided
 from kvmesh.protocol import GuidedSpec, SamplingSpec
 from kvmesh.services.router.openai_fields import (
@@ -93,7 +93,6 @@ MAX_STOP_TOKEN_IDS = 64
 MAX_N = 128  # OpenAI's limit on choices per prompt
 MAX_MESSAGES = 2048  # OpenAI's limit
 MAX_TOKEN_ID = 2**31 - 1
-SEED_RANGE = (-(2**63), 2**64 - 1)  # what torch.Generator.manual_seed takes
 SSE_DONE = "data: [DONE]\n\n"
 
 

@@ -20,6 +20,7 @@ from collections.abc import Generator
 import uvicorn
 from fastapi import FastAPI
 
+from kvmesh.errors import ListenError
 from kvmesh.services.router.http_protocol import router_protocol
 from kvmesh.services.router.limits import Limits
 from kvmesh.services.router.shutdown import Shutdown
@@ -42,7 +43,11 @@ def bind(host: str, port: int) -> socket.socket:
     request's time to first token (docs/benchmarks.md, "Time to first token through the mesh")."""
     sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM, socket.IPPROTO_TCP)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    sock.bind((host, port))
+    try:
+        sock.bind((host, port))
+    except OSError as exc:  # no such host, a port in use: one line at start (``run_service``)
+        sock.close()
+        raise ListenError(host, port, exc) from None
     return sock
 
 

@@ -13,6 +13,7 @@ from typing import Any
 from kvmesh import __version__
 from kvmesh.machine import DTYPE_CHOICES
 from kvmesh.settings import env
+from kvmesh.settings.values import integer, non_negative_int, non_negative_number, port_number, number, positive_int, positive_number
 from kvmesh.worker.engines import ENGINES
 
 logger = logging.getLogger("kvmesh")
@@ -42,34 +43,6 @@ class _NoKeyInArgv(argparse.Action):
         parser.error("--api-key is gone (ps shows argv to everyone): use --api-key-file PATH or the environment variable KVMESH_API_KEY")
 
 
-def _integer(text: str) -> int:
-    try:
-        return int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"must be an integer, got {text!r}") from None
-
-
-def _port(text: str) -> int:
-    value = _integer(text)
-    if not 0 <= value <= 65535:
-        raise argparse.ArgumentTypeError(f"must be a port number in 0..65535, got {text}")
-    return value
-
-
-def _non_negative_int(text: str) -> int:
-    value = _integer(text)
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"must be >= 0, got {text}")
-    return value
-
-
-def _positive_int(text: str) -> int:
-    value = _integer(text)
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be a positive integer, got {text}")
-    return value
-
-
 def _token_bias(text: str) -> tuple[int, float]:
     token, sep, bias = text.partition("=")
     try:
@@ -78,20 +51,6 @@ def _token_bias(text: str) -> tuple[int, float]:
         return int(token), float(bias)
     except ValueError:
         raise argparse.ArgumentTypeError(f"must be TOKEN=BIAS (a token id and a number), got {text!r}") from None
-
-
-def _non_negative_float(text: str) -> float:
-    value = float(text)
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"must be >= 0, got {text}")
-    return value
-
-
-def _positive_float(text: str) -> float:
-    value = float(text)
-    if not value > 0 or value == float("inf"):
-        raise argparse.ArgumentTypeError(f"must be a positive number, got {text}")
-    return value
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -105,18 +64,18 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--chat", action="store_true", help="wrap the prompt as a user message in the chat template")
     gen.add_argument("--system", help="system message (with --chat)")
     gen.add_argument("--model", help="model directory or .gguf file (default: SmolLM2-135M-Instruct)")
-    gen.add_argument("--max-tokens", type=_positive_int, default=128)
-    gen.add_argument("--temperature", type=_non_negative_float, default=0.0, help="0 is greedy (default)")
-    gen.add_argument("--top-p", type=float, default=1.0)
-    gen.add_argument("--top-k", type=int, default=0)
-    gen.add_argument("--seed", type=int)
+    gen.add_argument("--max-tokens", type=positive_int, default=128)
+    gen.add_argument("--temperature", type=non_negative_number, default=0.0, help="0 is greedy (default)")
+    gen.add_argument("--top-p", type=number, default=1.0)
+    gen.add_argument("--top-k", type=non_negative_int, default=0)
+    gen.add_argument("--seed", type=integer)
     gen.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
     gen.add_argument("--ignore-eos", action="store_true")
-    gen.add_argument("--presence-penalty", type=float, default=0.0, help="OpenAI's, over the generated tokens")
-    gen.add_argument("--frequency-penalty", type=float, default=0.0, help="OpenAI's, over the generated tokens")
-    gen.add_argument("--repetition-penalty", type=float, default=1.0, help="over prompt and generated tokens (1: off)")
-    gen.add_argument("--min-p", type=float, default=0.0)
-    gen.add_argument("--min-tokens", type=int, default=0, help="no EOS or stop string before this many tokens")
+    gen.add_argument("--presence-penalty", type=number, default=0.0, help="OpenAI's, over the generated tokens")
+    gen.add_argument("--frequency-penalty", type=number, default=0.0, help="OpenAI's, over the generated tokens")
+    gen.add_argument("--repetition-penalty", type=positive_number, default=1.0, help="over prompt and generated tokens (1: off)")
+    gen.add_argument("--min-p", type=number, default=0.0)
+    gen.add_argument("--min-tokens", type=non_negative_int, default=0, help="no EOS or stop string before this many tokens")
     gen.add_argument("--logit-bias", type=_token_bias, action="append", default=[], metavar="TOKEN=BIAS",
                      help="add BIAS to token id TOKEN's logit (repeatable)")
     gen.add_argument(
@@ -133,10 +92,10 @@ def build_parser() -> argparse.ArgumentParser:
         "(and to its KVMESH_* environment variable).",
     )  # fmt: skip
     up.add_argument("--version", action="version", version=f"kvmesh {__version__}")
-    up.add_argument("--prefill", type=_non_negative_int, default=1, help="prefill workers (0: decode workers prefill themselves)")
-    up.add_argument("--decode", type=_positive_int, default=1, help="decode workers")
+    up.add_argument("--prefill", type=non_negative_int, default=1, help="prefill workers (0: decode workers prefill themselves)")
+    up.add_argument("--decode", type=positive_int, default=1, help="decode workers")
     up.add_argument("--host", default="127.0.0.1", help="the router's address")
-    up.add_argument("--port", type=_port, default=8000, help="the router's port (0 picks a free one)")
+    up.add_argument("--port", type=port_number, default=8000, help="the router's port (0 picks a free one)")
     up.add_argument("--model", help="model directory or .gguf file (default: SmolLM2-135M-Instruct)")
     up.add_argument("--engine", choices=ENGINES, default="kvmesh", help="what the workers run: kvmesh (its own engine) or vllm (`make vllm`; workers run with .venv-vllm/bin/python)")
     up.add_argument(
@@ -144,18 +103,18 @@ def build_parser() -> argparse.ArgumentParser:
         help="the workers' weights and KV cache; auto: bfloat16 where the CPU has native bf16 (AVX512-BF16, AMX-BF16) "
         "or, with --device cuda, the GPU (compute capability 8.0 on), else float32 (KVMESH_DTYPE)",
     )  # fmt: skip
-    up.add_argument("--kv-cache-mib", type=_positive_int, default=256, help="KV pool per worker")
-    up.add_argument("--block-size", type=_positive_int, help="tokens per KV block (default: 16; 32 with vllm)")
-    up.add_argument("--num-threads", type=_positive_int, help="threads per worker (default: the cores split between the workers)")
+    up.add_argument("--kv-cache-mib", type=positive_int, default=256, help="KV pool per worker")
+    up.add_argument("--block-size", type=positive_int, help="tokens per KV block (default: 16; 32 with vllm)")
+    up.add_argument("--num-threads", type=positive_int, help="threads per worker (default: the cores split between the workers)")
     up.add_argument("--no-prefix-caching", action="store_true", help="workers do not reuse KV blocks")
     up.add_argument(
         "--lend-cores", action="store_true",
         help="kvmesh engine: a worker runs on every core while the other workers are idle, else on its share",
     )  # fmt: skip
     up.add_argument("--routing-config", help="JSON or YAML file of the router's scoring plugins and weights (default: prefix x2, load x1, session x1)")
-    up.add_argument("--lease-ttl", type=_positive_int, default=5, help="seconds a worker's etcd lease outlives it")
-    up.add_argument("--pin-ttl", type=_positive_int, default=30, help="seconds a prefill worker holds KV blocks for a decode worker at most")
-    up.add_argument("--request-timeout", type=_positive_float, default=30.0, help="seconds for any single network wait of a service")
+    up.add_argument("--lease-ttl", type=positive_int, default=5, help="seconds a worker's etcd lease outlives it")
+    up.add_argument("--pin-ttl", type=positive_int, default=30, help="seconds a prefill worker holds KV blocks for a decode worker at most")
+    up.add_argument("--request-timeout", type=positive_number, default=30.0, help="seconds for any single network wait of a service")
     up.add_argument("--api-key", nargs="?", action=_NoKeyInArgv, help=argparse.SUPPRESS)
     up.add_argument(
         "--api-key-file",
@@ -176,17 +135,17 @@ def build_parser() -> argparse.ArgumentParser:
     )
     creds.add_argument("--out", required=True, help="folder to write them to (mode 0700), e.g. deploy/compose/secrets")
     creds.add_argument(
-        "--prefill", type=_non_negative_int, default=4,
+        "--prefill", type=non_negative_int, default=4,
         help="prefill identities, prefill-worker-0 ...: the most prefill workers (compose replicas, StatefulSet pods) at once",
     )  # fmt: skip
     creds.add_argument(
-        "--decode", type=_positive_int, default=4,
+        "--decode", type=positive_int, default=4,
         help="decode identities, decode-worker-0 ...: the most decode workers (compose replicas, StatefulSet pods) at once",
     )  # fmt: skip
     creds.add_argument("--namespace", default="default", help="the mesh's namespace (KVMESH_NAMESPACE)")
     creds.add_argument("--k8s-namespace", default="kvmesh", help="the Kubernetes namespace of the Secrets and services")
     creds.add_argument(
-        "--request-deadline", type=float, default=1800.0,
+        "--request-deadline", type=positive_number, default=1800.0,
         help="the services' KVMESH_REQUEST_DEADLINE: how long a worker may answer one piece of work (plus 60 s)",
     )  # fmt: skip
 
@@ -194,29 +153,29 @@ def build_parser() -> argparse.ArgumentParser:
     etcd_auth.add_argument("--users", default=env.ETCD_USERS.raw(), help="etcd-users.json (KVMESH_ETCD_USERS)")
     etcd_auth.add_argument("--etcd", default=env.ETCD_ENDPOINTS.raw(), help="host:port (KVMESH_ETCD_ENDPOINTS)")
     etcd_auth.add_argument("--etcd-tls-ca", default=env.ETCD_TLS_CA.raw(), help="CA file (KVMESH_ETCD_TLS_CA)")
-    etcd_auth.add_argument("--wait", type=_non_negative_float, default=60.0, help="seconds to wait for etcd to answer")
+    etcd_auth.add_argument("--wait", type=non_negative_number, default=60.0, help="seconds to wait for etcd to answer")
 
     replay = commands.add_parser("replay", help="replay a Mooncake-format trace (--simulate: simulated prefill workers, no model)")
     replay.add_argument("--trace", required=True, help="JSONL trace: timestamp (ms), input_length, output_length, hash_ids")
     replay.add_argument("--simulate", action="store_true", help="simulate prefill workers under each routing policy")
-    replay.add_argument("--workers", type=_positive_int, default=16, help="simulated prefill workers")
-    replay.add_argument("--cache-blocks", type=_positive_int, default=6000, help="LRU cache per worker, in blocks")
-    replay.add_argument("--prefill-rate", type=_positive_float, default=2500.0, help="prompt tokens/s per worker")
-    replay.add_argument("--pull-ms", type=_non_negative_float, default=6.7, help="ms to pull one block from a peer")
+    replay.add_argument("--workers", type=positive_int, default=16, help="simulated prefill workers")
+    replay.add_argument("--cache-blocks", type=positive_int, default=6000, help="LRU cache per worker, in blocks")
+    replay.add_argument("--prefill-rate", type=positive_number, default=2500.0, help="prompt tokens/s per worker")
+    replay.add_argument("--pull-ms", type=non_negative_number, default=6.7, help="ms to pull one block from a peer")
     replay.add_argument("--policies", default="random,round-robin,least-load,prefix-only,kv-aware",
                         help="comma-separated: random, round-robin, least-load, prefix-only, kv-aware, kv-aware-local, weighted")
     replay.add_argument("--scorer-config", help="JSON/YAML plugin weights for the weighted policy (default: the built-in config)")
-    replay.add_argument("--time-scale", type=_positive_float, default=1.0, help="multiplies the timestamps (2: half the load)")
-    replay.add_argument("--block-size", type=_positive_int, default=512, help="tokens per hash_id")
-    replay.add_argument("--seed", type=int, default=0, help="seed of the random policy")
+    replay.add_argument("--time-scale", type=positive_number, default=1.0, help="multiplies the timestamps (2: half the load)")
+    replay.add_argument("--block-size", type=positive_int, default=512, help="tokens per hash_id")
+    replay.add_argument("--seed", type=integer, default=0, help="seed of the random policy")
     replay.add_argument("--json", action="store_true", help="print the figures as JSON")
     mesh = replay.add_argument_group("replaying against a running mesh (without --simulate)")
     mesh.add_argument("--url", help="the router's base URL, e.g. http://127.0.0.1:8000")
     mesh.add_argument("--model", default="SmolLM2-135M-Instruct", help="the served model name")
-    mesh.add_argument("--tokens-per-block", type=_positive_int, default=16, help="tokens each trace block becomes (a multiple of 16)")
-    mesh.add_argument("--max-blocks", type=_positive_int, default=32, help="prompts are capped at this many trace blocks")
-    mesh.add_argument("--max-output-tokens", type=_positive_int, default=16)
-    mesh.add_argument("--max-requests", type=_positive_int, default=50)
+    mesh.add_argument("--tokens-per-block", type=positive_int, default=16, help="tokens each trace block becomes (a multiple of 16)")
+    mesh.add_argument("--max-blocks", type=positive_int, default=32, help="prompts are capped at this many trace blocks")
+    mesh.add_argument("--max-output-tokens", type=positive_int, default=16)
+    mesh.add_argument("--max-requests", type=positive_int, default=50)
     return parser
 
 

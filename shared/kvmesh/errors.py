@@ -66,6 +66,17 @@ class ModelLoadError(KvmeshError, ValueError):
     """The model, its weights, its tokenizer or the device could not be loaded or used."""
 
 
+class EngineConfigError(KvmeshError, ValueError):
+    """The engine's settings make no engine: a KV pool too small for one block, a batch of none."""
+
+
+class ListenError(KvmeshError):
+    """A service cannot listen where its settings say: no such address, a port in use."""
+
+    def __init__(self, host: str, port: int, exc: OSError) -> None:
+        super().__init__(f"cannot listen on {host} port {port}: {exc.strerror or exc}")
+
+
 class EngineError(KvmeshError, RuntimeError):
     """The engine cannot serve requests."""
 

@@ -18,6 +18,7 @@ import sys
 from collections.abc import Awaitable, Callable, Coroutine
 from typing import Any, NoReturn, TypeVar
 
+from kvmesh.errors import KvmeshError
 from kvmesh.telemetry import log_settings, masked, setup_logging, setup_tracing
 
 S = TypeVar("S")
@@ -31,10 +32,22 @@ def running_as_service() -> bool:
     return _service_process
 
 
-def run_service(main: Coroutine[Any, Any, int | None]) -> NoReturn:
+def run_service(main: Coroutine[Any, Any, int | None], prog: str) -> NoReturn:
+    """Runs a service's ``main`` as its process and exits with its code. What kvmesh refuses
+    on purpose (``KvmeshError``: a model that is not there, a port it cannot listen on, a KV
+    pool that holds no block) ends the process with one line, ``prog: error: ...``, and exit
+    code 1, not a traceback; Ctrl-C before the service has its signal handlers ends it
+    quietly (130)."""
     global _service_process
     _service_process = True
-    code = asyncio.run(main) or 0
+    try:
+        code = asyncio.run(main) or 0
+    except KvmeshError as exc:
+        logging.getLogger("kvmesh").debug("%s stopped", prog, exc_info=exc)
+        sys.stderr.write(f"{prog}: error: {exc}\n")
+        code = 1
+    except KeyboardInterrupt:
+        code = 130
     logging.shutdown()
     sys.stdout.flush()
     sys.stderr.flush()

@@ -152,7 +152,7 @@ async def test_no_password_goes_to_a_server_that_skips_tls(tmp_path, tls):
     )
     try:
         with pytest.raises(Exception):  # noqa: B017  # whatever nats-py raises, it must not get in
-            nc = await asyncio.wait_for(connect_nats_once(mesh), 5)
+            nc = await asyncio.wait_for(connect_nats(mesh, "test"), 5)  # gives up after request_timeout
             await nc.close()
     finally:
         server.close()
@@ -160,23 +160,6 @@ async def test_no_password_goes_to_a_server_that_skips_tls(tmp_path, tls):
     assert received, "the client said nothing"
     assert secret.encode() not in received and b"CONNECT" not in received
     assert received[0] == 0x16  # a TLS handshake record
-
-
-async def connect_nats_once(mesh: MeshSettings) -> nats.NATS:
-    """``connect_nats`` as the services call it, but giving up after the first refusal."""
-    import kvmesh.cluster.connect as connect
-
-    original = connect.nats.connect
-
-    async def once(*args, **kwargs):
-        kwargs.update(allow_reconnect=False, max_reconnect_attempts=0)
-        return await original(*args, **kwargs)
-
-    connect.nats.connect = once  # type: ignore[assignment]
-    try:
-        return await connect_nats(mesh, "test")
-    finally:
-        connect.nats.connect = original  # type: ignore[assignment]
 
 
 def test_require_tls_refuses_a_service_without_cas_or_credentials(tmp_path, tls, capsys):

@@ -112,7 +112,7 @@ def test_the_registry_says_which_service_reads_what() -> None:
 def test_a_variable_is_read_with_its_type() -> None:
     assert env.KV_CACHE_MIB.read(int, 512, {}) == 512
     assert env.KV_CACHE_MIB.read(int, 512, {"KVMESH_KV_CACHE_MIB": "64"}) == 64
-    with pytest.raises(env.EnvError, match=r"^KVMESH_KV_CACHE_MIB='lots': invalid int value: 'lots'$"):
+    with pytest.raises(env.EnvError, match=r"^KVMESH_KV_CACHE_MIB='lots': must be an integer, got 'lots'$"):
         env.KV_CACHE_MIB.read(int, 512, {"KVMESH_KV_CACHE_MIB": "lots"})
 
 
@@ -187,18 +187,18 @@ def test_a_worker_flag_beats_its_variable(monkeypatch: pytest.MonkeyPatch) -> No
 @pytest.mark.parametrize(
     ("variable", "value", "error"),
     [
-        ("KVMESH_KV_CACHE_MIB", "lots", "KVMESH_KV_CACHE_MIB='lots': invalid int value: 'lots'"),
-        ("KVMESH_DRAIN_TIMEOUT", "soon", "KVMESH_DRAIN_TIMEOUT='soon': invalid float value: 'soon'"),
+        ("KVMESH_KV_CACHE_MIB", "lots", "KVMESH_KV_CACHE_MIB='lots': must be an integer, got 'lots'"),
+        ("KVMESH_DRAIN_TIMEOUT", "soon", "KVMESH_DRAIN_TIMEOUT='soon': must be a number, got 'soon'"),
         ("KVMESH_TRANSFER_PORTS", "20000-", "a port range is MIN-MAX, got '20000-'"),
-        ("KVMESH_FAULT_PULL_DELAY", "x", "KVMESH_FAULT_PULL_DELAY='x': invalid float value: 'x'"),
+        ("KVMESH_FAULT_PULL_DELAY", "x", "KVMESH_FAULT_PULL_DELAY='x': must be a number, got 'x'"),
         ("KVMESH_ENGINE_ARGS", "[1]", "--engine-args: must be a JSON object of EngineArgs fields"),
         ("KVMESH_HEARTBEAT_INTERVAL", "9", "the heartbeat interval must be positive and shorter than the silence timeout"),
         ("KVMESH_PIN_WRITE_DELAY", "30", "--pin-write-delay must be at least 0 and less than --pin-ttl (30), not 30"),
-        ("KVMESH_PIN_WRITE_DELAY", "-1", "--pin-write-delay must be at least 0 and less than --pin-ttl (30), not -1"),
+        ("KVMESH_PIN_WRITE_DELAY", "-1", "KVMESH_PIN_WRITE_DELAY='-1': must be 0 or more, got '-1'"),
         ("KVMESH_DTYPE", "fp8", "KVMESH_DTYPE='fp8': invalid choice: 'fp8' (choose from 'float32', 'bfloat16', 'float16', 'auto')"),
         # where the mesh is: refused at start, not retried for ever (or failing at every wait)
-        ("KVMESH_REQUEST_TIMEOUT", "-1", "--request-timeout must be a positive number of seconds, got -1"),
-        ("KVMESH_REQUEST_DEADLINE", "0", "--request-deadline must be a positive number of seconds, got 0"),
+        ("KVMESH_REQUEST_TIMEOUT", "-1", "KVMESH_REQUEST_TIMEOUT='-1': must be more than 0, got '-1'"),
+        ("KVMESH_REQUEST_DEADLINE", "0", "KVMESH_REQUEST_DEADLINE='0': must be more than 0, got '0'"),
         ("KVMESH_NAMESPACE", "a.b", "bad namespace 'a.b': one NATS token, no dots or wildcards"),
         ("KVMESH_HEALTH_PORT", "70000", "KVMESH_HEALTH_PORT='70000': must be a port number in 0..65535, got '70000'"),  # was an OverflowError at bind
     ],
@@ -211,6 +211,42 @@ def test_a_bad_worker_value_is_one_error_line(
         worker_settings("decode", MESH)
     assert exit_.value.code == 2
     assert last_error(capsys) == f"kvmesh-decode-worker: error: {error}"
+
+
+@pytest.mark.parametrize(
+    ("flags", "error"),
+    [
+        # each was a traceback from the engine after the model had loaded, or was accepted
+        (["--kv-cache-mib", "-5"], "argument --kv-cache-mib: must be a positive integer, got '-5'"),
+        (["--max-num-seqs", "0"], "argument --max-num-seqs: must be a positive integer, got '0'"),
+        (["--max-num-batched-tokens", "0"], "argument --max-num-batched-tokens: must be a positive integer, got '0'"),
+        (["--num-threads", "-1"], "argument --num-threads: must be a positive integer, got '-1'"),
+        (["--lease-ttl", "0"], "argument --lease-ttl: must be a positive integer, got '0'"),
+        (["--block-size", "0"], "argument --block-size: must be a positive integer, got '0'"),
+        (["--load-interval", "0"], "argument --load-interval: must be more than 0, got '0'"),  # a busy loop
+        (["--drain-timeout", "-1"], "argument --drain-timeout: must be 0 or more, got '-1'"),
+        (["--heartbeat-interval", "nan"], "argument --heartbeat-interval: must be a finite number, got 'nan'"),
+    ],
+)
+def test_a_worker_flag_out_of_range_is_one_error_line(capsys: pytest.CaptureFixture[str], flags: list[str], error: str) -> None:
+    with pytest.raises(SystemExit) as exit_:
+        worker_settings("decode", [*MESH, *flags])
+    assert exit_.value.code == 2
+    assert last_error(capsys) == f"kvmesh-decode-worker: error: {error}"
+
+
+def test_a_vllm_block_size_its_cpu_backend_refuses_is_named() -> None:
+    from kvmesh.worker.engines import block_size_problem
+
+    assert block_size_problem("vllm", "cpu", 48) == "--block-size 48: vLLM on CPU takes a multiple of 32"
+    assert block_size_problem("vllm", "cuda", 16) is None and block_size_problem("kvmesh", "cpu", 7) is None
+
+
+def test_zero_in_a_variable_is_the_default(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("KVMESH_BLOCK_SIZE", "0")
+    monkeypatch.setenv("KVMESH_NUM_THREADS", "0")
+    engine = worker_settings("decode", MESH).engine
+    assert (engine.block_size, engine.num_threads) == (16, None)
 
 
 @pytest.mark.parametrize(
@@ -231,7 +267,7 @@ def test_where_the_mesh_is_must_be_an_address(capsys: pytest.CaptureFixture[str]
 def test_a_bad_worker_flag_is_one_error_line(capsys: pytest.CaptureFixture[str]) -> None:
     with pytest.raises(SystemExit):
         worker_settings("decode", [*MESH, "--kv-cache-mib", "lots"])
-    assert last_error(capsys) == "kvmesh-decode-worker: error: argument --kv-cache-mib: invalid int value: 'lots'"
+    assert last_error(capsys) == "kvmesh-decode-worker: error: argument --kv-cache-mib: must be an integer, got 'lots'"
     with pytest.raises(SystemExit):
         worker_settings("decode", ["--etcd", "e:1"])
     assert last_error(capsys) == "kvmesh-decode-worker: error: --nats-url (or KVMESH_NATS_URL) is required"
@@ -274,7 +310,7 @@ def test_router_settings_from_the_environment_and_flags_beating_it(monkeypatch: 
 @pytest.mark.parametrize(
     ("variable", "value", "error"),
     [
-        ("KVMESH_ROUTER_PORT", "http", "KVMESH_ROUTER_PORT='http': invalid int value: 'http'"),
+        ("KVMESH_ROUTER_PORT", "http", "KVMESH_ROUTER_PORT='http': must be an integer, got 'http'"),
         ("KVMESH_RATE_LIMIT_STORE", "redis", "KVMESH_RATE_LIMIT_STORE='redis': invalid choice: 'redis' (choose from 'local', 'nats')"),
         ("KVMESH_MAX_HEADER_BYTES", "10", "max_header_bytes must be >= 1024, got 10"),
         ("KVMESH_KV_QUERY_TIMEOUT", "0", "KVMESH_KV_QUERY_TIMEOUT='0': must be more than 0, got '0'"),
@@ -310,11 +346,11 @@ def test_a_bad_kv_metadata_value_is_one_error_line(monkeypatch: pytest.MonkeyPat
     monkeypatch.setenv("KVMESH_MIRROR_INTERVAL", "often")
     with pytest.raises(SystemExit):
         kv_metadata_settings(MESH)
-    assert last_error(capsys) == "kvmesh-kv-metadata: error: KVMESH_MIRROR_INTERVAL='often': invalid float value: 'often'"
+    assert last_error(capsys) == "kvmesh-kv-metadata: error: KVMESH_MIRROR_INTERVAL='often': must be a number, got 'often'"
     monkeypatch.delenv("KVMESH_MIRROR_INTERVAL")
     with pytest.raises(SystemExit):
         kv_metadata_settings([*MESH, "--ingest-span-interval", "0"])
-    assert last_error(capsys) == "kvmesh-kv-metadata: error: --ingest-span-interval must be positive"
+    assert last_error(capsys) == "kvmesh-kv-metadata: error: argument --ingest-span-interval: must be more than 0, got '0'"
 
 
 # -- start-up -----------------------------------------------------------------------------------

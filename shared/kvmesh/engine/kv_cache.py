@@ -14,6 +14,7 @@ from collections.abc import Sequence
 import torch
 
 from kvmesh.engine.kv_layout import KVLayout
+from kvmesh.errors import EngineConfigError
 
 logger = logging.getLogger(__name__)
 
@@ -25,7 +26,7 @@ __all__ = ["DTYPES", "KVCachePool", "KVLayout", "num_blocks_for_budget"]
 def num_blocks_for_budget(budget_bytes: int, block_bytes: int) -> int:
     count = budget_bytes // block_bytes
     if count < 1:
-        raise ValueError(f"a KV budget of {budget_bytes} bytes does not hold one {block_bytes}-byte block")
+        raise EngineConfigError(f"a KV budget of {budget_bytes} bytes does not hold one {block_bytes}-byte block")
     return count
 
 

@@ -28,7 +28,7 @@ from kvmesh.engine.request import FinishReason, Request, SamplingParams
 from kvmesh.engine.scheduler import Scheduler, SchedulerConfig, max_model_len
 from kvmesh.engine.structured import GrammarCompiler, GrammarError
 from kvmesh.engine.tokenizer import Tokenizer
-from kvmesh.errors import ErrorCode
+from kvmesh.errors import EngineConfigError, ErrorCode
 from kvmesh.machine import default_dtype
 from kvmesh.hashing import hash_token_blocks
 
@@ -55,9 +55,9 @@ class EngineConfig:
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES and self.dtype != "auto":
-            raise ValueError(f"dtype must be one of {sorted(DTYPES)} or auto, got {self.dtype!r}")
+            raise EngineConfigError(f"dtype must be one of {sorted(DTYPES)} or auto, got {self.dtype!r}")
         if min(self.block_size, self.max_num_seqs, self.max_num_batched_tokens, self.max_failed_steps) < 1:
-            raise ValueError("block_size, max_num_seqs, max_num_batched_tokens and max_failed_steps must be positive")
+            raise EngineConfigError("block_size, max_num_seqs, max_num_batched_tokens and max_failed_steps must be positive")
 
 
 def _output_text(tokenizer: Tokenizer, params: SamplingParams) -> OutputText:

@@ -19,6 +19,7 @@ SAMPLING_EPS = 1e-5
 PENALTY_RANGE = (-2.0, 2.0)  # presence and frequency penalties, OpenAI's range
 LOGIT_BIAS_RANGE = (-100.0, 100.0)  # a bias outside is clamped to it, as OpenAI and vLLM do
 MAX_LOGPROBS = 20  # top logprobs per token, OpenAI's limit (vLLM's default max_logprobs)
+SEED_RANGE = (-(2**63), 2**64 - 1)  # what torch.Generator.manual_seed takes
 
 
 class FinishReason(str, enum.Enum):
@@ -106,6 +107,8 @@ class SamplingParams:
             raise ValueError(f"max_tokens must be >= 1, got {self.max_tokens}")
         if any(not s for s in self.stop):
             raise ValueError("stop strings must not be empty")
+        if self.seed is not None and not SEED_RANGE[0] <= self.seed <= SEED_RANGE[1]:
+            raise ValueError(f"seed must be in [{SEED_RANGE[0]}, {SEED_RANGE[1]}], got {self.seed}")
 
     @property
     def greedy(self) -> bool:

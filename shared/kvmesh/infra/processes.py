@@ -12,6 +12,7 @@ import ctypes
 import functools
 import logging
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -27,6 +28,7 @@ from kvmesh.errors import KvmeshError
 logger = logging.getLogger(__name__)
 
 PR_SET_PDEATHSIG = 1
+SERVICE_REFUSAL = re.compile(r"kvmesh-[a-z-]+: error: (?P<why>.+)")  # ``run_service``'s one line
 
 
 class ProcessStartError(KvmeshError):
@@ -161,6 +163,15 @@ class ManagedProcess:
         with self._lines_cond:
             return "\n".join(list(self._tail)[-lines:])
 
+    def exit_report(self) -> str:
+        """Why it exited: a kvmesh service's one-line refusal (``kvmesh-<service>: error: ...``,
+        ``kvmesh.service_main.run_service``) as it said it, else its last lines."""
+        tail = self.tail()
+        refusal = SERVICE_REFUSAL.match(tail.rpartition("\n")[2])
+        if refusal:
+            return f"{self.name} exited with {self.popen.returncode}: {refusal['why']} (its log: {self.log_path})"
+        return f"{self.name} exited with {self.popen.returncode}:\n{tail}"
+
     def lines_since(self, seen: int) -> tuple[int, list[str]]:
         """The output lines after the first ``seen`` (those still in the tail), and the new count."""
         with self._lines_cond:
@@ -180,7 +191,7 @@ class ManagedProcess:
                         if predicate(line):
                             return line
                 if self.popen.poll() is not None and not self._reader.is_alive():
-                    raise ProcessStartError(f"{self.name} exited with {self.popen.returncode}:\n{self.tail()}")
+                    raise ProcessStartError(self.exit_report())
                 remaining = deadline - time.monotonic()
                 if remaining <= 0:
                     raise ProcessStartError(f"{self.name} not ready after {timeout:.0f}s:\n{self.tail()}")

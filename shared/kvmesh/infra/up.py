@@ -306,6 +306,15 @@ def check_service_args(args: argparse.Namespace) -> None:
         raise UpUsageError("--lend-cores is only for kvmesh's engine: vLLM's workers keep to their cores")
 
 
+def check_block_size(args: argparse.Namespace) -> None:
+    from kvmesh.worker.engines import block_size_problem
+
+    if args.block_size is not None:
+        problem = block_size_problem(args.engine, getattr(args, "device", None) or "cpu", args.block_size)
+        if problem is not None:
+            raise UpUsageError(problem)
+
+
 def check_engine(engine: str) -> None:
     """The workers can host ``engine``: here, or (vLLM) with the Python of .venv-vllm."""
     from kvmesh.worker.engines import worker_python
@@ -339,6 +348,7 @@ def choose_machine_defaults(args: argparse.Namespace) -> list[str]:
 
 def check_args(args: argparse.Namespace) -> Path:
     """Everything that can be checked without starting anything; returns the workdir."""
+    check_block_size(args)
     check_engine(args.engine)
     check_model(args.model, args.engine)
     if args.model is None or args.model == DEFAULT_MODEL or str(args.model).lower().endswith(".gguf"):

@@ -57,10 +57,11 @@ class EnvVar:
 
 
 def why(exc: Exception, convert: Callable[[str], object], text: str) -> str:
-    """What is wrong with ``text``, as argparse says it for a flag."""
-    name = getattr(convert, "__name__", "")
-    if name in ("int", "float"):  # int's own message is about literals with base 10
-        return f"invalid {name} value: {text!r}"
+    """What is wrong with ``text``, in ``kvmesh.settings.values``' words."""
+    if convert is int:  # int's own message is about literals with base 10
+        return f"must be an integer, got {text!r}"
+    if convert is float:
+        return f"must be a number, got {text!r}"
     return str(exc)
 
 

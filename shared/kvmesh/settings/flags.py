@@ -73,42 +73,9 @@ class SettingsParser(argparse.ArgumentParser):
         return parsed, extras
 
 
-class FlagValueError(ValueError, argparse.ArgumentTypeError):
-    """A bad value, said as is by argparse (a flag) and by the registry's reader (a variable)."""
-
-
-def port_number(text: str) -> int:
-    """A TCP port to listen on: 0 (a free one) to 65535."""
-    try:
-        number = int(text)
-    except ValueError:
-        raise FlagValueError(f"invalid int value: {text!r}") from None
-    if not 0 <= number <= 65535:
-        raise FlagValueError(f"must be a port number in 0..65535, got {text!r}")
-    return number
-
-
-def positive_seconds(text: str) -> float:
-    try:
-        number = float(text)
-    except ValueError:
-        raise FlagValueError(f"invalid float value: {text!r}") from None
-    if not 0 < number < float("inf"):
-        raise FlagValueError(f"must be more than 0, got {text!r}")
-    return number
-
-
 def switch(text: str) -> bool:
     """A variable that turns a flag on: 1, true, yes or on."""
     return text.strip().lower() in ("1", "true", "yes", "on")
-
-
-def int_or_none(text: str) -> int | None:
-    """A number where 0 means "not set"."""
-    return int(text) or None
-
-
-int_or_none.__name__ = "int"
 
 
 def from_args(cls: type[T], args: argparse.Namespace, **computed: Any) -> T:

@@ -7,7 +7,8 @@ import uuid
 from dataclasses import dataclass, field
 
 from kvmesh.settings import env
-from kvmesh.settings.flags import SettingsParser, from_args, port_number, positive_seconds
+from kvmesh.settings.flags import SettingsParser, from_args
+from kvmesh.settings.values import port_number, positive_number
 from kvmesh.settings.mesh import MeshSettings, add_mesh_args, mesh_settings
 
 INGEST_SPAN_INTERVAL = 10.0  # seconds one kv_ingest span sums up (KVMESH_INGEST_SPAN_INTERVAL)
@@ -32,9 +33,9 @@ def kv_metadata_parser() -> SettingsParser:
     add_mesh_args(parser)
     option = parser.option
     option("--service-id", env=env.SERVICE_ID)
-    option("--mirror-interval", env=env.MIRROR_INTERVAL, type=positive_seconds, default=0.2)
+    option("--mirror-interval", env=env.MIRROR_INTERVAL, type=positive_number, default=0.2)
     option(
-        "--ingest-span-interval", env=env.INGEST_SPAN_INTERVAL, type=float, default=INGEST_SPAN_INTERVAL,
+        "--ingest-span-interval", env=env.INGEST_SPAN_INTERVAL, type=positive_number, default=INGEST_SPAN_INTERVAL,
         help="seconds of event ingestion one kv_ingest span sums up (KVMESH_INGEST_SPAN_INTERVAL)",
     )  # fmt: skip
     option("--health-host", env=env.HEALTH_HOST, default="127.0.0.1")
@@ -48,7 +49,5 @@ def kv_metadata_parser() -> SettingsParser:
 def kv_metadata_settings(argv: list[str] | None = None) -> KVMetadataSettings:
     parser = kv_metadata_parser()
     args = parser.parse_args(argv)
-    if args.ingest_span_interval <= 0:
-        parser.error("--ingest-span-interval must be positive")
     mesh = mesh_settings(args, parser)
     return from_args(KVMetadataSettings, args, mesh=mesh, service_id=args.service_id or new_service_id())

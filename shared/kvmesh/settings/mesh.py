@@ -11,6 +11,7 @@ from urllib.parse import urlsplit
 from kvmesh.protocol import Subjects
 from kvmesh.settings import env
 from kvmesh.settings.flags import SettingsParser
+from kvmesh.settings.values import positive_number
 
 
 @dataclass(slots=True, frozen=True)
@@ -68,19 +69,19 @@ def add_mesh_args(parser: SettingsParser) -> None:
     option("--etcd", env=env.ETCD_ENDPOINTS, help="etcd endpoints host:port[,host:port] (KVMESH_ETCD_ENDPOINTS)")
     option("--namespace", env=env.NAMESPACE, default="default", help="mesh namespace (KVMESH_NAMESPACE)")
     option(
-        "--request-timeout", env=env.REQUEST_TIMEOUT, type=float, default=30.0,
-        help="seconds for any single network wait: connect, ack, query (KVMESH_REQUEST_TIMEOUT)",
+        "--request-timeout", env=env.REQUEST_TIMEOUT, type=positive_number, default=30.0,
+        help="seconds for any single network wait: connect (a service that cannot reach NATS this long at start stops), ack, query (KVMESH_REQUEST_TIMEOUT)",
     )  # fmt: skip
     option(
-        "--request-deadline", env=env.REQUEST_DEADLINE, type=float, default=1800.0,
+        "--request-deadline", env=env.REQUEST_DEADLINE, type=positive_number, default=1800.0,
         help="seconds a whole request may take, retries included (KVMESH_REQUEST_DEADLINE)",
     )  # fmt: skip
     option(
-        "--silence-timeout", env=env.SILENCE_TIMEOUT, type=float, default=5.0,
+        "--silence-timeout", env=env.SILENCE_TIMEOUT, type=positive_number, default=5.0,
         help="a worker silent this long about a request is given up on (KVMESH_SILENCE_TIMEOUT)",
     )  # fmt: skip
     option(
-        "--heartbeat-interval", env=env.HEARTBEAT_INTERVAL, type=float, default=0.5,
+        "--heartbeat-interval", env=env.HEARTBEAT_INTERVAL, type=positive_number, default=0.5,
         help="seconds between a worker's progress messages for a request (KVMESH_HEARTBEAT_INTERVAL)",
     )  # fmt: skip
     option(

@@ -17,7 +17,8 @@ from kvmesh.services.router.limits import Limits
 from kvmesh.services.router.rate_limits import RateLimitConfig, RateLimitConfigError, load_rate_limits
 from kvmesh.services.router.worker_choice import KV_INDEXES, LOCAL_PREFILL_MAX_TOKENS
 from kvmesh.settings import env
-from kvmesh.settings.flags import SettingsParser, from_args, port_number, positive_seconds, switch
+from kvmesh.settings.flags import SettingsParser, from_args, switch
+from kvmesh.settings.values import non_negative_int, port_number, positive_int, positive_number
 from kvmesh.settings.mesh import MeshSettings, add_mesh_args, mesh_settings
 
 NO_KEY_IN_ARGV = "--api-key is gone: a key on the command line is visible to every user (ps); use --api-key-file PATH or KVMESH_API_KEY"
@@ -52,20 +53,6 @@ class RouterSettings:
 class _NoApiKeyFlag(argparse.Action):
     def __call__(self, parser: argparse.ArgumentParser, *args: object, **kwargs: object) -> NoReturn:
         parser.exit(2, f"{parser.prog}: error: {NO_KEY_IN_ARGV}\n")  # one line, no usage
-
-
-class _Negative(ValueError, argparse.ArgumentTypeError):
-    """Said as is by argparse (a flag) and by the registry's reader (a variable)."""
-
-
-def _not_negative(value: str) -> int:
-    try:
-        number = int(value)
-    except ValueError:
-        raise _Negative(f"invalid int value: {value!r}") from None
-    if number < 0:
-        raise _Negative(f"must be 0 or more, got {value!r}")
-    return number
 
 
 def _origins(value: str) -> tuple[str, ...]:
@@ -109,13 +96,13 @@ def router_parser() -> SettingsParser:
         help="sampling defaults for what a request omits: auto (the model's generation_config.json, the default), "
         "vllm (none: OpenAI's) or a directory holding a generation_config.json",
     )  # fmt: skip
-    option("--max-attempts", type=int, default=3, help="tries per request")
+    option("--max-attempts", type=positive_int, default=3, help="tries per request")
     option(
         "--routing-config", env=env.ROUTING_CONFIG,
         help="JSON or YAML file of scoring plugins and weights (default: prefix x2, load x1, session x1)",
     )  # fmt: skip
     option(
-        "--local-prefill-max-tokens", env=env.LOCAL_PREFILL_MAX_TOKENS, type=_not_negative, default=LOCAL_PREFILL_MAX_TOKENS,
+        "--local-prefill-max-tokens", env=env.LOCAL_PREFILL_MAX_TOKENS, type=non_negative_int, default=LOCAL_PREFILL_MAX_TOKENS,
         help="a decode worker that holds more of a prompt's prefix than any prefill worker prefills the prompt itself "
         "when at most this many of its tokens are not cached there (a chat's next turn); 0: never (default: %(default)s)",
     )  # fmt: skip
@@ -125,26 +112,26 @@ def router_parser() -> SettingsParser:
         "from the workers' KV events: no round trip a request; the default) or kv-metadata (asked once a request)",
     )  # fmt: skip
     option(
-        "--kv-query-timeout", env=env.KV_QUERY_TIMEOUT, type=positive_seconds, default=0.05,
+        "--kv-query-timeout", env=env.KV_QUERY_TIMEOUT, type=positive_number, default=0.05,
         help="seconds the router waits for kv-metadata's answer of which workers hold a prompt's prefix; past it the "
         "request is routed by load alone (default: %(default)s)",
     )  # fmt: skip
     defaults = Limits()
     limits = parser.add_argument_group("request limits")
     option(
-        "--max-body-bytes", env=env.MAX_BODY_BYTES, group=limits, type=int, default=defaults.max_body_bytes,
+        "--max-body-bytes", env=env.MAX_BODY_BYTES, group=limits, type=positive_int, default=defaults.max_body_bytes,
         help="larger request bodies get a 413 (default: %(default)s)",
     )  # fmt: skip
     option(
-        "--body-timeout", env=env.BODY_TIMEOUT, group=limits, type=float, default=defaults.body_timeout,
+        "--body-timeout", env=env.BODY_TIMEOUT, group=limits, type=positive_number, default=defaults.body_timeout,
         help="seconds a request body may take to arrive, else a 408 (default: %(default)s)",
     )  # fmt: skip
     option(
-        "--max-header-bytes", env=env.MAX_HEADER_BYTES, group=limits, type=int, default=defaults.max_header_bytes,
+        "--max-header-bytes", env=env.MAX_HEADER_BYTES, group=limits, type=positive_int, default=defaults.max_header_bytes,
         help="a larger request line and headers get a 431 (default: %(default)s)",
     )  # fmt: skip
     option(
-        "--header-timeout", env=env.HEADER_TIMEOUT, group=limits, type=float, default=defaults.header_timeout,
+        "--header-timeout", env=env.HEADER_TIMEOUT, group=limits, type=positive_number, default=defaults.header_timeout,
         help="seconds a request's head may take to arrive, else a 408 (default: %(default)s)",
     )  # fmt: skip
     return parser

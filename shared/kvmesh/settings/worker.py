@@ -14,10 +14,11 @@ from kvmesh.machine import DTYPE_CHOICES, default_dtype
 from kvmesh.protocol import Role
 from kvmesh.settings import env
 from kvmesh.settings.env import EnvError
-from kvmesh.settings.flags import SettingsParser, from_args, int_or_none, port_number
+from kvmesh.settings.flags import SettingsParser, from_args
+from kvmesh.settings.values import non_negative_number, port_number, positive_int, positive_number, positive_or_unset
 from kvmesh.settings.mesh import MeshSettings, add_mesh_args, mesh_settings
 from kvmesh.transfer.mooncake_agent import mooncake_env_range, parse_port_range
-from kvmesh.worker.engines import DEFAULT_BLOCK_SIZE, ENGINES, unavailable
+from kvmesh.worker.engines import DEFAULT_BLOCK_SIZE, ENGINES, block_size_problem, unavailable
 
 logger = logging.getLogger(__name__)
 
@@ -98,14 +99,14 @@ def worker_parser(role: Role) -> SettingsParser:
         "--dtype", env=env.DTYPE, default="auto", choices=DTYPE_CHOICES,
         help="auto: bfloat16 where the CPU (AVX512-BF16 / AMX) or the CUDA GPU (compute capability 8.0 on) has native bf16, else float32 (KVMESH_DTYPE)",
     )  # fmt: skip
-    option("--kv-cache-mib", env=env.KV_CACHE_MIB, type=int, default=512)
+    option("--kv-cache-mib", env=env.KV_CACHE_MIB, type=positive_int, default=512)
     option(
-        "--block-size", env=env.BLOCK_SIZE, type=int, from_env=int_or_none,
+        "--block-size", env=env.BLOCK_SIZE, type=positive_int, from_env=positive_or_unset,
         help=f"tokens per KV block (KVMESH_BLOCK_SIZE; default {DEFAULT_BLOCK_SIZE['kvmesh']}, "
         f"{DEFAULT_BLOCK_SIZE['vllm']} with vllm, whose CPU backend takes multiples of 32)",
     )  # fmt: skip
     option(
-        "--max-model-len", env=env.MAX_MODEL_LEN, type=int, from_env=int_or_none,
+        "--max-model-len", env=env.MAX_MODEL_LEN, type=positive_int, from_env=positive_or_unset,
         help="vllm: the longest sequence, prompt and output (KVMESH_MAX_MODEL_LEN; default the model's)",
     )  # fmt: skip
     option(
@@ -117,10 +118,10 @@ def worker_parser(role: Role) -> SettingsParser:
         "--engine-args", env=env.ENGINE_ARGS, metavar="JSON",
         help='vllm: more EngineArgs as a JSON object, e.g. \'{"enforce_eager": false}\' (KVMESH_ENGINE_ARGS)',
     )  # fmt: skip
-    option("--max-num-seqs", env=env.MAX_NUM_SEQS, type=int, default=64)
-    option("--max-num-batched-tokens", env=env.MAX_NUM_BATCHED_TOKENS, type=int, default=1024)
+    option("--max-num-seqs", env=env.MAX_NUM_SEQS, type=positive_int, default=64)
+    option("--max-num-batched-tokens", env=env.MAX_NUM_BATCHED_TOKENS, type=positive_int, default=1024)
     option("--no-prefix-caching", env=env.PREFIX_CACHING, action="store_true", default=False, from_env=lambda text: text == "0")
-    option("--num-threads", env=env.NUM_THREADS, type=int, from_env=int_or_none)
+    option("--num-threads", env=env.NUM_THREADS, type=positive_int, from_env=positive_or_unset)
     option(
         "--lend-cores", env=env.LEND_CORES, metavar="PATH:SLOT",
         help="kvmesh engine: this engine's slot on a board of engines on this machine (kvmesh up --lend-cores makes it); "
@@ -130,18 +131,18 @@ def worker_parser(role: Role) -> SettingsParser:
         "--advertise-host", env=env.ADVERTISE_HOST, default="127.0.0.1",
         help="address peers reach this worker's transfer engine at; 'auto' resolves this host's name",
     )  # fmt: skip
-    option("--lease-ttl", env=env.LEASE_TTL, type=int, default=5)
-    option("--pin-ttl", env=env.PIN_TTL, type=int, default=30)
+    option("--lease-ttl", env=env.LEASE_TTL, type=positive_int, default=5)
+    option("--pin-ttl", env=env.PIN_TTL, type=positive_int, default=30)
     option(
-        "--pin-write-delay", env=env.PIN_WRITE_DELAY, type=float, default=1.0,
+        "--pin-write-delay", env=env.PIN_WRITE_DELAY, type=non_negative_number, default=1.0,
         help="seconds a prefill's pin is held before its etcd key is written; a pull that comes sooner costs etcd nothing (0: at once) (KVMESH_PIN_WRITE_DELAY)",
     )  # fmt: skip
-    option("--load-interval", env=env.LOAD_INTERVAL, type=float, default=0.5)
+    option("--load-interval", env=env.LOAD_INTERVAL, type=positive_number, default=0.5)
     option(
         "--transfer-ports", env=env.TRANSFER_PORTS, metavar="MIN-MAX",
         help="port range of the Mooncake transfer engine's two listeners, to fence them (KVMESH_TRANSFER_PORTS)",
     )  # fmt: skip
-    option("--drain-timeout", env=env.DRAIN_TIMEOUT, type=float, default=60.0)
+    option("--drain-timeout", env=env.DRAIN_TIMEOUT, type=non_negative_number, default=60.0)
     option("--health-host", env=env.HEALTH_HOST, default="127.0.0.1", help="(KVMESH_HEALTH_HOST)")
     option(
         "--health-port", env=env.HEALTH_PORT, type=port_number, default=0,
@@ -215,6 +216,9 @@ def worker_settings(role: Role, argv: list[str] | None = None) -> WorkerSettings
         )  # fmt: skip
     except (EnvError, ValueError) as exc:
         parser.error(str(exc))
+    problem = block_size_problem(engine.name, engine.device, engine.block_size)
+    if problem is not None:
+        parser.error(problem)
     return from_args(
         WorkerSettings, args,
         role=role,

@@ -44,6 +44,14 @@ def unavailable(name: str) -> str | None:
     return f"unknown engine {name!r}; choose one of {', '.join(ENGINES)}"
 
 
+def block_size_problem(name: str, device: str, block_size: int) -> str | None:
+    """Why the engine ``name`` on ``device`` cannot have KV blocks of ``block_size`` tokens
+    (``None``: it can): said at start, not by vLLM after the model has loaded."""
+    if name == "vllm" and device == "cpu" and block_size % 32:
+        return f"--block-size {block_size}: vLLM on CPU takes a multiple of 32"
+    return None
+
+
 def worker_python(name: str) -> str:
     """The Python a launcher starts workers hosting ``name`` with: this one where it can host
     the engine, else for vLLM ``$KVMESH_VLLM_PYTHON`` or the repository's ``.venv-vllm``.

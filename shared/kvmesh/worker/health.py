@@ -19,6 +19,8 @@ import logging
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 
+from kvmesh.errors import ListenError
+
 logger = logging.getLogger(__name__)
 
 READ_TIMEOUT = 5.0
@@ -54,7 +56,10 @@ class HealthServer:
         return f"http://{host}:{self.port}"
 
     async def start(self) -> str:
-        self._server = await asyncio.start_server(self._serve, self.host, self.port, limit=MAX_REQUEST_LINE)
+        try:
+            self._server = await asyncio.start_server(self._serve, self.host, self.port, limit=MAX_REQUEST_LINE)
+        except OSError as exc:
+            raise ListenError(self.host, self.port, exc) from None
         self.port = self._server.sockets[0].getsockname()[1]
         logger.info("health checks on %s/health/live and /health/ready", self.url)
         return self.url

@@ -30,6 +30,7 @@ from kvmesh.engine.own_thread import run_in_own_thread
 from kvmesh.engine.loader.default_model import resolve_model, served_model_name
 from kvmesh.hashing import hash_token_blocks
 from kvmesh.transfer.layout import ITEMSIZE, PoolLayout
+from kvmesh.errors import EngineConfigError
 from kvmesh.worker.kv_tensors import pool_layout_of
 from kvmesh.worker.engine_api import Engine
 from kvmesh.settings.worker import EngineSettings
@@ -196,7 +197,7 @@ def default_max_model_len(model_dir: Path, dtype: str, block_size: int, kv_cache
     blocks = kv_cache_bytes // (token_bytes * block_size)
     fits = (blocks - 1) * block_size  # block 0 is vLLM's null block
     if fits < block_size:
-        raise ValueError(f"a KV cache of {kv_cache_bytes} bytes holds no {block_size}-token block of this model")
+        raise EngineConfigError(f"a KV cache of {kv_cache_bytes} bytes holds no {block_size}-token block of this model")
     return min(int(config.get("max_position_embeddings", fits)), fits)
 
 
