@@ -113,6 +113,53 @@ def test_kvmesh_up_serves_and_stops_on_ctrl_c(default_model_dir, tmp_path):
             up.kill()
 
 
+@pytest.mark.slow
+def test_kvmesh_up_without_a_workdir_leaves_nothing_behind(default_model_dir, tmp_path):
+    """Its temporary workdir (the mesh's credentials, its CA's key, etcd's data, the logs) goes
+    when it stops; a health port set in the environment, which would be every service's,
+    is said to be ignored rather than failing the second service to bind it."""
+    import re
+    import signal
+
+    from kvmesh.infra.processes import free_port
+
+    env = {
+        **os.environ, "KVMESH_CACHE_DIR": str(default_model_dir.parent.parent), "TMPDIR": str(tmp_path),
+        "KVMESH_HEALTH_PORT": str(free_port()),
+    }  # fmt: skip
+    up = subprocess.Popen(
+        [sys.executable, "-m", "kvmesh.cli", "up", "--port", "0", "--kv-cache-mib", "32", "--prefill", "0"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=env,
+    )
+    try:
+        line = up.stdout.readline()  # printed once everything is ready
+        assert re.search(r"serving at http://\S+/v1", line), (line, up.stderr.read() if up.poll() is not None else "")
+        [workdir] = tmp_path.glob("kvmesh-up-*")
+        assert (workdir / "logs" / "decode-1.log").exists() and (workdir / "pids.json").exists()
+        up.send_signal(signal.SIGINT)
+        assert up.wait(60) == 0
+        stderr = up.stderr.read()
+        assert "kvmesh up: KVMESH_HEALTH_PORT ignored: it names one process, and kvmesh up runs several" in stderr
+        assert stderr.endswith("kvmesh up: stopped\n"), stderr
+        assert list(tmp_path.glob("kvmesh-up-*")) == []  # (the workers' Mooncake start lock is shared, and stays)
+    finally:
+        if up.poll() is None:
+            up.kill()
+
+
+def test_up_refused_leaves_no_temporary_workdir(tmp_path):
+    binary = tmp_path / "keys"
+    binary.write_bytes(b"\xffkey")
+    done = kvmesh("up", "--port", "0", "--api-key-file", str(binary), env={"TMPDIR": str(tmp_path / "tmp")})
+    assert (done.returncode, done.stdout) == (2, "")
+    assert done.stderr == f"kvmesh up: error: --api-key-file: cannot read the API key file {binary}: not UTF-8 text (byte 0 is 0xff)\n"
+    (tmp_path / "tmp").mkdir(exist_ok=True)
+    assert list((tmp_path / "tmp").iterdir()) == []  # it was made before the later checks refused
+
+
 def test_up_on_a_busy_port_fails_at_once_on_one_line(tmp_path):
     """Before anything starts (no model load, no servers), not as a traceback later."""
     import socket
@@ -150,6 +197,7 @@ def test_up_on_a_busy_port_fails_at_once_on_one_line(tmp_path):
         (["--model", "{tmp}/keyless"], "kvmesh up: error: --model {tmp}/keyless: config.json has no 'num_attention_heads'"),
         (["--model", "/tmp/" + "a" * 300], "kvmesh up: error: --model /tmp/aaaa"),  # too long a name: no traceback
         (["--workdir", "/proc/self"], "kvmesh up: error: --workdir /proc/self: not writable"),
+        (["--host", "bad host!"], "kvmesh up: error: argument --host: must be an IP address or a host name, got 'bad host!'"),
         # vLLM refused it only once its worker had loaded the model
         (["--engine", "vllm", "--block-size", "48"], "kvmesh up: error: --block-size 48: vLLM on CPU takes a multiple of 32"),
     ],
@@ -180,17 +228,19 @@ def test_up_says_a_workers_refusal_in_one_line(default_model_dir, tmp_path):
     """A setting only the worker can judge (a KV block larger than its pool) stops ``kvmesh up``
     with the worker's own one line and where its log is, not 20 lines of its log and a traceback."""
     done = kvmesh(
-        "up", "--port", "0", "--workdir", str(tmp_path / "w"), "--dtype", "float32",
-        "--block-size", "100000", "--kv-cache-mib", "64", "--prefill", "0",
-        env={"KVMESH_CACHE_DIR": str(default_model_dir.parent.parent)},
+        "up", "--port", "0", "--dtype", "float32", "--block-size", "100000", "--kv-cache-mib", "64", "--prefill", "0",
+        env={"KVMESH_CACHE_DIR": str(default_model_dir.parent.parent), "TMPDIR": str(tmp_path)},
     )  # fmt: skip
     assert done.returncode == 1, done.stderr
-    log = tmp_path / "w" / "logs" / "decode-1.log"
-    assert done.stderr.splitlines()[-1] == (
+    [workdir] = tmp_path.glob("kvmesh-up-*")  # its own temporary one: after a failure, the logs stay
+    log = workdir / "logs" / "decode-1.log"
+    assert done.stderr.splitlines()[-2:] == [
+        f"kvmesh up: the logs are kept in {workdir / 'logs'}",
         f"kvmesh up: error: decode-1 exited with 1: a KV budget of {64 * 2**20} bytes "
-        f"does not hold one 4608000000-byte block (its log: {log})"
-    )
+        f"does not hold one 4608000000-byte block (its log: {log})",
+    ]
     assert "Traceback" not in done.stderr and "Traceback" not in log.read_text()
+    assert [p.name for p in workdir.iterdir()] == ["logs"]  # the mesh's credentials, CA and etcd's data went
 
 
 def test_up_refuses_a_workdir_another_kvmesh_up_uses(tmp_path):

@@ -20,9 +20,9 @@ import hmac
 import os
 import re
 from collections.abc import Mapping
-from pathlib import Path
 
 from kvmesh.settings.env import API_KEY
+from kvmesh.settings.files import settings_text
 
 __all__ = ["ANONYMOUS", "DEFAULT_NAME", "ApiKeyError", "ApiKeys", "load_api_keys", "parse_key_file"]
 
@@ -86,7 +86,7 @@ def load_api_keys(path: str | None, env: Mapping[str, str] = os.environ) -> ApiK
     keys: dict[str, str] = {}
     if path:
         try:
-            text = Path(path).read_text()
+            text = settings_text(path)
         except OSError as exc:
             raise ApiKeyError(f"cannot read the API key file {path}: {exc.strerror or exc}") from None
         keys = parse_key_file(text, path)

@@ -18,9 +18,9 @@ token budgets are per router or, with the NATS store, shared by every router.
 from __future__ import annotations
 
 import json
+from kvmesh.settings.files import settings_text
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 __all__ = ["UNITS", "KeyLimits", "RateLimitConfig", "RateLimitConfigError", "TokenRate", "load_rate_limits"]
@@ -106,7 +106,7 @@ def parse_rate_limits(raw: Any, source: str = "the limits file") -> RateLimitCon
 
 def load_rate_limits(path: str) -> RateLimitConfig:
     try:
-        text = Path(path).read_text()
+        text = settings_text(path)
     except OSError as exc:
         raise RateLimitConfigError(f"cannot read the limits file {path}: {exc.strerror or exc}") from None
     try:

@@ -13,7 +13,7 @@ from typing import Any
 from kvmesh import __version__
 from kvmesh.machine import DTYPE_CHOICES
 from kvmesh.settings import env
-from kvmesh.settings.values import integer, non_negative_int, non_negative_number, port_number, number, positive_int, positive_number
+from kvmesh.settings.values import host_address, integer, non_negative_int, non_negative_number, port_number, number, positive_int, positive_number
 from kvmesh.worker.engines import ENGINES
 
 logger = logging.getLogger("kvmesh")
@@ -94,7 +94,7 @@ def build_parser() -> argparse.ArgumentParser:
     up.add_argument("--version", action="version", version=f"kvmesh {__version__}")
     up.add_argument("--prefill", type=non_negative_int, default=1, help="prefill workers (0: decode workers prefill themselves)")
     up.add_argument("--decode", type=positive_int, default=1, help="decode workers")
-    up.add_argument("--host", default="127.0.0.1", help="the router's address")
+    up.add_argument("--host", type=host_address, default="127.0.0.1", help="the router's address")
     up.add_argument("--port", type=port_number, default=8000, help="the router's port (0 picks a free one)")
     up.add_argument("--model", help="model directory or .gguf file (default: SmolLM2-135M-Instruct)")
     up.add_argument("--engine", choices=ENGINES, default="kvmesh", help="what the workers run: kvmesh (its own engine) or vllm (`make vllm`; workers run with .venv-vllm/bin/python)")
@@ -125,7 +125,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--tls", action=argparse.BooleanOptionalAction, default=True,
         help="NATS and etcd over TLS only, with a fresh CA in <workdir>/tls (default: on; --no-tls: plaintext on loopback)",
     )
-    up.add_argument("--workdir", help="logs, server data, the mesh's credentials and its CA (default: a new temporary folder)")
+    up.add_argument("--workdir", help="logs, server data, the mesh's credentials and its CA (default: a new temporary folder, removed at the end; its logs kept after a failure)")
     from kvmesh.infra.up import add_service_args
 
     add_service_args(up)

@@ -15,6 +15,9 @@ from pathlib import Path
 
 import pytest
 
+from kvmesh.routing.scorer import ScorerConfigError, read_scorer_config
+from kvmesh.settings.values import ValueTextError, host_address
+
 from kvmesh.machine import default_dtype
 from kvmesh.service_main import settings_values, start_service, until_signalled
 from kvmesh.settings import env
@@ -240,6 +243,43 @@ def test_a_vllm_block_size_its_cpu_backend_refuses_is_named() -> None:
 
     assert block_size_problem("vllm", "cpu", 48) == "--block-size 48: vLLM on CPU takes a multiple of 32"
     assert block_size_problem("vllm", "cuda", 16) is None and block_size_problem("kvmesh", "cpu", 7) is None
+
+
+@pytest.mark.parametrize(
+    ("flags", "error"),
+    [
+        # peers would have dialled it; a listener would have failed after the model loaded
+        (["--advertise-host", "bad host!"], "argument --advertise-host: must be an IP address or a host name, got 'bad host!'"),
+        (["--health-host", "a..b"], "argument --health-host: must be an IP address or a host name, got 'a..b'"),
+        (["--nats-tls-ca", "{binary}"], "--nats-tls-ca {binary}: not UTF-8 text (byte 0 is 0xff)"),  # was a traceback
+    ],
+)
+def test_a_bad_address_or_file_is_one_error_line(capsys: pytest.CaptureFixture[str], tmp_path: Path, flags: list[str], error: str) -> None:
+    binary = tmp_path / "binary"
+    binary.write_bytes(b"\xff\xfe\x00 not text")
+    with pytest.raises(SystemExit) as exit_:
+        worker_settings("decode", [*MESH, *(flag.replace("{binary}", str(binary)) for flag in flags)])
+    assert exit_.value.code == 2
+    assert last_error(capsys) == f"kvmesh-decode-worker: error: {error.replace('{binary}', str(binary))}"
+
+
+def test_hosts_a_service_is_given_are_addresses_or_names() -> None:
+    for host in ("127.0.0.1", "0.0.0.0", "::", "[::1]", "fe80::1", "localhost", "kv-metadata", "kvmesh_router_1", "a.example.", "auto"):
+        assert host_address(host) == host
+    for host in ("", "bad host!", "a..b", "-a", "a-", "x" * 64, "http://a", "a:80", ("a." * 127) + "bc"):
+        with pytest.raises(ValueTextError, match="must be an IP address or a host name"):
+            host_address(host)
+
+
+def test_a_settings_file_that_is_not_text_is_said_so(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    binary = tmp_path / "keys.bin"
+    binary.write_bytes(b"\x80abc")
+    for flag in ("--api-key-file", "--rate-limits", "--routing-config"):
+        with pytest.raises((SystemExit, ScorerConfigError)) as raised:
+            router_settings([*MESH, flag, str(binary)])
+            read_scorer_config(binary)  # the router reads its routing config at start, not in its settings
+        said = last_error(capsys) if raised.type is SystemExit else str(raised.value)
+        assert said.endswith(f"{binary}: not UTF-8 text (byte 0 is 0x80)"), said
 
 
 def test_zero_in_a_variable_is_the_default(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -79,6 +79,9 @@ class MeshOptions:
 # not even begun, on a quiet machine: a signal a blocked event loop never read.)
 SERVICE_DEATH_SIGNAL = signal.SIGKILL
 SERVER_DEATH_SIGNAL = signal.SIGKILL  # nats-server and etcd have nothing to drain
+# Variables that name one process (its health port, its id): the mesh runs several services,
+# each with its own (a fixed health port would be taken by the first and refused to the rest).
+ONE_PROCESS_VARIABLES = ("KVMESH_HEALTH_PORT", "KVMESH_WORKER_ID", "KVMESH_SERVICE_ID", "KVMESH_IDENTITY_SLOTS")
 LENDING_SLOTS = 64  # workers of a mesh on one core-lending board; later ones keep to their share
 
 
@@ -266,7 +269,7 @@ class LocalMesh:
             raise ValueError(f"KVMESH_REQUEST_DEADLINE is not a number of seconds: {value!r}") from None
 
     def _env(self) -> dict[str, str]:
-        env = dict(os.environ)
+        env = {name: value for name, value in os.environ.items() if name not in ONE_PROCESS_VARIABLES}
         env.update(self.options.env)
         env.setdefault("PYTHONUNBUFFERED", "1")
         return env

@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 from kvmesh.errors import KvmeshError
+from kvmesh.settings.values import non_negative_int, non_negative_number, positive_int, positive_number
 from kvmesh.settings import env
 
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
@@ -60,25 +61,9 @@ class ServiceOption:
         return self.flag.removeprefix("--").replace("-", "_")
 
 
-def _positive(kind: type, *, zero: bool = False) -> Any:
-    """An argparse type: a number above 0 (``zero``: or 0), refused on the command line otherwise."""
-    words = {int: "integer", float: "number"}[kind]
 
-    def parse(text: str) -> Any:
-        try:
-            value = kind(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"invalid {kind.__name__} value: {text!r}") from None
-        if value != value or value in (float("inf"), float("-inf")) or value < 0 or (value == 0 and not zero):
-            raise argparse.ArgumentTypeError(f"must be a {'non-negative' if zero else 'positive'} {words}, got {text!r}")
-        return value
-
-    parse.__name__ = kind.__name__
-    return parse
-
-
-POSITIVE_INT = {"type": _positive(int)}
-POSITIVE_FLOAT = {"type": _positive(float)}
+POSITIVE_INT = {"type": positive_int}
+POSITIVE_FLOAT = {"type": positive_number}
 # what only vLLM's workers read (``kvmesh.worker.vllm_engine``): kvmesh's engine would ignore it
 VLLM_ONLY = ("--max-model-len", "--engine-args")
 
@@ -104,7 +89,7 @@ SERVICE_OPTIONS = (
         "--local-prefill-max-tokens", "router",
         "a decode worker holding more of a prompt's prefix than any prefill worker prefills it itself when at most this "
         "many tokens are not cached there (default: 256; 0: never)",
-        {"type": _positive(int, zero=True)},
+        {"type": non_negative_int},
     ),  # fmt: skip
     ServiceOption(
         "--kv-index", "router",
@@ -120,9 +105,9 @@ SERVICE_OPTIONS = (
     ServiceOption("--max-num-seqs", "workers", "requests a worker batches at most (default: 64)", POSITIVE_INT),
     ServiceOption("--max-num-batched-tokens", "workers", "tokens in one engine step at most (default: 1024)", POSITIVE_INT),
     ServiceOption("--engine-args", "workers", 'vllm: more EngineArgs as a JSON object, e.g. \'{"enforce_eager": false}\'', {"metavar": "JSON"}),
-    ServiceOption("--drain-timeout", "workers", "seconds a stopping worker finishes its work in (default: 60)", {"type": _positive(float, zero=True)}),
+    ServiceOption("--drain-timeout", "workers", "seconds a stopping worker finishes its work in (default: 60)", {"type": non_negative_number}),
     ServiceOption("--load-interval", "workers", "seconds between a worker's load reports (default: 0.5)", POSITIVE_FLOAT),
-    ServiceOption("--pin-write-delay", "workers", "seconds a pin is held before its etcd key is written (default: 1; 0: at once)", {"type": _positive(float, zero=True)}),
+    ServiceOption("--pin-write-delay", "workers", "seconds a pin is held before its etcd key is written (default: 1; 0: at once)", {"type": non_negative_number}),
     ServiceOption("--request-deadline", "env", "seconds a whole request may take, retries included (default: 1800)", POSITIVE_FLOAT, env="KVMESH_REQUEST_DEADLINE"),
     ServiceOption("--silence-timeout", "env", "a worker silent this long about a request is given up on (default: 5)", POSITIVE_FLOAT, env="KVMESH_SILENCE_TIMEOUT"),
     ServiceOption("--heartbeat-interval", "env", "seconds between a worker's progress messages (default: 0.5)", POSITIVE_FLOAT, env="KVMESH_HEARTBEAT_INTERVAL"),
@@ -245,6 +230,21 @@ def check_workdir(workdir: str | None) -> Path:
     return path
 
 
+def forget_workdir(workdir: Path, *, keep_logs: bool) -> None:
+    """A temporary workdir (no ``--workdir``) is removed once the mesh has stopped: the mesh's
+    credentials, its CA's key and etcd's data go with it. After a failure the logs stay, the
+    rest goes, and the last line says where they are."""
+    import shutil
+
+    if not keep_logs:
+        shutil.rmtree(workdir, ignore_errors=True)
+        return
+    for entry in workdir.iterdir():
+        if entry.name != "logs":
+            shutil.rmtree(entry, ignore_errors=True) if entry.is_dir() else entry.unlink(missing_ok=True)
+    progress(f"the logs are kept in {workdir / 'logs'}")
+
+
 def check_cache_dir() -> None:
     """Where the default model is converted (``KVMESH_CACHE_DIR``, else ~/.cache/kvmesh) can be written."""
     from kvmesh.engine.loader.default_model import cache_dir
@@ -354,14 +354,13 @@ def check_args(args: argparse.Namespace) -> Path:
     if args.model is None or args.model == DEFAULT_MODEL or str(args.model).lower().endswith(".gguf"):
         check_cache_dir()  # where the workers convert it
     check_port(args.host, args.port)
-    workdir = check_workdir(args.workdir)
     check_api_key_file(args.api_key_file)
     check_service_args(args)
     from kvmesh.infra.servers import find_binary, find_etcd
 
     find_binary("nats-server")  # missing binaries fail now, not after the model loaded
     find_etcd()
-    return workdir
+    return check_workdir(args.workdir)  # last: a refused start leaves no folder behind
 
 
 # -- the run --------------------------------------------------------------------------------
@@ -370,6 +369,11 @@ def run_up(args: argparse.Namespace) -> int:
     workdir = check_args(args)
     for line in chosen:
         progress(line)
+    from kvmesh.infra.local_mesh import ONE_PROCESS_VARIABLES
+
+    for name in ONE_PROCESS_VARIABLES:
+        if os.environ.get(name):
+            progress(f"{name} ignored: it names one process, and kvmesh up runs several (each picks its own)")
     from kvmesh.infra.local_mesh import LocalMesh, MeshOptions
 
     router_args, worker_args, env = service_args(args)
@@ -412,6 +416,7 @@ def run_up(args: argparse.Namespace) -> int:
         mesh.hurry()
 
     previous = {signum: signal.signal(signum, on_signal) for signum in STOP_SIGNALS}
+    stopped_as_asked = False
     try:
         mesh.start(progress)
         print(f"kvmesh is serving at {mesh.base_url}/v1   (logs: {workdir / 'logs'}; Ctrl-C stops)", flush=True)
@@ -419,10 +424,13 @@ def run_up(args: argparse.Namespace) -> int:
             signal.pause()  # the supervisor thread keeps the children alive meanwhile
     except _Stopped as stop:
         progress(f"{signal.Signals(stop.args[0]).name}: stopping")
+        stopped_as_asked = True
         return 0
     finally:
         stopping = True  # a signal from here on hurries the stop instead of cutting it short
         mesh.stop()
         progress("stopped")
+        if args.workdir is None:  # its own temporary folder: credentials, CA, server data, logs
+            forget_workdir(workdir, keep_logs=not stopped_as_asked)
         for signum, handler in previous.items():
             signal.signal(signum, handler)

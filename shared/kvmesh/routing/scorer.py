@@ -18,6 +18,7 @@ from typing import Any
 
 from kvmesh.errors import KvmeshError
 from kvmesh.routing.plugins import PLUGIN_TYPES, Candidate, RouteRequest, ScorePlugin
+from kvmesh.settings.files import settings_text
 
 logger = logging.getLogger(__name__)
 
@@ -115,7 +116,7 @@ def read_scorer_config(path: str | Path) -> Any:
     """The parsed content of a ``.json`` / ``.yaml`` / ``.yml`` scorer config file (unchecked)."""
     path = Path(path)
     try:
-        text = path.read_text(encoding="utf-8")
+        text = settings_text(path)
     except OSError as exc:
         raise ScorerConfigError(f"cannot read scorer config {path}: {exc.strerror or exc}") from None
     suffix = path.suffix.lower()

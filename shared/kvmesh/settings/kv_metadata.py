@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 
 from kvmesh.settings import env
 from kvmesh.settings.flags import SettingsParser, from_args
-from kvmesh.settings.values import port_number, positive_number
+from kvmesh.settings.values import host_address, port_number, positive_number
 from kvmesh.settings.mesh import MeshSettings, add_mesh_args, mesh_settings
 
 INGEST_SPAN_INTERVAL = 10.0  # seconds one kv_ingest span sums up (KVMESH_INGEST_SPAN_INTERVAL)
@@ -38,7 +38,7 @@ def kv_metadata_parser() -> SettingsParser:
         "--ingest-span-interval", env=env.INGEST_SPAN_INTERVAL, type=positive_number, default=INGEST_SPAN_INTERVAL,
         help="seconds of event ingestion one kv_ingest span sums up (KVMESH_INGEST_SPAN_INTERVAL)",
     )  # fmt: skip
-    option("--health-host", env=env.HEALTH_HOST, default="127.0.0.1")
+    option("--health-host", env=env.HEALTH_HOST, type=host_address, default="127.0.0.1")
     option(
         "--health-port", env=env.HEALTH_PORT, type=port_number, default=0,
         help="port of /health/live and /health/ready; 0 picks a free one (KVMESH_HEALTH_PORT)",

@@ -12,6 +12,7 @@ from kvmesh.protocol import Subjects
 from kvmesh.settings import env
 from kvmesh.settings.flags import SettingsParser
 from kvmesh.settings.values import positive_number
+from kvmesh.settings.files import settings_text
 
 
 @dataclass(slots=True, frozen=True)
@@ -144,7 +145,7 @@ def _checked_ca(path: str | None, flag: str, parser: argparse.ArgumentParser) ->
     if not path:
         return None
     try:
-        text = open(path).read()
+        text = settings_text(path)
     except OSError as exc:
         parser.error(f"{flag} {path}: {exc.strerror or exc}")
     if "-----BEGIN CERTIFICATE-----" not in text:

@@ -18,7 +18,7 @@ from kvmesh.services.router.rate_limits import RateLimitConfig, RateLimitConfigE
 from kvmesh.services.router.worker_choice import KV_INDEXES, LOCAL_PREFILL_MAX_TOKENS
 from kvmesh.settings import env
 from kvmesh.settings.flags import SettingsParser, from_args, switch
-from kvmesh.settings.values import non_negative_int, port_number, positive_int, positive_number
+from kvmesh.settings.values import host_address, non_negative_int, port_number, positive_int, positive_number
 from kvmesh.settings.mesh import MeshSettings, add_mesh_args, mesh_settings
 
 NO_KEY_IN_ARGV = "--api-key is gone: a key on the command line is visible to every user (ps); use --api-key-file PATH or KVMESH_API_KEY"
@@ -63,7 +63,7 @@ def router_parser() -> SettingsParser:
     parser = SettingsParser(prog="kvmesh-router", description="kvmesh router (OpenAI-compatible API)")
     add_mesh_args(parser)
     option = parser.option
-    option("--host", env=env.ROUTER_HOST, default="127.0.0.1")
+    option("--host", env=env.ROUTER_HOST, type=host_address, default="127.0.0.1")
     option("--port", env=env.ROUTER_PORT, type=port_number, default=8000, help="0 picks a free port")
     option("--model", env=env.MODEL, help="for the tokenizer and chat template")
     option("--served-model-name", env=env.SERVED_MODEL_NAME)

@@ -7,7 +7,12 @@ so one kind of value is refused in one wording everywhere."""
 from __future__ import annotations
 
 import argparse
+import ipaddress
 import math
+import re
+
+
+_HOST_LABEL = re.compile(r"(?!-)[A-Za-z0-9_-]{1,63}(?<!-)")  # RFC 1123, and the underscore of compose's names
 
 
 class ValueTextError(ValueError, argparse.ArgumentTypeError):
@@ -74,3 +79,16 @@ def positive_or_unset(text: str) -> int | None:
     if not text.strip() or text.strip() == "0":
         return None
     return positive_int(text)
+
+
+def host_address(text: str) -> str:
+    """An IP address or a host name: where a service listens, or what its peers dial."""
+    try:
+        ipaddress.ip_address(text.removeprefix("[").removesuffix("]"))
+        return text
+    except ValueError:
+        pass
+    labels = text.removesuffix(".").split(".")
+    if len(text) <= 253 and all(_HOST_LABEL.fullmatch(label) for label in labels):
+        return text
+    raise ValueTextError(f"must be an IP address or a host name, got {text!r}")

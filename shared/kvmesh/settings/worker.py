@@ -15,7 +15,7 @@ from kvmesh.protocol import Role
 from kvmesh.settings import env
 from kvmesh.settings.env import EnvError
 from kvmesh.settings.flags import SettingsParser, from_args
-from kvmesh.settings.values import non_negative_number, port_number, positive_int, positive_number, positive_or_unset
+from kvmesh.settings.values import host_address, non_negative_number, port_number, positive_int, positive_number, positive_or_unset
 from kvmesh.settings.mesh import MeshSettings, add_mesh_args, mesh_settings
 from kvmesh.transfer.mooncake_agent import mooncake_env_range, parse_port_range
 from kvmesh.worker.engines import DEFAULT_BLOCK_SIZE, ENGINES, block_size_problem, unavailable
@@ -128,7 +128,7 @@ def worker_parser(role: Role) -> SettingsParser:
         "it runs on every core this process may use while the others are idle, else --num-threads (KVMESH_LEND_CORES)",
     )  # fmt: skip
     option(
-        "--advertise-host", env=env.ADVERTISE_HOST, default="127.0.0.1",
+        "--advertise-host", env=env.ADVERTISE_HOST, type=host_address, default="127.0.0.1",
         help="address peers reach this worker's transfer engine at; 'auto' resolves this host's name",
     )  # fmt: skip
     option("--lease-ttl", env=env.LEASE_TTL, type=positive_int, default=5)
@@ -143,7 +143,7 @@ def worker_parser(role: Role) -> SettingsParser:
         help="port range of the Mooncake transfer engine's two listeners, to fence them (KVMESH_TRANSFER_PORTS)",
     )  # fmt: skip
     option("--drain-timeout", env=env.DRAIN_TIMEOUT, type=non_negative_number, default=60.0)
-    option("--health-host", env=env.HEALTH_HOST, default="127.0.0.1", help="(KVMESH_HEALTH_HOST)")
+    option("--health-host", env=env.HEALTH_HOST, type=host_address, default="127.0.0.1", help="(KVMESH_HEALTH_HOST)")
     option(
         "--health-port", env=env.HEALTH_PORT, type=port_number, default=0,
         help="port of /health/live and /health/ready; 0 picks a free one (KVMESH_HEALTH_PORT)",
