@@ -11,12 +11,10 @@ stays open. A stream that had begun answering cannot change its status: that is 
 from __future__ import annotations
 
 import logging
-from collections.abc import Collection
 
-from starlette.types import ASGIApp, Message, Receive, Scope, Send
+from starlette.types import Message, Receive, Scope, Send
 
-from kvmesh.services.router.limits import answer_error
-from kvmesh.services.router.metrics import RouterMetrics
+from kvmesh.services.router.limits import AnsweringMiddleware
 from kvmesh.services.router.openai_api import APIError
 
 __all__ = ["InternalErrors"]
@@ -24,13 +22,8 @@ __all__ = ["InternalErrors"]
 logger = logging.getLogger(__name__)
 
 
-class InternalErrors:
+class InternalErrors(AnsweringMiddleware):
     """ASGI middleware, inside the others: what the app raised, answered with a 500."""
-
-    def __init__(self, app: ASGIApp, *, metrics: RouterMetrics, counted_paths: Collection[str]) -> None:
-        self.app = app
-        self.metrics = metrics
-        self.counted_paths = counted_paths
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -50,6 +43,4 @@ class InternalErrors:
             if started:
                 raise
             logger.exception("%s %s failed: answered 500", scope["method"], scope["path"])
-            if scope["path"] in self.counted_paths:
-                self.metrics.count(scope["path"], 500)
-            await answer_error(send, APIError(500, "the router failed on this request (its log has the traceback)"))
+            await self.answer(scope, send, APIError(500, "the router failed on this request (its log has the traceback)"))

@@ -89,20 +89,28 @@ async def read_body(receive: Receive, *, limit: int, timeout: float) -> tuple[by
             return b"".join(chunks), None
 
 
-class BodyLimit:
-    """ASGI middleware: the body is read here, within ``Limits``, then replayed to the app.
+class AnsweringMiddleware:
+    """Base of the router's ASGI middlewares that answer some requests themselves with an
+    error: one to ``counted_paths`` (the generation endpoints) is counted in ``metrics`` with
+    its status, as the app counts its own answers."""
 
-    A request to one of ``counted_paths`` (the generation endpoints) refused here is counted in
-    ``metrics`` with its status.
-    """
-
-    def __init__(
-        self, app: ASGIApp, *, limits: Limits, metrics: RouterMetrics, counted_paths: Collection[str]
-    ) -> None:
+    def __init__(self, app: ASGIApp, *, metrics: RouterMetrics, counted_paths: Collection[str]) -> None:
         self.app = app
-        self.limits = limits
         self.metrics = metrics
         self.counted_paths = counted_paths
+
+    async def answer(self, scope: Scope, send: Send, error: APIError) -> None:
+        if scope["path"] in self.counted_paths:
+            self.metrics.count(scope["path"], error.status)
+        await answer_error(send, error)
+
+
+class BodyLimit(AnsweringMiddleware):
+    """ASGI middleware: the body is read here, within ``Limits``, then replayed to the app."""
+
+    def __init__(self, app: ASGIApp, *, limits: Limits, metrics: RouterMetrics, counted_paths: Collection[str]) -> None:
+        super().__init__(app, metrics=metrics, counted_paths=counted_paths)
+        self.limits = limits
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -120,9 +128,7 @@ class BodyLimit:
             body, gone = await read_body(receive, limit=limit, timeout=self.limits.body_timeout)
         except APIError as error:
             logger.info("%s %s rejected: %d %s", scope["method"], scope["path"], error.status, error.message)
-            if scope["path"] in self.counted_paths:
-                self.metrics.count(scope["path"], error.status)
-            await answer_error(send, error)
+            await self.answer(scope, send, error)
             return
         await self.app(scope, _replay(body, gone, receive), send)
 
