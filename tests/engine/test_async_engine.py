@@ -192,3 +192,23 @@ async def test_abort_from_elsewhere_ends_the_stream(engine, prompts):
     await asyncio.wait_for(task, 5)
     assert outs[-1].finished and outs[-1].finish_reason is FinishReason.ABORT
     assert (await engine.pool_stats()).num_in_use == 0
+
+
+async def test_kv_events_are_taken_without_a_trip_to_an_idle_engine(engine, prompts, monkeypatch):
+    """The worker's publisher asks 10 times a second; with nothing waiting the answer comes
+    from here, not from a command the engine's thread wakes for."""
+    commands = []
+    real_call = engine._call
+
+    async def counted(command):
+        commands.append(command)
+        return await real_call(command)
+
+    monkeypatch.setattr(engine, "_call", counted)
+    assert await engine.take_kv_events() == [] and commands == []
+    async for _ in engine.generate("a", prompts[0] * 3, GREEDY):
+        pass
+    commands.clear()  # the request's own
+    events = await engine.take_kv_events()  # the prompt's full blocks, cached
+    assert events and len(commands) == 1
+    assert await engine.take_kv_events() == [] and len(commands) == 1

@@ -342,6 +342,8 @@ class AsyncEngine:
         return await self._call(self.engine.pool_stats)
 
     async def take_kv_events(self) -> list:
+        if not self.engine.has_kv_events():  # idle: no round trip to the engine's thread (10 a second a worker)
+            return []
         return await self._call(self.engine.take_kv_events)
 
     async def kv_snapshot(self) -> tuple[list, list[int]]:

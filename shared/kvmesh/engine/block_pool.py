@@ -224,6 +224,11 @@ class BlockPool:
         self._events.append(AllBlocksCleared())
         return True
 
+    def has_events(self) -> bool:
+        """Are events waiting? Safe to ask from another thread: an event that lands just after
+        is there for the next ask."""
+        return bool(self._events)
+
     def take_events(self) -> list[KVCacheEvent]:
         events, self._events = self._events, []
         return events

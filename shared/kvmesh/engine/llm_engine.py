@@ -367,6 +367,10 @@ class LLMEngine:
     def take_kv_events(self) -> list[KVCacheEvent]:
         return self.kv_manager.take_events()
 
+    def has_kv_events(self) -> bool:
+        """Are KV events waiting (``take_kv_events``)? Safe to ask off the engine's thread."""
+        return self.kv_manager.pool.has_events()
+
     def kv_snapshot(self) -> tuple[list[KVCacheEvent], list[int]]:
         """Pending events and every cached block hash, taken together: the hashes are the
         state after those events."""

@@ -534,6 +534,10 @@ class VllmCore:
         events, self._pending = self._pending, []
         return events
 
+    def has_kv_events(self) -> bool:
+        """vLLM's events are known only once taken on the engine's thread: always ask."""
+        return True
+
     def kv_snapshot(self) -> tuple[list[KVCacheEvent], list[int]]:
         events = self.take_kv_events()
         return events, self.names.cached()
