@@ -150,6 +150,23 @@ def test_kvmesh_up_without_a_workdir_leaves_nothing_behind(default_model_dir, tm
             up.kill()
 
 
+@pytest.mark.parametrize(
+    ("args", "error"),
+    [
+        (["credentials", "--out", "/proc/self/no/such"], "kvmesh credentials: error: --out /proc/self/no/such: No such file or directory"),
+        (["etcd-auth", "--users", "{binary}", "--etcd", "127.0.0.1:1"], "kvmesh etcd-auth: error: etcd users file {binary}: not UTF-8 text (byte 0 is 0xff)"),
+        (["etcd-auth", "--users", "/no/such", "--etcd", "127.0.0.1:1"], "kvmesh etcd-auth: error: etcd users file /no/such: No such file or directory"),
+        (["generate", "--prompt", ""], "kvmesh generate: error: the prompt is empty"),  # now before the model loads
+    ],
+)
+def test_the_other_commands_say_a_bad_argument_in_one_line(tmp_path, args, error):
+    binary = tmp_path / "users.json"
+    binary.write_bytes(b"\xff{}")
+    done = kvmesh(*(arg.replace("{binary}", str(binary)) for arg in args), env={"KVMESH_CACHE_DIR": str(tmp_path / "no-model")})
+    assert (done.returncode, done.stdout) == (1, ""), done.stderr
+    assert done.stderr.splitlines() == [error.replace("{binary}", str(binary))]  # no traceback, no model loading line
+
+
 def test_up_refused_leaves_no_temporary_workdir(tmp_path):
     binary = tmp_path / "keys"
     binary.write_bytes(b"\xffkey")

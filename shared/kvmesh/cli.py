@@ -205,6 +205,8 @@ def _generate(args: argparse.Namespace) -> int:
         min_tokens=args.min_tokens,
         logit_bias=dict(args.logit_bias),
     )
+    if not args.prompt and not args.chat:  # said before the model loads
+        raise SystemExit("kvmesh generate: error: the prompt is empty")
     logger.info("loading the model")
     # no warm-up of the grammar compiler: generate has no structured output, and the warm-up
     # would take a core for a second of a short run
@@ -347,10 +349,13 @@ def _credentials(args: argparse.Namespace) -> int:
     from kvmesh.infra.deploy_secrets import generate
 
     out = Path(args.out).expanduser()
-    secrets = generate(
-        out, prefill=args.prefill, decode=args.decode, mesh_namespace=args.namespace, k8s_namespace=args.k8s_namespace,
-        request_deadline=args.request_deadline,
-    )  # fmt: skip
+    try:
+        secrets = generate(
+            out, prefill=args.prefill, decode=args.decode, mesh_namespace=args.namespace, k8s_namespace=args.k8s_namespace,
+            request_deadline=args.request_deadline,
+        )  # fmt: skip
+    except OSError as exc:
+        raise SystemExit(f"kvmesh credentials: error: --out {out}: {exc.strerror or exc}") from None
     print(f"wrote the secrets of {len(secrets)} Kubernetes Secrets to {out} (see {out / 'README'})")
     return 0
 

@@ -23,6 +23,7 @@ from pathlib import Path
 from kvmesh.errors import KvmeshError
 from kvmesh.security.credentials import write_private
 from kvmesh.security.etcd_roles import ROOT, Grant
+from kvmesh.settings.files import settings_text
 
 logger = logging.getLogger(__name__)
 
@@ -147,7 +148,11 @@ def write_users(path: Path, root_password: str, users: EtcdUsers) -> Path:
 
 def read_users(path: Path) -> tuple[str, EtcdUsers]:
     try:
-        body = json.loads(Path(path).read_text())
+        text = settings_text(path)
+    except OSError as exc:
+        raise EtcdAuthError(f"etcd users file {path}: {exc.strerror or exc}") from None
+    try:
+        body = json.loads(text)
         users = {
             name: (str(entry["password"]), tuple(Grant(g["key"], g["permission"], bool(g.get("prefix"))) for g in entry["grants"]))
             for name, entry in body["users"].items()
