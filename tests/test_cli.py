@@ -77,25 +77,32 @@ def test_bad_input_gets_a_clear_message(args, message):
     assert "Traceback" not in done.stderr
 
 
-@pytest.mark.slow
-def test_kvmesh_up_serves_and_stops_on_ctrl_c(default_model_dir, tmp_path):
+def start_up(args: list[str], env: dict[str, str]) -> tuple[subprocess.Popen, str]:
+    """``kvmesh up`` (32 MiB of KV a worker) and its base URL, once it says it is serving."""
     import re
-    import signal
-    import urllib.request
 
-    env = {**os.environ, "KVMESH_CACHE_DIR": str(default_model_dir.parent.parent)}
     up = subprocess.Popen(
-        [sys.executable, "-m", "kvmesh.cli", "up", "--port", "0", "--kv-cache-mib", "32", "--workdir", str(tmp_path)],
+        [sys.executable, "-m", "kvmesh.cli", "up", "--port", "0", "--kv-cache-mib", "32", *args],
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
-        env=env,
+        env={**os.environ, **env},
     )
+    line = up.stdout.readline()  # printed once everything is ready
+    match = re.search(r"serving at (http://\S+)/v1", line)
+    if match is None:
+        up.kill()
+        raise AssertionError((line, up.communicate()[1]))
+    return up, match.group(1)
+
+
+@pytest.mark.slow
+def test_kvmesh_up_serves_and_stops_on_ctrl_c(default_model_dir, tmp_path):
+    import signal
+    import urllib.request
+
+    up, base = start_up(["--workdir", str(tmp_path)], {"KVMESH_CACHE_DIR": str(default_model_dir.parent.parent)})
     try:
-        line = up.stdout.readline()  # printed once everything is ready
-        match = re.search(r"serving at (http://\S+)/v1", line)
-        assert match, (line, up.stderr.read() if up.poll() is not None else "")
-        base = match.group(1)
         body = json.dumps({"model": "SmolLM2-135M-Instruct", "prompt": "The capital of France is", "max_tokens": 3, "temperature": 0})
         request = urllib.request.Request(f"{base}/v1/completions", data=body.encode(), headers={"Content-Type": "application/json"})
         with urllib.request.urlopen(request, timeout=60) as response:
@@ -118,25 +125,13 @@ def test_kvmesh_up_without_a_workdir_leaves_nothing_behind(default_model_dir, tm
     """Its temporary workdir (the mesh's credentials, its CA's key, etcd's data, the logs) goes
     when it stops; a health port set in the environment, which would be every service's,
     is said to be ignored rather than failing the second service to bind it."""
-    import re
     import signal
 
     from kvmesh.infra.processes import free_port
 
-    env = {
-        **os.environ, "KVMESH_CACHE_DIR": str(default_model_dir.parent.parent), "TMPDIR": str(tmp_path),
-        "KVMESH_HEALTH_PORT": str(free_port()),
-    }  # fmt: skip
-    up = subprocess.Popen(
-        [sys.executable, "-m", "kvmesh.cli", "up", "--port", "0", "--kv-cache-mib", "32", "--prefill", "0"],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        env=env,
-    )
+    env = {"KVMESH_CACHE_DIR": str(default_model_dir.parent.parent), "TMPDIR": str(tmp_path), "KVMESH_HEALTH_PORT": str(free_port())}
+    up, _ = start_up(["--prefill", "0"], env)
     try:
-        line = up.stdout.readline()  # printed once everything is ready
-        assert re.search(r"serving at http://\S+/v1", line), (line, up.stderr.read() if up.poll() is not None else "")
         [workdir] = tmp_path.glob("kvmesh-up-*")
         assert (workdir / "logs" / "decode-1.log").exists() and (workdir / "pids.json").exists()
         up.send_signal(signal.SIGINT)

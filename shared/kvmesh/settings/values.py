@@ -10,8 +10,11 @@ import argparse
 import ipaddress
 import math
 import re
+from collections.abc import Callable
+from typing import TypeVar
 
 
+N = TypeVar("N", int, float)
 _HOST_LABEL = re.compile(r"(?!-)[A-Za-z0-9_-]{1,63}(?<!-)")  # RFC 1123, and the underscore of compose's names
 
 
@@ -38,39 +41,30 @@ def number(text: str) -> float:
 
 
 def positive_int(text: str) -> int:
-    value = integer(text)
-    if value < 1:
-        raise ValueTextError(f"must be a positive integer, got {text!r}")
-    return value
+    return _checked(integer(text), text, lambda value: value >= 1, "a positive integer")
 
 
 def non_negative_int(text: str) -> int:
-    value = integer(text)
-    if value < 0:
-        raise ValueTextError(f"must be 0 or more, got {text!r}")
-    return value
+    return _checked(integer(text), text, lambda value: value >= 0, "0 or more")
 
 
 def port_number(text: str) -> int:
     """A TCP port to listen on: 0 (a free one) to 65535."""
-    value = integer(text)
-    if not 0 <= value <= 65535:
-        raise ValueTextError(f"must be a port number in 0..65535, got {text!r}")
-    return value
+    return _checked(integer(text), text, lambda value: 0 <= value <= 65535, "a port number in 0..65535")
 
 
 def positive_number(text: str) -> float:
     """More than 0 and finite: seconds to wait, a rate."""
-    value = number(text)
-    if value <= 0:
-        raise ValueTextError(f"must be more than 0, got {text!r}")
-    return value
+    return _checked(number(text), text, lambda value: value > 0, "more than 0")
 
 
 def non_negative_number(text: str) -> float:
-    value = number(text)
-    if value < 0:
-        raise ValueTextError(f"must be 0 or more, got {text!r}")
+    return _checked(number(text), text, lambda value: value >= 0, "0 or more")
+
+
+def _checked(value: N, text: str, ok: Callable[[N], bool], must_be: str) -> N:
+    if not ok(value):
+        raise ValueTextError(f"must be {must_be}, got {text!r}")
     return value
 
 
