@@ -645,13 +645,7 @@ class ChatFormat(_Format):
                 return None
             self._sent_chars[index] = safe
             return self._delta({"content": whole[sent:safe]}, None, index)
-        if not tools.streams_arguments:
-            return None
-        assert tools.named is not None
-        call: dict[str, Any] = {"index": 0, "function": {"arguments": text}}
-        if len(held) == 1:  # the call's first chunk names it
-            call = {"index": 0, "id": tools._call_id(0), "type": "function", "function": {"name": tools.named.name, "arguments": text}}
-        return self._delta({"tool_calls": [call]}, None, index)
+        return None  # required, a named function: sent when it ends, a call only if it parses
 
     def final_chunks(self, finish_reason: str | None, index: int = 0) -> list[dict[str, Any]]:
         if not self._parses_tools:
@@ -659,11 +653,6 @@ class ChatFormat(_Format):
         tools = self._tool_set(index)
         message, reason = tools.message("".join(self._held(index))[self._sent_chars.get(index, 0) :], finish_reason)
         chunks: list[dict[str, Any]] = []
-        if tools.streams_arguments:
-            if len(self._held(index)) == 0 and message.get("tool_calls"):  # no text at all: still name the call
-                call = message["tool_calls"][0]
-                chunks.append(self._delta({"tool_calls": [{"index": 0, **call}]}, None, index))
-            return [*chunks, self.final_chunk(reason, index)]
         if message["content"]:
             chunks.append(self._delta({"content": message["content"]}, None, index))
         for i, call in enumerate(message.get("tool_calls", [])):

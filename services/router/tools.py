@@ -24,10 +24,11 @@ With ``required`` or a named function, ``stop`` and ``stop_token_ids`` are refus
 them): they would cut the arguments mid-JSON. An answer cut by ``max_tokens`` whose arguments
 do not parse is content, with ``finish_reason: "length"``, never a tool call.
 
-Streaming: a named function's arguments stream as they come (``delta.tool_calls`` with the
-call's id and name first, then argument fragments, as OpenAI sends them); with ``auto`` the
-content streams up to where a ``<tool_call>`` may begin, and the rest is parsed when the answer
-ends; with ``required`` all of it is (then sent as each call's id and name, then its arguments).
+Streaming: with ``auto`` the content streams up to where a ``<tool_call>`` may begin, and the
+rest is parsed when the answer ends; with ``required`` or a named function all of it is, then
+sent as each call's id and name, then its arguments (``delta.tool_calls``), or as content when
+``max_tokens`` cut it short: a call's fragments sent as they came could not be taken back once
+the answer turned out not to parse, and a client would have a call it cannot run.
 """
 
 from __future__ import annotations
@@ -294,11 +295,6 @@ class ToolSet:
         while len(self.call_ids) <= i:
             self.call_ids.append(new_call_id())
         return self.call_ids[i]
-
-    @property
-    def streams_arguments(self) -> bool:
-        """Whether the output is one call's arguments as it is generated (a named function)."""
-        return self.mode == "named"
 
     def message(self, text: str, finish_reason: str | None) -> tuple[dict[str, Any], str | None]:
         """The answer's ``message`` and its finish reason."""

@@ -226,13 +226,13 @@ def accumulate(deltas: list[dict]) -> dict[int, dict]:
     return calls
 
 
-async def test_streamed_named_arguments_come_as_they_are_generated(client: httpx.AsyncClient, fake: FakeBackend) -> None:
+async def test_streamed_named_arguments_come_parsed_at_the_end(client: httpx.AsyncClient, fake: FakeBackend) -> None:
     answer(fake, '{"city": ', '"Lima"}')
     named = {"type": "function", "function": {"name": "get_weather"}}
     _, events = await sse(client, CHAT, {"model": MODEL, "messages": USER, "tools": [WEATHER], "tool_choice": named, "stream": True})
     deltas, reasons = tool_deltas(events)
     assert len(deltas) == 2 and deltas[0]["id"].startswith("call_") and deltas[0]["type"] == "function"
-    assert "id" not in deltas[1]
+    assert deltas[0]["function"] == {"name": "get_weather", "arguments": ""} and "id" not in deltas[1]
     assert accumulate(deltas) == {0: {"id": deltas[0]["id"], "name": "get_weather", "arguments": '{"city": "Lima"}'}}
     assert reasons[-1] == "tool_calls" and events[-1] == "[DONE]"
 
@@ -458,8 +458,11 @@ async def test_named_arguments_cut_short_are_content_not_a_call(client: httpx.As
         assert choice["message"] == {"role": "assistant", "content": '{"city": "Li'}
         return
     _, events = await sse(client, CHAT, body)
-    _, reasons = tool_deltas(events)
+    deltas, reasons = tool_deltas(events)
     assert reasons[-1] == "length"
+    assert deltas == []  # no call whose arguments do not parse (its fragments had been streamed as they came)
+    streamed = "".join(e["choices"][0]["delta"].get("content") or "" for e in events if isinstance(e, dict) and e.get("choices"))
+    assert streamed == '{"city": "Li'
 
 
 async def test_named_arguments_are_the_same_string_streamed_or_not(client: httpx.AsyncClient, fake: FakeBackend) -> None:
