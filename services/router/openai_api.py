@@ -306,6 +306,15 @@ class CompletionRequest(_GenerationRequest):
     @property
     def num_prompt_logprobs(self) -> int | None:
         return self.logprobs if self.echo else None
+
+    @field_validator("best_of")
+    @classmethod
+    def _best_of_covers_n(cls, value: Any, info: ValidationInfo) -> Any:
+        n = info.data.get("n") or 1  # validated before: a field of the base class
+        if value is not None and n > value:  # OpenAI's rule: best_of is at least n
+            raise ValueError(f"best_of ({value}) must be at least n ({n})")
+        return value
+
     suffix: Annotated[Any, _only_off(lambda v: v is None or v == "", "suffix is not supported", "")] = None
 
     @property

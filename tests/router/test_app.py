@@ -154,6 +154,7 @@ async def post_error(client: httpx.AsyncClient, path: str, payload: object, stat
         ({"logprobs": 21}, "logprobs: Input should be less than or equal to 20", "logprobs"),
         ({"echo": "yes please"}, "echo: Input should be a valid boolean, unable to interpret input", "echo"),
         ({"best_of": 2}, "best_of: best_of > 1 is not supported", "best_of"),
+        ({"best_of": 1, "n": 2}, "best_of: best_of (1) must be at least n (2)", "best_of"),  # was taken
         ({"presence_penalty": 2.5}, "presence_penalty: Input should be less than or equal to 2", "presence_penalty"),
         ({"frequency_penalty": -3}, "frequency_penalty: Input should be greater than or equal to -2", "frequency_penalty"),
         ({"repetition_penalty": 0}, "repetition_penalty: Input should be greater than 0", "repetition_penalty"),
