@@ -88,7 +88,7 @@ async def connect_nats(mesh: MeshSettings, name: str) -> nats.NATS:
 
 
 class MeshUnreachable(KvmeshError):
-    """NATS or etcd did not answer a service that was starting, or refused it."""
+    """NATS did not answer a service that was starting, or refused its user."""
 
 
 class _ConnectErrors:

@@ -23,8 +23,8 @@ from pathlib import Path
 from typing import Any, Literal
 
 from kvmesh.errors import KvmeshError
-from kvmesh.settings.values import non_negative_int, non_negative_number, positive_int, positive_number
 from kvmesh.settings import env
+from kvmesh.settings.values import non_negative_int, non_negative_number, positive_int, positive_number
 
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 DEFAULT_MODEL = "SmolLM2-135M-Instruct"  # the loader's name for it (importing the loader takes a while)
@@ -59,7 +59,6 @@ class ServiceOption:
     @property
     def dest(self) -> str:
         return self.flag.removeprefix("--").replace("-", "_")
-
 
 
 POSITIVE_INT = {"type": positive_int}
@@ -240,8 +239,10 @@ def forget_workdir(workdir: Path, *, keep_logs: bool) -> None:
         shutil.rmtree(workdir, ignore_errors=True)
         return
     for entry in workdir.iterdir():
-        if entry.name != "logs":
-            shutil.rmtree(entry, ignore_errors=True) if entry.is_dir() else entry.unlink(missing_ok=True)
+        if entry.is_dir() and entry.name != "logs":
+            shutil.rmtree(entry, ignore_errors=True)
+        elif not entry.is_dir():
+            entry.unlink(missing_ok=True)
     progress(f"the logs are kept in {workdir / 'logs'}")
 
 
