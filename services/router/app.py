@@ -114,6 +114,8 @@ def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
         msg = str(err.get("msg", "invalid value")).removeprefix("Value error, ")
         if not loc and isinstance(err.get("input"), (bytes, str)):
             msg = "the request body must be a JSON object (Content-Type: application/json)"
+        elif not loc and err.get("type") == "missing":  # no body at all
+            msg = "the request body is empty: send a JSON object (Content-Type: application/json)"
         field = ".".join(loc)
         params.append(field)
         if err.get("type") == "extra_forbidden":  # a field kvmesh does not implement: named, never ignored

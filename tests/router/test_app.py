@@ -291,6 +291,10 @@ async def test_body_must_be_a_json_object(client: httpx.AsyncClient) -> None:
     resp = await client.post("/v1/completions", content=b"prompt=x", headers={"content-type": "text/plain"})
     assert resp.status_code == 400
     assert resp.json() == error("the request body must be a JSON object (Content-Type: application/json)")
+    for path in ("/v1/completions", "/v1/chat/completions", "/v1/responses"):
+        resp = await client.post(path, content=b"", headers={"content-type": "application/json"})
+        assert resp.status_code == 400  # it said "Field required", naming no field
+        assert resp.json() == error("the request body is empty: send a JSON object (Content-Type: application/json)"), path
 
 
 async def test_wrong_model_is_404(client: httpx.AsyncClient, fake: FakeBackend) -> None:
