@@ -28,10 +28,10 @@ def servers(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[NatsServ
         etcd.stop()
 
 
-def service(name: str, *args: str, nats_url: str, etcd: str, cache: Path | None = None) -> subprocess.Popen[str]:
-    env = {**os.environ, "KVMESH_NATS_URL": nats_url, "KVMESH_ETCD_ENDPOINTS": etcd}
-    if cache is not None:
-        env["KVMESH_CACHE_DIR"] = str(cache)
+def service(name: str, *args: str, nats_url: str, etcd: str, cache: Path) -> subprocess.Popen[str]:
+    """The service as a deployment runs it, the default model from the session's cache (a
+    router reads its tokenizer before it connects: never a conversion in ~/.cache here)."""
+    env = {**os.environ, "KVMESH_NATS_URL": nats_url, "KVMESH_ETCD_ENDPOINTS": etcd, "KVMESH_CACHE_DIR": str(cache)}
     return subprocess.Popen(
         [sys.executable, "-m", f"kvmesh.services.{name}", *args],
         stdout=subprocess.DEVNULL,
@@ -63,19 +63,23 @@ def ended(process: subprocess.Popen[str], timeout: float = 60) -> tuple[int, lis
         (["--model", "/nonexistent/model"], "kvmesh-router: error: unknown model '/nonexistent/model'"),
     ],
 )
-def test_a_router_that_cannot_start_says_why_in_one_line(servers, tmp_path, args, error) -> None:
+def test_a_router_that_cannot_start_says_why_in_one_line(servers, default_model_dir, tmp_path, args, error) -> None:
     nats, etcd = servers
     (tmp_path / "routing.txt").write_text("prefix: 2\n")
     args = [arg.replace("{tmp}", str(tmp_path)) for arg in args]
-    code, lines = ended(service("router", "--port", "0", *args, nats_url=nats.address, etcd=etcd.address))
+    cache = default_model_dir.parent.parent
+    code, lines = ended(service("router", "--port", "0", *args, nats_url=nats.address, etcd=etcd.address, cache=cache))
     assert code == 1, lines
     assert len(lines) == 1 and lines[0].startswith(error.replace("{tmp}", str(tmp_path))), lines
 
 
-def test_a_router_gives_up_on_a_nats_that_does_not_answer(servers) -> None:
+def test_a_router_gives_up_on_a_nats_that_does_not_answer(servers, default_model_dir) -> None:
     _, etcd = servers
     began = time.monotonic()
-    router = service("router", "--port", "0", "--request-timeout", "2", nats_url="nats://127.0.0.1:1", etcd=etcd.address)
+    router = service(
+        "router", "--port", "0", "--request-timeout", "2",
+        nats_url="nats://127.0.0.1:1", etcd=etcd.address, cache=default_model_dir.parent.parent,
+    )  # fmt: skip
     code, lines = ended(router, timeout=30)  # it tried for ever
     assert (code, lines) == (
         1,
@@ -85,9 +89,9 @@ def test_a_router_gives_up_on_a_nats_that_does_not_answer(servers) -> None:
     assert time.monotonic() - began < 20
 
 
-def test_ctrl_c_while_a_service_waits_for_nats_ends_it_quietly(servers) -> None:
+def test_ctrl_c_while_a_service_waits_for_nats_ends_it_quietly(servers, default_model_dir) -> None:
     _, etcd = servers
-    router = service("router", "--port", "0", nats_url="nats://127.0.0.1:1", etcd=etcd.address)
+    router = service("router", "--port", "0", nats_url="nats://127.0.0.1:1", etcd=etcd.address, cache=default_model_dir.parent.parent)
     time.sleep(3)  # started and waiting
     assert router.poll() is None
     router.send_signal(signal.SIGINT)
