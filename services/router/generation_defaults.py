@@ -62,6 +62,14 @@ class GenerationDefaults:
     values: dict[str, float | int] = field(default_factory=dict)
     source: str = ""
 
+    @staticmethod
+    def setting_problem(setting: str) -> str | None:
+        """Why ``--generation-config`` cannot be ``setting`` (``None``: it can), said by the
+        router's settings and by ``kvmesh up`` before anything starts."""
+        if setting in ("auto", "vllm") or Path(setting).is_dir():
+            return None
+        return f"--generation-config {setting}: not auto, vllm or a directory"
+
     @classmethod
     def load(cls, setting: str, model_dir: str | Path) -> GenerationDefaults:
         """``setting``: ``auto`` (the model directory's file), ``vllm`` (none) or a directory."""

@@ -292,7 +292,7 @@ def test_zero_in_a_variable_is_the_default(monkeypatch: pytest.MonkeyPatch) -> N
 @pytest.mark.parametrize(
     ("nats", "etcd", "error"),
     [
-        ("http://n:4222", "e:1", "--nats-url: 'http://n:4222' is not [nats://|tls://]host[:port]"),
+        ("http://n", "e:1", "--nats-url: 'http://n' is not [nats://|tls://]host[:port]"),
         ("nats://u:pw@n:99999", "e:1", "--nats-url: 'n:99999' is not [nats://|tls://]host[:port]"),  # no password shown
         ("nats://n", "e:1,e", "--etcd: 'e' is not [http://|https://]host:port"),
     ],

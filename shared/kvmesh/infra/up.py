@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import argparse
 import errno
-import json
 import os
 import signal
 import socket
@@ -288,15 +287,18 @@ def check_service_args(args: argparse.Namespace) -> None:
             raise UpUsageError(f"--routing-config: {exc}") from None
     if (args.auth_metrics or args.auth_docs) and not (args.api_key_file or env.API_KEY.raw()):
         raise UpUsageError("--auth-metrics / --auth-docs need API keys: give --api-key-file or KVMESH_API_KEY")
-    if args.generation_config not in (None, "auto", "vllm") and not Path(args.generation_config).is_dir():
-        raise UpUsageError(f"--generation-config {args.generation_config}: not auto, vllm or a directory")
+    if args.generation_config is not None:
+        from kvmesh.services.router.generation_defaults import GenerationDefaults
+
+        problem = GenerationDefaults.setting_problem(args.generation_config)
+        if problem is not None:
+            raise UpUsageError(problem)
     if args.engine_args is not None:
-        try:
-            engine_args = json.loads(args.engine_args)
-        except ValueError as exc:
-            raise UpUsageError(f"--engine-args: not JSON ({exc})") from None
-        if not isinstance(engine_args, dict):
-            raise UpUsageError("--engine-args: must be a JSON object of EngineArgs fields")
+        from kvmesh.worker.engines import engine_args_problem
+
+        problem = engine_args_problem(args.engine_args)
+        if problem is not None:
+            raise UpUsageError(problem)
     if args.pin_write_delay is not None and args.pin_write_delay >= args.pin_ttl:
         raise UpUsageError(f"--pin-write-delay must be less than --pin-ttl ({args.pin_ttl}), not {args.pin_write_delay:g}")
     if args.engine != "vllm":
@@ -311,7 +313,7 @@ def check_block_size(args: argparse.Namespace) -> None:
     from kvmesh.worker.engines import block_size_problem
 
     if args.block_size is not None:
-        problem = block_size_problem(args.engine, getattr(args, "device", None) or "cpu", args.block_size)
+        problem = block_size_problem(args.engine, args.device or "cpu", args.block_size)
         if problem is not None:
             raise UpUsageError(problem)
 

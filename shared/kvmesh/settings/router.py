@@ -8,10 +8,10 @@ API keys come from ``--api-key-file`` / ``KVMESH_API_KEY_FILE`` and ``KVMESH_API
 from __future__ import annotations
 
 import argparse
-from pathlib import Path
 from dataclasses import dataclass, field
 from typing import NoReturn
 
+from kvmesh.services.router.generation_defaults import GenerationDefaults
 from kvmesh.services.router.api_keys import ApiKeyError, ApiKeys, load_api_keys
 from kvmesh.services.router.limits import Limits
 from kvmesh.services.router.rate_limits import RateLimitConfig, RateLimitConfigError, load_rate_limits
@@ -166,6 +166,7 @@ def router_settings(argv: list[str] | None = None) -> RouterSettings:
     mesh = mesh_settings(args, parser)
     limits = limits_from(args, parser)
     keys, rate_limit_config = access_from(args, parser)
-    if args.generation_config not in ("auto", "vllm") and not Path(args.generation_config).is_dir():
-        parser.error(f"--generation-config {args.generation_config}: not auto, vllm or a directory")  # as kvmesh up says
+    problem = GenerationDefaults.setting_problem(args.generation_config)
+    if problem is not None:
+        parser.error(problem)
     return from_args(RouterSettings, args, mesh=mesh, limits=limits, api_keys=keys, rate_limit_config=rate_limit_config)

@@ -4,7 +4,6 @@ and its own in the mesh (``WorkerSettings``), from flags and ``KVMESH_*`` variab
 
 from __future__ import annotations
 
-import argparse
 import logging
 import socket
 import uuid
@@ -18,7 +17,7 @@ from kvmesh.settings.flags import SettingsParser, from_args
 from kvmesh.settings.values import host_address, non_negative_number, port_number, positive_int, positive_number, positive_or_unset
 from kvmesh.settings.mesh import MeshSettings, add_mesh_args, mesh_settings
 from kvmesh.transfer.mooncake_agent import mooncake_env_range, parse_port_range
-from kvmesh.worker.engines import DEFAULT_BLOCK_SIZE, ENGINES, block_size_problem, unavailable
+from kvmesh.worker.engines import DEFAULT_BLOCK_SIZE, ENGINES, block_size_problem, engine_args_problem, unavailable
 
 logger = logging.getLogger(__name__)
 
@@ -157,17 +156,6 @@ def worker_parser(role: Role) -> SettingsParser:
     return parser
 
 
-def _check_engine_args(text: str, parser: argparse.ArgumentParser) -> None:
-    import json
-
-    try:
-        value = json.loads(text)
-    except ValueError as exc:
-        parser.error(f"--engine-args: not JSON ({exc})")
-    if not isinstance(value, dict):
-        parser.error("--engine-args: must be a JSON object of EngineArgs fields")
-
-
 def resolve_advertise_host(value: str) -> str:
     """``auto``: this host's own address (a container's, in compose or Kubernetes)."""
     if value == "auto":
@@ -181,8 +169,9 @@ def worker_settings(role: Role, argv: list[str] | None = None) -> WorkerSettings
     reason = unavailable(args.engine)
     if reason is not None:
         parser.error(reason)
-    if args.engine_args is not None:
-        _check_engine_args(args.engine_args, parser)
+    problem = engine_args_problem(args.engine_args) if args.engine_args is not None else None
+    if problem is not None:
+        parser.error(problem)
     if args.lend_cores is not None and args.engine == "vllm":
         parser.error("--lend-cores is only for kvmesh's engine: a vLLM worker keeps to its cores (--cpu-bind)")
     if args.dtype == "auto":

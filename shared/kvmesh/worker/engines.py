@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import importlib
 import importlib.util
+import json
 import os
 import sys
 from pathlib import Path
@@ -50,6 +51,16 @@ def block_size_problem(name: str, device: str, block_size: int) -> str | None:
     if name == "vllm" and device == "cpu" and block_size % 32:
         return f"--block-size {block_size}: vLLM on CPU takes a multiple of 32"
     return None
+
+
+def engine_args_problem(text: str) -> str | None:
+    """Why ``--engine-args`` cannot be ``text`` (``None``: it can): a JSON object of vLLM's
+    ``EngineArgs`` fields, said by the worker's settings and by ``kvmesh up``."""
+    try:
+        value = json.loads(text)
+    except ValueError as exc:
+        return f"--engine-args: not JSON ({exc})"
+    return None if isinstance(value, dict) else "--engine-args: must be a JSON object of EngineArgs fields"
 
 
 def worker_python(name: str) -> str:
