@@ -56,6 +56,22 @@ def ended(process: subprocess.Popen[str], timeout: float = 60) -> tuple[int, lis
 
 
 @pytest.mark.parametrize(
+    ("name", "args", "error"),
+    [
+        # each was taken: a busy loop of load reports, a request never tried, ...
+        ("decode_worker", ["--load-interval", "0"], "kvmesh-decode-worker: error: argument --load-interval: must be more than 0, got '0'"),
+        ("prefill_worker", ["--advertise-host", "bad host!"], "kvmesh-prefill-worker: error: argument --advertise-host: must be an IP address or a host name, got 'bad host!'"),
+        ("router", ["--max-attempts", "0"], "kvmesh-router: error: argument --max-attempts: must be a positive integer, got '0'"),
+        ("kv_metadata", ["--ingest-span-interval", "nan"], "kvmesh-kv-metadata: error: argument --ingest-span-interval: must be a finite number, got 'nan'"),
+    ],
+)
+def test_a_service_refuses_a_value_out_of_range_in_one_line(servers, default_model_dir, name, args, error) -> None:
+    nats, etcd = servers
+    code, lines = ended(service(name, *args, nats_url=nats.address, etcd=etcd.address, cache=default_model_dir.parent.parent))
+    assert (code, lines) == (2, [error])
+
+
+@pytest.mark.parametrize(
     ("args", "error"),
     [
         (["--host", "no-such-host.invalid"], "kvmesh-router: error: cannot listen on no-such-host.invalid port 0:"),
