@@ -100,12 +100,14 @@ class LlamaModel:
         # than gathering the blocks at batch 1, 8 and 32 (docs/benchmarks.md, "The compiled
         # decode attention for float32").
         self.paged_kernel = compiled
-        # bfloat16 prefill attention (a chunk attending to itself) through the compiled kernel
-        # where the CPU has AVX512-BF16 and no AMX, for the head shapes it is built for
-        # (paged_kernel.prefill_attention_wanted): a 4 x 1,024-token prefill 1.21x faster than with
-        # flash attention (docs/benchmarks.md, "A bfloat16 prefill attention kernel for CPUs without AMX").
+        # Prefill attention (a chunk attending to itself and its earlier context) through the
+        # compiled kernel where the CPU has no AMX, bfloat16 with AVX512-BF16 and float32 with
+        # AVX-512, for the head shapes it is built for (paged_kernel.prefill_attention_wanted): a
+        # 4 x 1,024-token prefill 1.21x faster than with flash attention in bfloat16
+        # (docs/benchmarks.md, "A bfloat16 prefill attention kernel for CPUs without AMX"), and in
+        # float32 "A float32 prefill attention kernel".
         group = config.num_heads // config.num_kv_heads
-        self.prefill_kernel = compiled and dtype == torch.bfloat16 and paged_kernel.prefill_attention_wanted(config.head_dim, group)
+        self.prefill_kernel = compiled and paged_kernel.prefill_attention_wanted(config.head_dim, group, dtype)
         # Called before each layer after the first (AsyncEngine's, with --lend-cores: a step on
         # borrowed cores gives them back between layers when their owner turns busy).
         self.between_layers: Callable[[], None] | None = None

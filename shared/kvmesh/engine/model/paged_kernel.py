@@ -93,18 +93,23 @@ def build(cache: Path | None = None, march: str = "native", csrc: Path = CSRC) -
     return path
 
 
-def prefill_attention_wanted(head_dim: int, group: int) -> bool:
-    """Does bfloat16 prefill attention of these heads (``group`` query heads a KV head) go to the
-    compiled kernel (``csrc/prefill_attention.cpp``, which is built for 64 and 128 dims and
-    groups of up to 8)? Where it is built (AVX512-BF16) and the CPU has no AMX-BF16: without AMX,
-    PyTorch's flash attention computes bfloat16 no faster than float32 (docs/benchmarks.md,
-    "Issue 12 on an AMD EPYC Zen 4 without AMX"); with AMX it keeps flash attention, not
-    measured against it."""
-    if head_dim not in (64, 128) or not 1 <= group <= 8:
+def prefill_attention_wanted(head_dim: int, group: int, dtype: torch.dtype = torch.bfloat16) -> bool:
+    """Does prefill attention of these heads (``group`` query heads a KV head) in ``dtype`` go to
+    the compiled kernel (``csrc/prefill_attention.cpp``, built for 64 and 128 dims and groups of
+    up to 8)? bfloat16 where it is built (AVX512-BF16) and float32 where it is built (AVX-512),
+    on CPUs without AMX-BF16: there PyTorch's flash attention computes bfloat16 no faster than
+    float32 (docs/benchmarks.md, "Issue 12 on an AMD EPYC Zen 4 without AMX"), and the float32
+    kernel was measured 1.1-1.5x faster than flash attention (docs/benchmarks.md, "A float32
+    prefill attention kernel"); with AMX flash attention is kept, not measured against it."""
+    if head_dim not in (64, 128) or not 1 <= group <= 8 or dtype not in (torch.bfloat16, torch.float32):
         return False
     if not available() or not hasattr(torch.ops.kvmesh, "prefill_attention_lse"):  # an earlier commit's library
         return False  # (before 3fb611e the op took no earlier context and had no log-sum-exp variant)
-    return bool(torch.ops.kvmesh.prefill_attention_built()) and "amx_bf16" not in _cpu_flags().split()
+    try:
+        built = bool(torch.ops.kvmesh.prefill_attention_built(str(dtype).removeprefix("torch.")))
+    except RuntimeError:  # a library before the float32 kernel: its op takes no dtype (bfloat16 only)
+        built = dtype == torch.bfloat16 and bool(torch.ops.kvmesh.prefill_attention_built())
+    return built and "amx_bf16" not in _cpu_flags().split()
 
 
 def available() -> bool:
@@ -121,7 +126,7 @@ def available() -> bool:
         try:
             torch.ops.load_library(str(path))
             _state = True
-            logger.info("compiled CPU kernels loaded (decode and bfloat16 prefill attention, fused norms, small-batch and AMX linears): %s", path.name)
+            logger.info("compiled CPU kernels loaded (decode and prefill attention, fused norms, small-batch and AMX linears): %s", path.name)
         except (OSError, RuntimeError) as exc:
             last_failure = f"loading {path} failed: {exc}"
     if not _state:
