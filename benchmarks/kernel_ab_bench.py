@@ -14,7 +14,10 @@ Each process measures, for each dtype:
                      ``kvmesh up``'s default (256 MiB a worker; twice what the sequences take
                      where that is more), per layer strided as the engine's views are: ms for all layers, and the K/V bytes read per second;
   decode step        the default model's engine at ``--batches`` sequences of 128-token
-                     prompts: the median time of a decode step (all sequences in decode).
+                     prompts: the median time of a decode step (all sequences in decode);
+  prefill attention  ``torch.ops.kvmesh.prefill_attention_lse`` over 30 layers of that shape for
+                     each of ``--prefill-shapes`` (queries:keys:causal|all), where the side's
+                     library has the kernel for the dtype (empty where not).
 
     .venv/bin/python benchmarks/kernel_ab_bench.py --baseline 6019319 --json docs/benchmarks-kernel-ab.json
 """
@@ -70,6 +73,36 @@ def attention_ms(dtype: torch.dtype, seqs: int, context: int, repeats: int) -> d
     return {"seqs": seqs, "context": context, "ms": round(ms, 3), "gb_s": round(kv_bytes / ms / 1e6, 2)}
 
 
+def prefill_ms(dtype: torch.dtype, shape: str, repeats: int) -> dict:
+    """prefill_attention_lse over every layer: ``shape`` is queries:keys:causal (a chunk after
+    keys - queries tokens of context) or queries:keys:all (a shared prefix's part of a group)."""
+    queries, keys, mode = shape.split(":")
+    cell: dict = {"shape": shape, "ms": None}
+    name = str(dtype).removeprefix("torch.")
+    try:
+        built = bool(torch.ops.kvmesh.prefill_attention_built(name))
+    except RuntimeError:  # a library before the float32 kernel: bfloat16 only, no argument
+        built = dtype == torch.bfloat16 and bool(torch.ops.kvmesh.prefill_attention_built())
+    if not built:
+        return cell
+    gen = torch.Generator().manual_seed(int(keys))
+    q = (torch.randn(int(queries), HEADS, DIM, generator=gen) * 2).to(dtype)
+    k, v = torch.randn(2, int(keys), KV_HEADS, DIM, generator=gen).to(dtype)
+
+    def all_layers() -> None:
+        for _ in range(LAYERS):
+            torch.ops.kvmesh.prefill_attention_lse(q, k, v, DIM**-0.5, mode == "causal")
+
+    all_layers()
+    times = []
+    for _ in range(repeats):
+        started = time.perf_counter()
+        all_layers()
+        times.append(time.perf_counter() - started)
+    cell["ms"] = round(statistics.median(times) * 1e3, 3)
+    return cell
+
+
 def step_ms(dtype: str, batch: int, steps: int) -> float:
     """Median decode step of the default model's engine with ``batch`` sequences decoding
     ``steps`` tokens (decode_step.py's measure; this script runs from benchmarks/)."""
@@ -88,6 +121,7 @@ def child(args: argparse.Namespace) -> int:
         out["dtypes"][dtype] = {
             "attention": [attention_ms(torch_dtype, args.seqs, c, args.repeats) for c in args.contexts],
             "step_ms": {str(b): step_ms(dtype, b, args.steps) for b in args.batches},
+            "prefill": [prefill_ms(torch_dtype, shape, args.repeats) for shape in args.prefill_shapes],
         }
     print(json.dumps(out))
     return 0
@@ -143,6 +177,13 @@ def summarize(sides: dict[str, list[dict]], dtypes: list[str]) -> list[dict]:
             rows.append({"dtype": dtype, "what": f"decode step, {batch} sequences",
                          "baseline_ms": statistics.median(ms["baseline"]), "tree_ms": statistics.median(ms["tree"]),
                          "baseline_rounds": ms["baseline"], "tree_rounds": ms["tree"]})  # fmt: skip
+        for i, cell in enumerate(first.get("prefill", [])):
+            ms = {s: [r["dtypes"][dtype]["prefill"][i]["ms"] for r in runs] for s, runs in sides.items()}
+            if None in ms["baseline"] or None in ms["tree"]:  # a side without the kernel for this dtype
+                continue
+            rows.append({"dtype": dtype, "what": f"prefill attention, {cell['shape']}, 30 layers",
+                         "baseline_ms": statistics.median(ms["baseline"]), "tree_ms": statistics.median(ms["tree"]),
+                         "baseline_rounds": ms["baseline"], "tree_rounds": ms["tree"]})  # fmt: skip
     for row in rows:
         row["speedup"] = round(row["baseline_ms"] / row["tree_ms"], 3)
     return rows
@@ -173,6 +214,8 @@ def main() -> int:
     parser.add_argument("--contexts", type=lambda s: [int(x) for x in s.split(",")], default=[150, 300])
     parser.add_argument("--batches", type=lambda s: [int(x) for x in s.split(",")], default=[1, 32])
     parser.add_argument("--steps", type=int, default=15)
+    parser.add_argument("--prefill-shapes", type=lambda s: [x for x in s.split(",") if x], default=["1024:1024:causal", "512:2048:causal", "512:2048:all"],
+                        help="queries:keys:causal|all for the prefill attention; '' for none")  # fmt: skip
     parser.add_argument("--repeats", type=int, default=7)
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--json", type=Path)

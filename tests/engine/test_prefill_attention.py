@@ -183,6 +183,7 @@ def test_the_engine_prefills_through_it_with_the_logprobs_of_flash_attention(tmp
             assert sorted(calls) == sorted([3, 40, 90] * len(engine.model.layers))
     assert len(calls) == 3 * len(engine.model.layers)  # none with the kernel off
     exact = LLMEngine(EngineConfig(model=str(model_dir), dtype="float32", block_size=4, num_blocks=256, enable_prefix_caching=False))
+    exact.model.prefill_kernel = False  # a reference independent of the kernel (its float32 path)
     reference = exact.generate(prompts, params)
 
     def errors(outputs) -> list[float]:  # each prompt token's logprob against float32's
@@ -240,7 +241,9 @@ def test_chunks_after_earlier_context_go_through_it_with_the_logprobs_of_flash_a
     flash_engine.model.prefill_kernel = False
     with_flash = run(flash_engine)
     assert len(calls) == 5 * layers  # none with the kernel off
-    reference = run(engine("float32"))
+    reference_engine = engine("float32")
+    reference_engine.model.prefill_kernel = False  # a reference independent of the kernel (its float32 path)
+    reference = run(reference_engine)
     assert [out.num_cached_tokens for out in (*with_kernel, *reference)] == [0, 40, 40] * 2
 
     def errors(outputs) -> list[float]:  # the chunked prompt's logprobs, then the follow-ups' top 8 next tokens
