@@ -52,6 +52,16 @@ namespace {
 constexpr int64_t kKeys = 16;    // keys a score vector holds
 constexpr int64_t kChunk = 256;  // keys a pass of the online softmax
 
+// The largest of start and row[0 .. n) (a NaN score is passed over, as `x > high` does), 16 at a
+// time: the scalar loop GCC leaves it as (no fast-math) was a tenth of a small chunk's time.
+inline float row_peak(const float* row, int64_t n, float start) {
+  __m512 high = _mm512_set1_ps(start);
+  int64_t i = 0;
+  for (; i + 16 <= n; i += 16) high = _mm512_max_ps(_mm512_loadu_ps(row + i), high);  // the second operand if either is NaN
+  if (i < n) high = _mm512_mask_max_ps(high, (__mmask16)((1u << (n - i)) - 1), _mm512_maskz_loadu_ps((__mmask16)((1u << (n - i)) - 1), row + i), high);
+  return _mm512_reduce_max_ps(high);
+}
+
 // q.k of M query vectors with NB blocks of 16 keys, scaled into scores[m * stride + b * 16 ..]:
 // M * NB chains, each K load shared by the M vectors. float32: K blocks [dim][16 keys].
 template <int64_t D, int64_t M, int64_t NB>
@@ -178,21 +188,27 @@ void attend_tiles(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
   at::parallel_for(0, kv_heads * key_blocks, 1, [&](int64_t begin, int64_t end) {
     for (int64_t t = begin; t < end; ++t) {
       const int64_t h = t / key_blocks, block = t % key_blocks;
-      T* kd = kpack.data() + t * block_size;
-      for (int64_t j = 0; j < kKeys; ++j) {
-        const int64_t key = block * kKeys + j;
-        const T* row = key < keys_len ? kp + key * ks + h * kh : nullptr;
-        for (int64_t d = 0; d < D; ++d) {
-          const int64_t at = kBf16 ? ((d / 2) * kKeys + j) * 2 + d % 2 : d * kKeys + j;
-          kd[at] = row != nullptr ? row[d] : T(0);
+      T* kd = kpack.data() + t * block_size;  // (the vectors start zeroed: a missing key is left so)
+      for (int64_t j = 0; j < kKeys && block * kKeys + j < keys_len; ++j) {
+        const T* row = kp + (block * kKeys + j) * ks + h * kh;
+        if constexpr (kBf16) {  // a pair of dims at a time: one 32-bit copy, not two 16-bit ones
+          for (int64_t p = 0; p < D / 2; ++p) std::memcpy(kd + (p * kKeys + j) * 2, row + 2 * p, 2 * sizeof(T));
+        } else {
+          for (int64_t d = 0; d < D; ++d) kd[d * kKeys + j] = row[d];
         }
       }
-      if constexpr (kBf16) {
-        for (int64_t j = 0; j < kKeys; ++j) {
-          const int64_t key = block * kKeys + j;
-          const T* row = key < keys_len ? vp + key * vs + h * vh : nullptr;
-          T* vd = vpack.data() + (h * key_blocks * kKeys + key - j % 2) * D + j % 2;
-          for (int64_t d = 0; d < D; ++d) vd[2 * d] = row != nullptr ? row[d] : T(0);
+      if constexpr (kBf16) {  // two keys' rows interleaved 16 dims at a time (a scalar loop was most of a small chunk's time)
+        for (int64_t key = block * kKeys; key < std::min(keys_len, (block + 1) * kKeys); key += 2) {
+          const T* first = vp + key * vs + h * vh;
+          const T* second = key + 1 < keys_len ? first + vs : nullptr;
+          T* vd = vpack.data() + (h * key_blocks * kKeys + key) * D;
+          for (int64_t c = 0; c < D / 16; ++c) {
+            const __m512i low = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(first + c * 16)));
+            const __m512i high = second != nullptr
+                                     ? _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(second + c * 16)))
+                                     : _mm512_setzero_si512();
+            _mm512_storeu_si512(vd + c * 32, _mm512_or_si512(low, _mm512_slli_epi32(high, 16)));
+          }
         }
       }
     }
@@ -233,8 +249,7 @@ void attend_tiles(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
           for (int64_t m = 0; m < M; ++m) {
             float* row = scores.data() + m * kChunk;
             const int64_t seen = std::max<int64_t>(0, std::min(context[m], stop) - start);  // keys of this chunk it attends to
-            float high = peak[m];
-            for (int64_t i = 0; i < seen; ++i) high = row[i] > high ? row[i] : high;
+            const float high = row_peak(row, seen, peak[m]);
             alpha[m] = high == peak[m] ? 1.f : std::exp(peak[m] - high);  // the first chunk: exp(-inf) = 0
             total[m] = total[m] * alpha[m] + (seen > 0 ? kvmesh::cpu::exp_shifted(row, seen, high) : 0.f);
             peak[m] = high;
