@@ -33,6 +33,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from datetime import UTC, datetime
 from pathlib import Path
 
@@ -43,6 +44,17 @@ from kvmesh.machine import cpu_flags, cpu_model
 
 CHILD_ENV = "KVMESH_KERNEL_AB_CHILD"
 LAYERS, HEADS, KV_HEADS, DIM, BLOCK = 30, 9, 3, 64, 16
+
+
+def _median_ms(run: Callable[[], None], repeats: int) -> float:
+    """The median of ``repeats`` timed calls of ``run``, after one untimed."""
+    run()
+    times = []
+    for _ in range(repeats):
+        started = time.perf_counter()
+        run()
+        times.append(time.perf_counter() - started)
+    return statistics.median(times) * 1e3
 
 
 def attention_ms(dtype: torch.dtype, seqs: int, context: int, repeats: int) -> dict:
@@ -62,13 +74,7 @@ def attention_ms(dtype: torch.dtype, seqs: int, context: int, repeats: int) -> d
         for k_cache, v_cache in views:
             torch.ops.kvmesh.paged_decode(q, k_cache, v_cache, tables, lens, DIM**-0.5)
 
-    all_layers()
-    times = []
-    for _ in range(repeats):
-        started = time.perf_counter()
-        all_layers()
-        times.append(time.perf_counter() - started)
-    ms = statistics.median(times) * 1e3
+    ms = _median_ms(all_layers, repeats)
     kv_bytes = seqs * context * KV_HEADS * DIM * 2 * pool.element_size() * LAYERS
     return {"seqs": seqs, "context": context, "ms": round(ms, 3), "gb_s": round(kv_bytes / ms / 1e6, 2)}
 
@@ -78,12 +84,7 @@ def prefill_ms(dtype: torch.dtype, shape: str, repeats: int) -> dict:
     keys - queries tokens of context) or queries:keys:all (a shared prefix's part of a group)."""
     queries, keys, mode = shape.split(":")
     cell: dict = {"shape": shape, "ms": None}
-    name = str(dtype).removeprefix("torch.")
-    try:
-        built = bool(torch.ops.kvmesh.prefill_attention_built(name))
-    except RuntimeError:  # a library before the float32 kernel: bfloat16 only, no argument
-        built = dtype == torch.bfloat16 and bool(torch.ops.kvmesh.prefill_attention_built())
-    if not built:
+    if not paged_kernel.prefill_attention_built(dtype):
         return cell
     gen = torch.Generator().manual_seed(int(keys))
     q = (torch.randn(int(queries), HEADS, DIM, generator=gen) * 2).to(dtype)
@@ -93,13 +94,7 @@ def prefill_ms(dtype: torch.dtype, shape: str, repeats: int) -> dict:
         for _ in range(LAYERS):
             torch.ops.kvmesh.prefill_attention_lse(q, k, v, DIM**-0.5, mode == "causal")
 
-    all_layers()
-    times = []
-    for _ in range(repeats):
-        started = time.perf_counter()
-        all_layers()
-        times.append(time.perf_counter() - started)
-    cell["ms"] = round(statistics.median(times) * 1e3, 3)
+    cell["ms"] = round(_median_ms(all_layers, repeats), 3)
     return cell
 
 

@@ -13,8 +13,7 @@ from kvmesh.engine.model import paged_kernel
 
 
 def _built(dtype: torch.dtype) -> bool:
-    name = str(dtype).removeprefix("torch.")
-    return paged_kernel.compiler() is not None and paged_kernel.available() and bool(torch.ops.kvmesh.prefill_attention_built(name))
+    return paged_kernel.compiler() is not None and paged_kernel.available() and paged_kernel.prefill_attention_built(dtype)
 
 
 BF16 = pytest.mark.skipif(not _built(torch.bfloat16), reason="the bfloat16 prefill kernel is not built here (no AVX512-BF16)")

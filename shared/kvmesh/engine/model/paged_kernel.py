@@ -105,11 +105,15 @@ def prefill_attention_wanted(head_dim: int, group: int, dtype: torch.dtype = tor
         return False
     if not available() or not hasattr(torch.ops.kvmesh, "prefill_attention_lse"):  # an earlier commit's library
         return False  # (before 3fb611e the op took no earlier context and had no log-sum-exp variant)
+    return prefill_attention_built(dtype) and "amx_bf16" not in _cpu_flags().split()
+
+
+def prefill_attention_built(dtype: torch.dtype) -> bool:
+    """Does the loaded library have the prefill attention kernel for ``dtype``?"""
     try:
-        built = bool(torch.ops.kvmesh.prefill_attention_built(str(dtype).removeprefix("torch.")))
+        return bool(torch.ops.kvmesh.prefill_attention_built(str(dtype).removeprefix("torch.")))
     except RuntimeError:  # a library before the float32 kernel: its op takes no dtype (bfloat16 only)
-        built = dtype == torch.bfloat16 and bool(torch.ops.kvmesh.prefill_attention_built())
-    return built and "amx_bf16" not in _cpu_flags().split()
+        return dtype == torch.bfloat16 and bool(torch.ops.kvmesh.prefill_attention_built())
 
 
 def available() -> bool:

@@ -82,6 +82,19 @@ inline void score_blocks(const float* const* qrows, const float* kb, float scale
     for (int64_t b = 0; b < NB; ++b) _mm512_storeu_ps(scores + m * stride + b * kKeys, _mm512_mul_ps(acc[m][b], s));
 }
 
+// sums[m] = sums[m] * alpha[m] + acc[m]: a chunk's p.v into the rows' sums, the chunks before
+// rescaled (their softmax's shift moved).
+template <int64_t M, int64_t CV>
+inline void add_chunk(const __m512 (&acc)[M][CV], const float* alpha, float* sums, int64_t sums_stride) {
+  for (int64_t m = 0; m < M; ++m) {
+    const __m512 a = _mm512_set1_ps(alpha[m]);
+    for (int64_t c = 0; c < CV; ++c) {
+      float* sum = sums + m * sums_stride + c * 16;
+      _mm512_storeu_ps(sum, _mm512_fmadd_ps(_mm512_loadu_ps(sum), a, acc[m][c]));
+    }
+  }
+}
+
 // p.v of M weight rows with CV vectors of 16 dims, for the n keys of a chunk (float32: V rows
 // read in place), then added to sums[m] (the chunks before, times alpha[m]: their softmax's
 // shift moved). A sum a chunk: no chain of FMAs runs over thousands of keys (one did: 1.4x flash
@@ -100,13 +113,7 @@ inline void weigh_values(const float* weights, const float* values, int64_t valu
       for (int64_t c = 0; c < CV; ++c) acc[m][c] = _mm512_fmadd_ps(w, vals[c], acc[m][c]);
     }
   }
-  for (int64_t m = 0; m < M; ++m) {
-    const __m512 a = _mm512_set1_ps(alpha[m]);
-    for (int64_t c = 0; c < CV; ++c) {
-      float* sum = sums + m * sums_stride + c * 16;
-      _mm512_storeu_ps(sum, _mm512_fmadd_ps(_mm512_loadu_ps(sum), a, acc[m][c]));
-    }
-  }
+  add_chunk(acc, alpha, sums, sums_stride);
 }
 
 #ifdef KVMESH_PREFILL_ATTENTION
@@ -151,13 +158,7 @@ inline void weigh_values(const uint16_t* weights, const uint16_t* values, int64_
       for (int64_t c = 0; c < CV; ++c) acc[m][c] = _mm512_dpbf16_ps(acc[m][c], w, (__m512bh)vals[c]);
     }
   }
-  for (int64_t m = 0; m < M; ++m) {
-    const __m512 a = _mm512_set1_ps(alpha[m]);
-    for (int64_t c = 0; c < CV; ++c) {
-      float* sum = sums + m * sums_stride + c * 16;
-      _mm512_storeu_ps(sum, _mm512_fmadd_ps(_mm512_loadu_ps(sum), a, acc[m][c]));
-    }
-  }
+  add_chunk(acc, alpha, sums, sums_stride);
 }
 #endif
 
