@@ -103,9 +103,9 @@ class LlamaModel:
         # Prefill attention (a chunk attending to itself and its earlier context) through the
         # compiled kernel where the CPU has no AMX, bfloat16 with AVX512-BF16 and float32 with
         # AVX-512, for the head shapes it is built for (paged_kernel.prefill_attention_wanted): a
-        # 4 x 1,024-token prefill 1.21x faster than with flash attention in bfloat16
-        # (docs/benchmarks.md, "A bfloat16 prefill attention kernel for CPUs without AMX"), and in
-        # float32 "A float32 prefill attention kernel".
+        # 4 x 1,024-token prefill 1.42x (bfloat16) and 1.11x (float32) faster than with flash
+        # attention on an AMD Zen 4 (docs/benchmarks.md, "A float32 prefill attention kernel, and
+        # both dtypes' kernel in tiles of rows").
         group = config.num_heads // config.num_kv_heads
         self.prefill_kernel = compiled and paged_kernel.prefill_attention_wanted(config.head_dim, group, dtype)
         # Called before each layer after the first (AsyncEngine's, with --lend-cores: a step on

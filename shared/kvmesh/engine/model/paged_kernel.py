@@ -98,9 +98,10 @@ def prefill_attention_wanted(head_dim: int, group: int, dtype: torch.dtype = tor
     the compiled kernel (``csrc/prefill_attention.cpp``, built for 64 and 128 dims and groups of
     up to 8)? bfloat16 where it is built (AVX512-BF16) and float32 where it is built (AVX-512),
     on CPUs without AMX-BF16: there PyTorch's flash attention computes bfloat16 no faster than
-    float32 (docs/benchmarks.md, "Issue 12 on an AMD EPYC Zen 4 without AMX"), and the float32
-    kernel was measured 1.1-1.5x faster than flash attention (docs/benchmarks.md, "A float32
-    prefill attention kernel"); with AMX flash attention is kept, not measured against it."""
+    float32 (docs/benchmarks.md, "Issue 12 on an AMD EPYC Zen 4 without AMX"), and the kernel
+    makes a float32 prefill 1.11-1.30x faster than flash attention does (docs/benchmarks.md, "A
+    float32 prefill attention kernel, and both dtypes' kernel in tiles of rows"); with AMX flash
+    attention is kept, not measured against it."""
     if head_dim not in (64, 128) or not 1 <= group <= 8 or dtype not in (torch.bfloat16, torch.float32):
         return False
     if not available() or not hasattr(torch.ops.kvmesh, "prefill_attention_lse"):  # an earlier commit's library

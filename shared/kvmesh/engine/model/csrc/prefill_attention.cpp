@@ -2,8 +2,8 @@
 // to every key (a shared prefix's part of a grouped prefill), in bfloat16 for CPUs with
 // AVX512-BF16 and in float32 for CPUs with AVX-512. Used where they have no AMX (bfloat16: there
 // PyTorch's flash attention runs bfloat16 no faster than float32, while the linears run 2.4x
-// faster; docs/benchmarks.md, "Issue 12 on an AMD EPYC Zen 4 without AMX"; float32: "A float32
-// prefill attention kernel").
+// faster; docs/benchmarks.md, "Issue 12 on an AMD EPYC Zen 4 without AMX"; both: "A float32
+// prefill attention kernel, and both dtypes' kernel in tiles of rows").
 //
 // q (L, heads, dim), k and v (S, kv_heads, dim), S >= L when causal: the chunk's queries are the
 // last L of the S positions (S - L tokens of earlier context, e.g. a cached prefix, then the
