@@ -195,7 +195,7 @@ def markdown(report: dict) -> str:
         "|---|---|---:|---:|---:|---|",
     ]
     for r in report["rows"]:
-        rate = f"{r['baseline_gb_s']} -> {r['tree_gb_s']}" if "tree_gb_s" in r else ""
+        rate = f"{r['baseline_gb_s']:.1f} -> {r['tree_gb_s']:.1f}" if "tree_gb_s" in r else ""
         lines.append(f"| {r['dtype']} | {r['what']} | {r['baseline_ms']:.2f} | {r['tree_ms']:.2f} | {r['speedup']:.2f}x | {rate} |")
     return "\n".join(lines) + "\n"
 

@@ -4,7 +4,7 @@
 // x (M, K), w (N, K) row-major as loaded, bias (N) or none; y (M, N). A decode step's
 // linears read every weight once for a handful of rows: the time is the weight's trip from
 // memory. oneDNN's kernels leave a third of the bandwidth unused there; this one streams the
-// weight rows with software prefetch a few rows ahead, takes four weight rows at a time and
+// weight rows with software prefetch into L2 32 KiB ahead, takes four weight rows at a time and
 // uses each loaded weight vector for up to four x rows (bfloat16: vdpbf16ps, 32 products an
 // instruction; float32: fused multiply-adds), accumulated in float32, and loops over the
 // rest of x's rows while the four weight rows are still in L1, so a weight is read from
@@ -33,7 +33,11 @@ namespace {
 
 constexpr int kRows = 4;  // weight rows a task takes at a time
 constexpr int kXRows = 4;  // x rows each loaded weight vector serves
-constexpr int64_t kAheadRows = 8;  // how far ahead the weight rows are prefetched
+// How far ahead the weight is prefetched, into L2 (prefetcht1). On an AMD EPYC Zen 4, the
+// weight rows 8 rows ahead into L1 (prefetcht0) streamed 8-16 GB/s a core from memory where a
+// plain read streams 26; into L2 at 16-64 KiB ahead, 14-20 (the same distance into L1: no
+// better than before). docs/benchmarks.md, "The small-batch linear kernel's prefetch".
+constexpr int64_t kAheadBytes = 32 * 1024;
 
 #if defined(__AVX512BF16__) && defined(__AVX512F__)
 #define KVMESH_SMALL_LINEAR_BF16 1
@@ -96,9 +100,10 @@ inline void dot_rows(const typename Ops::Elem* w, int64_t K, const typename Ops:
   for (; k + Ops::kStep <= K; k += Ops::kStep) {
     typename Ops::Vec wv[R];
     for (int r = 0; r < R; ++r) {
-      // one prefetch per cache line of each row, kAheadRows rows on
+      // one prefetch per cache line of each row, kAheadBytes on (a prefetch past the end of
+      // the weight is harmless: it cannot fault)
       if (prefetch && (k * sizeof(typename Ops::Elem)) % 64 == 0)
-        _mm_prefetch(reinterpret_cast<const char*>(w + (r + kAheadRows) * K + k), _MM_HINT_T0);
+        _mm_prefetch(reinterpret_cast<const char*>(w + r * K + k) + kAheadBytes, _MM_HINT_T1);
       wv[r] = Ops::load(w + r * K + k);
     }
     for (int m = 0; m < MB; ++m) {
