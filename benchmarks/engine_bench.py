@@ -1303,6 +1303,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
                    help="only the ablation: each optimization off and on in one run; --out gains an 'ablation' key")
     p.add_argument("--ablation-only", default=None,
                    help="with --ablation: comma-separated model attributes to measure (e.g. prefill_kernel); default all")
+    p.add_argument("--ablation-batch", type=int, default=None,
+                   help="with --ablation: the sequences of the decode-step workload (default 32; 8 with --quick)")
     args = p.parse_args(argv)
     args.dtypes = [d.strip() for d in args.dtypes.split(",") if d.strip()]
     for d in args.dtypes:
@@ -1375,7 +1377,7 @@ ABLATIONS = (  # (name, the LlamaModel attribute that turns it on)
     ("paged decode kernel (K/V read in place)", "paged_kernel"),
     ("fused rotary + K/V store", "fused_rope"),
     ("fused residual add + RMSNorm, silu-and-mul", "fused_elementwise"),
-    ("small-batch linear kernel (bfloat16: 1-2 rows, float32: 1-4)", "small_batch_linear"),
+    ("small-batch linear kernel (bfloat16: 1-2 rows, 1-4 without AMX; float32: 1-4)", "small_batch_linear"),
     ("AMX tile linear kernel (bfloat16: 3-64 rows)", "tile_linear"),
     ("prefill attention kernel (no AMX)", "prefill_kernel"),
 )
@@ -1427,9 +1429,11 @@ def _prefill_ablation(engine: LLMEngine, prompts: PromptMaker, name: str, attr: 
 def run_ablation(args: argparse.Namespace) -> tuple[list[dict[str, Any]], str]:
     """Each kept optimization off (the others on) and on, in the same engine, rounds
     interleaved (off, on, off, on...), median reported: batch-1 decode tokens/s and the
-    32-sequence decode step (the prefill kernel: prompt tokens/s of three prefills)."""
+    32-sequence decode step (``--ablation-batch``; the prefill kernel: prompt tokens/s of three
+    prefills)."""
     quick = args.quick
     new_tokens, steps, batch, prompt_len = (16, 4, 8, 64) if quick else (64, 12, 32, 128)
+    batch = args.ablation_batch or batch
     results: list[dict[str, Any]] = []
     lines = [
         "| optimization (off: the others still on) | dtype | workload | off | on | on / off |",

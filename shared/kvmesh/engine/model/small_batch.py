@@ -6,7 +6,10 @@ of a decode step of a few sequences. Measured on an Intel Xeon with AMX against 
 prepacked weights (docs/benchmarks.md, "Fused norms, a small-batch linear kernel and a kept
 prefix gather"): bfloat16 (AVX512-BF16) 1.47x faster at one row, 1.19-1.32x at two, even at
 four, slower from eight; float32 (AVX-512, or AVX2 with FMA) 1.2x faster at one to four
-rows. Hence ``SMALL_ROWS``. It reads the plain weight,
+rows. Hence ``SMALL_ROWS``; on an AMD EPYC Zen 4 (AVX512-BF16, no AMX), once it prefetched into
+L2, bfloat16 was also faster than oneDNN at three and four rows (a decode step's linears 9.3
+against 12.8 and 11.0 ms; docs/benchmarks.md, "The small-batch linear kernel's prefetch"), so
+where no AMX tiles take those rows it takes them (``small_rows``). It reads the plain weight,
 which a prepacked layer otherwise drops, so keeping it costs the weights' bytes again: it is
 kept for models whose copies stay within ``PLAIN_COPY_LIMIT``, and always where nothing is
 copied (the output layer's plain weight, or the embedding it is tied to, stays anyway).
@@ -30,6 +33,8 @@ from kvmesh.engine.model.weights import ModelWeights
 
 # Inputs of at most this many rows go to the kernel: where it was measured faster.
 SMALL_ROWS = {torch.bfloat16: 2, torch.float32: 4}
+# bfloat16 on a CPU without AMX tiles, where oneDNN would take the rows past SMALL_ROWS.
+SMALL_ROWS_BF16_WITHOUT_TILES = 4
 # bfloat16 inputs of more rows than SMALL_ROWS and at most this many go to the AMX tile kernel:
 # faster than oneDNN at every row count measured up to 64, even with it from 96.
 TILE_ROWS = 64
@@ -49,6 +54,14 @@ def amx_available() -> bool:
     return bool(torch.ops.kvmesh.amx_available())
 
 
+def small_rows(dtype: torch.dtype, tiles: bool) -> int:
+    """The most rows an input of ``dtype`` may have for the kernel; ``tiles``: bfloat16's
+    AMX tile kernel takes more (``amx_available``)."""
+    if dtype == torch.bfloat16 and not tiles:
+        return SMALL_ROWS_BF16_WITHOUT_TILES
+    return SMALL_ROWS[dtype]
+
+
 def plan(weights: ModelWeights, dtype: torch.dtype, compiled: bool, prepacked: bool) -> SmallBatchPlan:
     """``compiled``: the kvmesh kernels are loaded; ``prepacked``: the layers drop their plain
     weights for oneDNN's copies unless told to keep them."""
@@ -62,7 +75,7 @@ def plan(weights: ModelWeights, dtype: torch.dtype, compiled: bool, prepacked: b
     if not small and not tiles:
         need = "AVX512-BF16" if dtype == torch.bfloat16 else "AVX-512 or AVX2 with FMA"
         return SmallBatchPlan(0, 0, f"off: {name} needs {need}, which this CPU lacks")
-    rows = SMALL_ROWS[dtype] if small else 0
+    rows = small_rows(dtype, tiles) if small else 0
     layers = sum(
         tensor.numel() * tensor.element_size()
         for layer in weights.layers
