@@ -8,11 +8,12 @@ prefix gather"): bfloat16 (AVX512-BF16) 1.47x faster at one row, 1.19-1.32x at t
 four, slower from eight; float32 (AVX-512, or AVX2 with FMA) 1.2x faster at one to four
 rows. Hence ``SMALL_ROWS``; on an AMD EPYC Zen 4 (AVX512-BF16, no AMX), once it prefetched into
 L2, bfloat16 was also faster than oneDNN at three and four rows (a decode step's linears 9.3
-against 12.8 and 11.0 ms; docs/benchmarks.md, "The small-batch linear kernel's prefetch"), so
-where no AMX tiles take those rows it takes them (``small_rows``). It reads the plain weight,
-which a prepacked layer otherwise drops, so keeping it costs the weights' bytes again: it is
-kept for models whose copies stay within ``PLAIN_COPY_LIMIT``, and always where nothing is
-copied (the output layer's plain weight, or the embedding it is tied to, stays anyway).
+against 12.8 ms at three, 9.4 against 11.0 at four; docs/benchmarks.md, "The small-batch linear
+kernel's prefetch"), so where no AMX tiles take those rows it takes them (``small_rows``).
+It reads the plain weight, which a prepacked layer otherwise drops, so keeping it costs the
+weights' bytes again: it is kept for models whose copies stay within ``PLAIN_COPY_LIMIT``, and
+always where nothing is copied (the output layer's plain weight, or the embedding it is tied
+to, stays anyway).
 
 On a CPU with AMX, bfloat16 inputs of more rows than that, up to ``TILE_ROWS``, go to
 ``torch.ops.kvmesh.amx_linear`` (csrc/amx_linear.cpp), which reads a copy of the weight
