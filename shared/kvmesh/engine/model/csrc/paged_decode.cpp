@@ -77,9 +77,11 @@ struct Paged {
   // step per row, not a division by the block size. The blocks lie anywhere in the pool, so
   // each row's load waits on memory unless fetched ahead (prefetching one cache line of each
   // row of the next block only, bfloat16 attention read K/V at 8-9 GB/s): every cache line of
-  // the rows kBlocksAhead blocks on is prefetched as a block begins (the first blocks' at the
-  // start), and in the keys' pass this block's value rows too, to L2 (they are read after the
-  // softmax; a task's few tens of KB stay there).
+  // the rows kBlocksAhead blocks on is prefetched as a block begins, to L2 (the first blocks',
+  // at the start, to L1), and in the keys' pass this block's value rows too, to L2 (they are
+  // read after the softmax; a task's few tens of KB stay there). The blocks ahead went to L1
+  // before: to L2 the kernel reads K/V 1.2-1.3x faster on an AMD EPYC Zen 4 (docs/benchmarks.md,
+  // "The small-batch linear kernel's prefetch"), as the small-batch linears did.
   template <typename F>
   void each_key(const int64_t* table, int64_t len, int64_t h, F&& f) const {
     rows(kp, kb, kt, kh, table, len, h, f, vp, vb, vt, vh);
@@ -105,7 +107,7 @@ struct Paged {
     for (int64_t b = 0; b < blocks && b < kBlocksAhead; ++b) prefetch_rows<_MM_HINT_T0>(first(base, bstride, hstride, b), tstride, count(b));
     for (int64_t b = 0; b < blocks; ++b) {
       if (b + kBlocksAhead < blocks)
-        prefetch_rows<_MM_HINT_T0>(first(base, bstride, hstride, b + kBlocksAhead), tstride, count(b + kBlocksAhead));
+        prefetch_rows<_MM_HINT_T1>(first(base, bstride, hstride, b + kBlocksAhead), tstride, count(b + kBlocksAhead));
       if (also != nullptr) prefetch_rows<_MM_HINT_T1>(first(also, also_bstride, also_hstride, b), also_tstride, count(b));
       const P* row = first(base, bstride, hstride, b);
       for (int64_t pos = b * block_size, end = pos + count(b); pos < end; ++pos, row += tstride) f(pos, row);
