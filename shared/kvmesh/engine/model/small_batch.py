@@ -9,7 +9,7 @@ four, slower from eight; float32 (AVX-512, or AVX2 with FMA) 1.2x faster at one 
 rows. Hence ``SMALL_ROWS``; on an AMD EPYC Zen 4 (AVX512-BF16, no AMX), once it prefetched into
 L2, bfloat16 was also faster than oneDNN at three and four rows (a decode step's linears 9.3
 against 12.8 ms at three, 9.4 against 11.0 at four; docs/benchmarks.md, "The small-batch linear
-kernel's prefetch"), so where no AMX tiles take those rows it takes them (``small_rows``).
+kernel's prefetch"), so on a CPU without AMX it takes them (``small_rows``).
 It reads the plain weight, which a prepacked layer otherwise drops, so keeping it costs the
 weights' bytes again: it is kept for models whose copies stay within ``PLAIN_COPY_LIMIT``, and
 always where nothing is copied (the output layer's plain weight, or the embedding it is tied
@@ -34,8 +34,8 @@ from kvmesh.engine.model.weights import ModelWeights
 
 # Inputs of at most this many rows go to the kernel: where it was measured faster.
 SMALL_ROWS = {torch.bfloat16: 2, torch.float32: 4}
-# bfloat16 on a CPU without AMX tiles, where oneDNN would take the rows past SMALL_ROWS.
-SMALL_ROWS_BF16_WITHOUT_TILES = 4
+# bfloat16 on a CPU without AMX, where oneDNN, not the tiles, would take the rows past SMALL_ROWS.
+SMALL_ROWS_BF16_WITHOUT_AMX = 4
 # bfloat16 inputs of more rows than SMALL_ROWS and at most this many go to the AMX tile kernel:
 # faster than oneDNN at every row count measured up to 64, even with it from 96.
 TILE_ROWS = 64
@@ -55,11 +55,12 @@ def amx_available() -> bool:
     return bool(torch.ops.kvmesh.amx_available())
 
 
-def small_rows(dtype: torch.dtype, tiles: bool) -> int:
-    """The most rows an input of ``dtype`` may have for the kernel; ``tiles``: bfloat16's
-    AMX tile kernel takes more (``amx_available``)."""
-    if dtype == torch.bfloat16 and not tiles:
-        return SMALL_ROWS_BF16_WITHOUT_TILES
+def small_rows(dtype: torch.dtype, amx: bool) -> int:
+    """The most rows an input of ``dtype`` may have for the kernel; ``amx``: this CPU has the
+    AMX tile kernel (``amx_available``), measured against the kernel only there (where the
+    tiles' copies do not fit, oneDNN takes bfloat16's rows past two, as it did there)."""
+    if dtype == torch.bfloat16 and not amx:
+        return SMALL_ROWS_BF16_WITHOUT_AMX
     return SMALL_ROWS[dtype]
 
 

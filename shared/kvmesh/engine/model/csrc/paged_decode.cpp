@@ -80,8 +80,8 @@ struct Paged {
   // the rows kBlocksAhead blocks on is prefetched as a block begins, to L2 (the first blocks',
   // at the start, to L1), and in the keys' pass this block's value rows too, to L2 (they are
   // read after the softmax; a task's few tens of KB stay there). The blocks ahead went to L1
-  // before: to L2 the kernel reads K/V 1.2-1.3x faster on an AMD EPYC Zen 4 (docs/benchmarks.md,
-  // "The small-batch linear kernel's prefetch"), as the small-batch linears did.
+  // before: to L2 the attention ran 1.2-1.7x faster on an AMD EPYC Zen 4 (kernel_ab_bench.py;
+  // docs/benchmarks.md, "The decode attention's blocks ahead into L2 too").
   template <typename F>
   void each_key(const int64_t* table, int64_t len, int64_t h, F&& f) const {
     rows(kp, kb, kt, kh, table, len, h, f, vp, vb, vt, vh);

@@ -33,11 +33,21 @@ namespace {
 
 constexpr int kRows = 4;  // weight rows a task takes at a time
 constexpr int kXRows = 4;  // x rows each loaded weight vector serves
-// How far ahead the weight is prefetched, into L2 (prefetcht1). On an AMD EPYC Zen 4, the
-// weight rows 8 rows ahead into L1 (prefetcht0) streamed 8-16 GB/s a core from memory where a
-// plain read streams 26; into L2 at 16-64 KiB ahead, 14-20 (the same distance into L1: no
-// better than before). docs/benchmarks.md, "The small-batch linear kernel's prefetch".
+// How far ahead the weight is prefetched, into L2 (prefetcht1): at least this, in whole groups
+// of kRows rows, so that each row's lines are fetched from the same row of a later group (a
+// distance in bytes alone would land inside the group being read once a row passes 8 KiB).
+// On an AMD EPYC Zen 4, the weight rows 8 rows ahead into L1 (prefetcht0) streamed 8-16 GB/s a
+// core from memory where a plain read streams 26; into L2 at 16-96 KiB ahead, 14-20 (the same
+// distance into L1: no better than before). docs/benchmarks.md, "The small-batch linear
+// kernel's prefetch".
 constexpr int64_t kAheadBytes = 32 * 1024;
+
+// kAheadBytes or more, in elements, in whole groups of kRows rows of K elements.
+inline int64_t ahead_elements(int64_t K, int64_t elem_bytes) {
+  const int64_t group = kRows * K;
+  const int64_t groups = (kAheadBytes + group * elem_bytes - 1) / (group * elem_bytes);
+  return group * (groups > 1 ? groups : 1);
+}
 
 #if defined(__AVX512BF16__) && defined(__AVX512F__)
 #define KVMESH_SMALL_LINEAR_BF16 1
@@ -92,7 +102,7 @@ struct F32Fma {  // 8 float32 products a step
 // R weight rows against x rows [0, MB) (x already offset): their float32 sums.
 template <typename Ops, int R, int MB>
 inline void dot_rows(const typename Ops::Elem* w, int64_t K, const typename Ops::Elem* x, int64_t xs, bool prefetch,
-                     float (*sums)[kRows]) {
+                     int64_t ahead, float (*sums)[kRows]) {
   decltype(Ops::zero()) acc[MB][R];
   for (int m = 0; m < MB; ++m)
     for (int r = 0; r < R; ++r) acc[m][r] = Ops::zero();
@@ -100,10 +110,12 @@ inline void dot_rows(const typename Ops::Elem* w, int64_t K, const typename Ops:
   for (; k + Ops::kStep <= K; k += Ops::kStep) {
     typename Ops::Vec wv[R];
     for (int r = 0; r < R; ++r) {
-      // one prefetch per cache line of each row, kAheadBytes on (a prefetch past the end of
-      // the weight is harmless: it cannot fault)
+      // one prefetch per cache line of each row, ``ahead`` elements on (an address, not a
+      // pointer: past the end of the weight it is harmless, a prefetch cannot fault)
       if (prefetch && (k * sizeof(typename Ops::Elem)) % 64 == 0)
-        _mm_prefetch(reinterpret_cast<const char*>(w + r * K + k) + kAheadBytes, _MM_HINT_T1);
+        _mm_prefetch(reinterpret_cast<const char*>(reinterpret_cast<uintptr_t>(w + r * K + k) +
+                                                   ahead * sizeof(typename Ops::Elem)),
+                     _MM_HINT_T1);
       wv[r] = Ops::load(w + r * K + k);
     }
     for (int m = 0; m < MB; ++m) {
@@ -127,16 +139,17 @@ inline void dot_rows(const typename Ops::Elem* w, int64_t K, const typename Ops:
 template <typename Ops, int R>
 inline void rows_against_x(const typename Ops::Elem* w, int64_t K, const typename Ops::Elem* x, int64_t xs, int64_t M,
                            int64_t n0, int64_t N, const typename Ops::Out* bias, typename Ops::Out* y) {
+  const int64_t ahead = ahead_elements(K, sizeof(typename Ops::Elem));
   float sums[kXRows][kRows];
   for (int64_t m0 = 0; m0 < M; m0 += kXRows) {
     const typename Ops::Elem* xm = x + m0 * xs;
     const bool prefetch = m0 == 0;
     const int64_t mb = M - m0 < kXRows ? M - m0 : kXRows;
     switch (mb) {
-      case 1: dot_rows<Ops, R, 1>(w, K, xm, xs, prefetch, sums); break;
-      case 2: dot_rows<Ops, R, 2>(w, K, xm, xs, prefetch, sums); break;
-      case 3: dot_rows<Ops, R, 3>(w, K, xm, xs, prefetch, sums); break;
-      default: dot_rows<Ops, R, 4>(w, K, xm, xs, prefetch, sums); break;
+      case 1: dot_rows<Ops, R, 1>(w, K, xm, xs, prefetch, ahead, sums); break;
+      case 2: dot_rows<Ops, R, 2>(w, K, xm, xs, prefetch, ahead, sums); break;
+      case 3: dot_rows<Ops, R, 3>(w, K, xm, xs, prefetch, ahead, sums); break;
+      default: dot_rows<Ops, R, 4>(w, K, xm, xs, prefetch, ahead, sums); break;
     }
     for (int64_t m = 0; m < mb; ++m)
       for (int r = 0; r < R; ++r) {
