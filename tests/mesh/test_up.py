@@ -26,6 +26,7 @@ from pathlib import Path
 import httpx
 import nats
 import pytest
+import torch
 
 from kvmesh.engine.model import paged_kernel, small_batch
 from kvmesh.machine import default_dtype, threads_per_worker, usable_cores
@@ -378,8 +379,8 @@ def test_the_services_options_reach_the_services(tmp_path, default_model_dir):
     line of the services it belongs to (the mesh-wide deadline in their environment). With no
     ``--dtype`` / KVMESH_DTYPE (the suite's float32 removed) and no ``--num-threads``, the
     machine decides both and ``kvmesh up`` says so; the worker runs that dtype with the
-    compiled kernels (its log says they loaded and the small-batch linear is on, and on a CPU
-    with AMX in bfloat16 the tile kernel too)."""
+    compiled kernels (its log says they loaded and the small-batch linear is on for the rows this
+    CPU's plan gives, and on a CPU with AMX in bfloat16 the tile kernel too)."""
     origin = "http://localhost:3000"
     up = start_up(
         tmp_path, default_model_dir, "--prefill", "0", "--decode", "1",
@@ -436,6 +437,10 @@ def test_the_services_options_reach_the_services(tmp_path, default_model_dir):
         assert "compiled CPU kernels loaded" in worker_log, worker_log[-3000:]
         assert "compiled decode attention unavailable" not in worker_log, worker_log[-3000:]
         assert "small-batch linear kernel: on" in worker_log, worker_log[-3000:]
+        if paged_kernel.available():  # bfloat16 without AMX: four rows, where oneDNN took three and four
+            amx = small_batch.amx_available()
+            rows = 4 if dtype == "bfloat16" and not amx else small_batch.SMALL_ROWS[getattr(torch, dtype)]
+            assert f"small-batch kernel for up to {rows} rows" in worker_log, worker_log[-3000:]
         if dtype == "bfloat16" and paged_kernel.available() and small_batch.amx_available():  # an AMX CPU: the tiles too
             assert f"AMX tiles for 3-{small_batch.TILE_ROWS} rows" in worker_log, worker_log[-3000:]
         assert up.stop() == (0, pytest.approx(0, abs=10))

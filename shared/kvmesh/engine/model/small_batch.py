@@ -56,9 +56,8 @@ def amx_available() -> bool:
 
 
 def small_rows(dtype: torch.dtype, amx: bool) -> int:
-    """The most rows an input of ``dtype`` may have for the kernel; ``amx``: this CPU has the
-    AMX tile kernel (``amx_available``), measured against the kernel only there (where the
-    tiles' copies do not fit, oneDNN takes bfloat16's rows past two, as it did there)."""
+    """The most rows an input of ``dtype`` may have for the kernel; ``amx``: this CPU has AMX
+    (``amx_available``), where bfloat16 keeps the two rows measured there."""
     if dtype == torch.bfloat16 and not amx:
         return SMALL_ROWS_BF16_WITHOUT_AMX
     return SMALL_ROWS[dtype]

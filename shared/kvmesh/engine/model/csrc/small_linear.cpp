@@ -138,8 +138,7 @@ inline void dot_rows(const typename Ops::Elem* w, int64_t K, const typename Ops:
 // R weight rows (outputs n0..n0+R) against every row of x.
 template <typename Ops, int R>
 inline void rows_against_x(const typename Ops::Elem* w, int64_t K, const typename Ops::Elem* x, int64_t xs, int64_t M,
-                           int64_t n0, int64_t N, const typename Ops::Out* bias, typename Ops::Out* y) {
-  const int64_t ahead = ahead_elements(K, sizeof(typename Ops::Elem));
+                           int64_t n0, int64_t N, const typename Ops::Out* bias, typename Ops::Out* y, int64_t ahead) {
   float sums[kXRows][kRows];
   for (int64_t m0 = 0; m0 < M; m0 += kXRows) {
     const typename Ops::Elem* xm = x + m0 * xs;
@@ -170,11 +169,12 @@ void linear_rows(const at::Tensor& x, const at::Tensor& w, const c10::optional<a
   const at::Tensor b = bias.has_value() && bias->defined() ? bias->to(y.scalar_type()).contiguous() : at::Tensor();
   const auto* bias_p = b.defined() ? static_cast<const typename Ops::Out*>(b.const_data_ptr()) : nullptr;
   const int64_t groups = N / kRows;
+  const int64_t ahead = ahead_elements(K, sizeof(Elem));
   at::parallel_for(0, groups, 1, [&](int64_t begin, int64_t end) {
     for (int64_t g = begin; g < end; ++g)
-      rows_against_x<Ops, kRows>(wp + g * kRows * K, K, xp, xs, M, g * kRows, N, bias_p, yp);
+      rows_against_x<Ops, kRows>(wp + g * kRows * K, K, xp, xs, M, g * kRows, N, bias_p, yp, ahead);
   });
-  for (int64_t n = groups * kRows; n < N; ++n) rows_against_x<Ops, 1>(wp + n * K, K, xp, xs, M, n, N, bias_p, yp);
+  for (int64_t n = groups * kRows; n < N; ++n) rows_against_x<Ops, 1>(wp + n * K, K, xp, xs, M, n, N, bias_p, yp, ahead);
 }
 
 at::Tensor small_linear(const at::Tensor& x, const at::Tensor& w, const c10::optional<at::Tensor>& bias) {
