@@ -93,6 +93,22 @@ def test_a_layout_whose_strides_overlap_or_overrun_its_pool_is_refused():
         KVLayoutSpec(**fields, pool_bytes=4 * 2 * 2048 - 1)
 
 
+def test_a_layout_is_worked_out_once_per_spec():
+    """Every prefill answer and decode request carries its producer's spec: the layout behind
+    it is worked out once per spec, not per message; a spec that does not hold is refused
+    every time."""
+    layout = block_major(dtype="float32", block_size=16, num_blocks=64, num_layers=30, num_kv_heads=3, head_dim=64, base_address=2**32)
+    spec = KVLayoutSpec.from_layout(layout)
+    assert KVLayoutSpec.from_layout(layout) is spec
+    arrived = KVLayoutSpec.decode(spec.encode())
+    assert arrived is not spec and arrived.to_layout() is spec.to_layout() and spec.to_layout() == layout
+    assert spec.to_layout(default_base=4096) == layout  # the spec names its base: the default is not used
+    fields = dict(num_blocks=4, block_size=16, num_layers=2, num_kv_heads=2, head_dim=8, dtype="float32")
+    for _ in range(2):
+        with pytest.raises(ValidationError, match="shorter than"):
+            KVLayoutSpec(**fields, layer_stride=1024)
+
+
 def test_decode_request_round_trip_and_strictness():
     handle = KVHandle(
         prefill_worker_id="p", transfer_endpoint="127.0.0.1:1", kv_base_address=2**40,

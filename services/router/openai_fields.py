@@ -37,23 +37,44 @@ def lone_surrogate(value: Any) -> tuple[str, str] | None:
     valid Unicode, as (its field's path, why); None when every string is valid. Run after
     the fields' own checks (which say it their way): it catches the rest (a tool's description
     or schema, a tool call's arguments), text that reaches the tokenizer or a grammar, which
-    take only valid Unicode."""
-    pending: list[tuple[str, Any]] = [("", value)]
+    take only valid Unicode. Numbers and the like are passed over where they lie (a prompt of
+    token ids is thousands of them), and a field's path is spelled only for the one found."""
+    pending: list[tuple[_Where, Any]] = [(None, value)]
     while pending:
-        path, item = pending.pop()
+        where, item = pending.pop()
         if isinstance(item, str):
             problem = unicode_problem(item)
             if problem is not None:
-                return path, problem
+                return _path(where), problem
         elif isinstance(item, dict):
             for key, inner in reversed(item.items()):
-                where = f"{path}.{key}" if path else str(key)
                 if isinstance(key, str) and unicode_problem(key) is not None:
-                    return path or "body", f"has a key that {unicode_problem(key)}"
-                pending.append((where, inner))
-        elif isinstance(item, list):
-            pending.extend((f"{path}.{i}" if path else str(i), inner) for i, inner in reversed(list(enumerate(item))))
+                    return _path(where) or "body", f"has a key that {unicode_problem(key)}"
+                if isinstance(inner, _TEXT_HOLDERS):
+                    pending.append(((where, key), inner))
+        elif isinstance(item, list) and not _TEXT_HOLDERS_SET.isdisjoint(map(type, item)):  # decoded JSON: exact types
+            for index in range(len(item) - 1, -1, -1):
+                if isinstance(item[index], _TEXT_HOLDERS):
+                    pending.append(((where, index), item[index]))
     return None
+
+
+# Where a value lies in a request: (where its container lies, its key or index); None: the body.
+_Where = tuple[Any, Any] | None
+_TEXT_HOLDERS = (str, dict, list)
+_TEXT_HOLDERS_SET = frozenset(_TEXT_HOLDERS)
+
+
+def _path(where: _Where) -> str:
+    """``messages.0.content`` for (((None, "messages"), 0), "content")."""
+    keys: list[Any] = []
+    while where is not None:
+        where, key = where
+        keys.append(key)
+    path = ""
+    for key in reversed(keys):
+        path = f"{path}.{key}" if path else str(key)
+    return path
 
 
 def _valid_text(value: str) -> str:
@@ -73,7 +94,9 @@ def _parse_prompt(value: Any) -> Any:
         return _valid_text(value)
     if not isinstance(value, list):
         raise ValueError("prompt must be a string, a list of token ids, or a non-empty list of either")
-    if all(_is_token_id(item) for item in value):  # [] too: "the prompt is empty", once tokenized
+    if _INTS.issuperset(map(type, value)):  # token ids as clients send them ([] too: "the prompt is empty")
+        return value
+    if all(_is_token_id(item) for item in value):
         return [int(item) for item in value]  # 7.0 is an integer to JSON Schema, so to us
     if len(value) > MAX_PROMPTS:
         raise ValueError(f"at most {MAX_PROMPTS} prompts are allowed in one request, got {len(value)}")
@@ -86,6 +109,9 @@ def _parse_prompt(value: Any) -> Any:
     if all(isinstance(item, list) and item and all(_is_token_id(t) for t in item) for item in value):
         return [[int(t) for t in item] for item in value]
     raise ValueError("prompt must be a string, a list of token ids, or a non-empty list of either")
+
+
+_INTS = frozenset({int})
 
 
 def _is_token_id(item: Any) -> bool:

@@ -55,7 +55,8 @@ def _prompt_ids(prompt: str | list[int], tokenizer: Tokenizer, max_model_len: in
     else:
         ids = list(prompt)
         vocab = tokenizer.vocab_size
-        bad = next((i for i in ids if not 0 <= i < vocab), None)
+        in_range = not ids or (min(ids) >= 0 and max(ids) < vocab)  # in C: a long prompt's ids are many
+        bad = None if in_range else next(i for i in ids if not 0 <= i < vocab)
         if bad is not None:
             raise APIError(
                 400, f"prompt token id {bad} is out of range for a vocabulary of {vocab}", param="prompt"

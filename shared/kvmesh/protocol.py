@@ -7,6 +7,7 @@ at the edge by the ``from_*`` / ``to_*`` helpers here, and nowhere else.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import re
 
@@ -282,32 +283,44 @@ class KVLayoutSpec(Message):
         return self
 
     def to_layout(self, default_base: int = 0) -> PoolLayout:
-        """The layout; ``default_base`` is the pool address when the spec names none."""
-        base = self.base_address if self.base_address is not None else default_base
-        kvmesh = block_major(
-            dtype=self.dtype,
-            block_size=self.block_size,
-            num_blocks=self.num_blocks,
-            num_layers=self.num_layers,
-            num_kv_heads=self.num_kv_heads,
-            head_dim=self.head_dim,
-            base_address=base,
-            engine=self.engine,
-        )
-        return dataclasses.replace(
-            kvmesh,
-            arrangement=self.arrangement,
-            layer_stride=self.layer_stride if self.layer_stride is not None else kvmesh.layer_stride,
-            block_stride=self.block_stride if self.block_stride is not None else kvmesh.block_stride,
-            pool_bytes=self.pool_bytes if self.pool_bytes is not None else kvmesh.pool_bytes,
-            kv_split=self.kv_split,
-            kv_stride=self.kv_stride,
-            planes=self.planes,
-        )
+        """The layout; ``default_base`` is the pool address when the spec names none. Worked
+        out once per spec and base (``_pool_layout``): every prefill answer and decode request
+        carries its producer's spec, and checking one costs more than the rest of the message."""
+        return _pool_layout(self, default_base)
 
     @classmethod
     def from_layout(cls, layout: PoolLayout) -> KVLayoutSpec:
-        return cls(**dataclasses.asdict(layout))
+        return _layout_spec(layout)
+
+
+@functools.lru_cache(maxsize=256)  # a mesh has a layout or two a worker; a spec is immutable
+def _pool_layout(spec: KVLayoutSpec, default_base: int) -> PoolLayout:
+    base = spec.base_address if spec.base_address is not None else default_base
+    kvmesh = block_major(
+        dtype=spec.dtype,
+        block_size=spec.block_size,
+        num_blocks=spec.num_blocks,
+        num_layers=spec.num_layers,
+        num_kv_heads=spec.num_kv_heads,
+        head_dim=spec.head_dim,
+        base_address=base,
+        engine=spec.engine,
+    )
+    return dataclasses.replace(
+        kvmesh,
+        arrangement=spec.arrangement,
+        layer_stride=spec.layer_stride if spec.layer_stride is not None else kvmesh.layer_stride,
+        block_stride=spec.block_stride if spec.block_stride is not None else kvmesh.block_stride,
+        pool_bytes=spec.pool_bytes if spec.pool_bytes is not None else kvmesh.pool_bytes,
+        kv_split=spec.kv_split,
+        kv_stride=spec.kv_stride,
+        planes=spec.planes,
+    )
+
+
+@functools.lru_cache(maxsize=64)  # a worker's own layout, on every prefill answer it sends
+def _layout_spec(layout: PoolLayout) -> KVLayoutSpec:
+    return KVLayoutSpec(**dataclasses.asdict(layout))
 
 
 class WorkerRecord(Message):

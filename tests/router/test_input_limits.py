@@ -14,6 +14,7 @@ import pytest
 from kvmesh.engine.tokenizer import Tokenizer
 from kvmesh.services.router.app import INLINE_TOKENIZE_BYTES, create_app
 from kvmesh.services.router.limits import Limits
+from kvmesh.services.router.openai_fields import lone_surrogate
 from tests.router.fakes import FakeBackend
 
 MODEL = "tiny-llama"
@@ -160,6 +161,14 @@ async def test_a_lone_surrogate_is_a_400_naming_the_field(
     resp = await post_raw(client, path, body.encode())
     assert (resp.status_code, resp.json()) == (400, error(message, param=param))
     assert fake.calls == []
+
+
+def test_a_lone_surrogate_is_found_past_a_long_prompt_of_token_ids() -> None:
+    """The walk passes numbers over (a prompt of token ids is thousands of them) and still
+    names the field of the one string that is not valid Unicode."""
+    body = {"model": MODEL, "prompt": list(range(50_000)), "user": {"tags": [1, 2.5, None, True, "ok", "a\ud800b"]}}
+    assert lone_surrogate(body) == ("user.tags.5", PROBLEM)
+    assert lone_surrogate({**body, "user": "ok"}) is None
 
 
 async def test_surrogate_bytes_and_invalid_utf8_are_400s(client: httpx.AsyncClient) -> None:
