@@ -1377,7 +1377,7 @@ ABLATIONS = (  # (name, the LlamaModel attribute that turns it on)
     ("paged decode kernel (K/V read in place)", "paged_kernel"),
     ("fused rotary + K/V store", "fused_rope"),
     ("fused residual add + RMSNorm, silu-and-mul", "fused_elementwise"),
-    ("small-batch linear kernel (bfloat16: 1-2 rows, 1-4 without AMX; float32: 1-4)", "small_batch_linear"),
+    ("small-batch linear kernel (bfloat16: 1-2 rows, 1-8 without AMX; float32: 1-4)", "small_batch_linear"),
     ("AMX tile linear kernel (bfloat16: 3-64 rows)", "tile_linear"),
     ("prefill attention kernel (no AMX)", "prefill_kernel"),
 )

@@ -9,7 +9,9 @@ four, slower from eight; float32 (AVX-512, or AVX2 with FMA) 1.2x faster at one 
 rows. Hence ``SMALL_ROWS``; on an AMD EPYC Zen 4 (AVX512-BF16, no AMX), once it prefetched into
 L2, bfloat16 was also faster than oneDNN at three and four rows (a decode step's linears 9.3
 against 12.8 ms at three, 9.4 against 11.0 at four; docs/benchmarks.md, "The small-batch linear
-kernel's prefetch"), so on a CPU without AMX it takes them (``small_rows``).
+kernel's prefetch") and at five to eight (1.09-1.21x on two threads, 1.02-1.11x on one;
+"Bfloat16's small-batch rows up to eight without AMX"), so on a CPU without AMX it takes them
+(``small_rows``).
 It reads the plain weight, which a prepacked layer otherwise drops, so keeping it costs the
 weights' bytes again: it is kept for models whose copies stay within ``PLAIN_COPY_LIMIT``, and
 always where nothing is copied (the output layer's plain weight, or the embedding it is tied
@@ -35,7 +37,7 @@ from kvmesh.engine.model.weights import ModelWeights
 # Inputs of at most this many rows go to the kernel: where it was measured faster.
 SMALL_ROWS = {torch.bfloat16: 2, torch.float32: 4}
 # bfloat16 on a CPU without AMX, where oneDNN, not the tiles, would take the rows past SMALL_ROWS.
-SMALL_ROWS_BF16_WITHOUT_AMX = 4
+SMALL_ROWS_BF16_WITHOUT_AMX = 8
 # bfloat16 inputs of more rows than SMALL_ROWS and at most this many go to the AMX tile kernel:
 # faster than oneDNN at every row count measured up to 64, even with it from 96.
 TILE_ROWS = 64
