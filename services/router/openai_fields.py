@@ -38,7 +38,9 @@ def lone_surrogate(value: Any) -> tuple[str, str] | None:
     the fields' own checks (which say it their way): it catches the rest (a tool's description
     or schema, a tool call's arguments), text that reaches the tokenizer or a grammar, which
     take only valid Unicode. Numbers and the like are passed over where they lie (a prompt of
-    token ids is thousands of them), and a field's path is spelled only for the one found."""
+    token ids is thousands of them), and a field's path is spelled only for the one found.
+    ``value`` is decoded JSON, whose types are exact: a list is passed over whole when none of
+    its items' types is ``str``, ``dict`` or ``list`` themselves (a subclass would be missed)."""
     pending: list[tuple[_Where, Any]] = [(None, value)]
     while pending:
         where, item = pending.pop()
@@ -52,7 +54,7 @@ def lone_surrogate(value: Any) -> tuple[str, str] | None:
                     return _path(where) or "body", f"has a key that {unicode_problem(key)}"
                 if isinstance(inner, _TEXT_HOLDERS):
                     pending.append(((where, key), inner))
-        elif isinstance(item, list) and not _TEXT_HOLDERS_SET.isdisjoint(map(type, item)):  # decoded JSON: exact types
+        elif isinstance(item, list) and not _TEXT_HOLDERS_SET.isdisjoint(map(type, item)):
             for index in range(len(item) - 1, -1, -1):
                 if isinstance(item[index], _TEXT_HOLDERS):
                     pending.append(((where, index), item[index]))

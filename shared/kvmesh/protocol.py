@@ -290,10 +290,12 @@ class KVLayoutSpec(Message):
 
     @classmethod
     def from_layout(cls, layout: PoolLayout) -> KVLayoutSpec:
-        return _layout_spec(layout)
+        return _layout_spec(cls, layout)
 
 
-@functools.lru_cache(maxsize=256)  # a mesh has a layout or two a worker; a spec is immutable
+# A mesh has a layout or two a worker, and a spec is immutable. At most 256 are kept (a spec of
+# the most plane addresses allowed holds ~160 KiB of Python ints: ~40 MiB at worst).
+@functools.lru_cache(maxsize=256)
 def _pool_layout(spec: KVLayoutSpec, default_base: int) -> PoolLayout:
     base = spec.base_address if spec.base_address is not None else default_base
     kvmesh = block_major(
@@ -319,8 +321,8 @@ def _pool_layout(spec: KVLayoutSpec, default_base: int) -> PoolLayout:
 
 
 @functools.lru_cache(maxsize=64)  # a worker's own layout, on every prefill answer it sends
-def _layout_spec(layout: PoolLayout) -> KVLayoutSpec:
-    return KVLayoutSpec(**dataclasses.asdict(layout))
+def _layout_spec(cls: type[KVLayoutSpec], layout: PoolLayout) -> KVLayoutSpec:
+    return cls(**dataclasses.asdict(layout))
 
 
 class WorkerRecord(Message):

@@ -438,7 +438,7 @@ def test_the_services_options_reach_the_services(tmp_path, default_model_dir):
         assert "compiled decode attention unavailable" not in worker_log, worker_log[-3000:]
         assert "small-batch linear kernel: on" in worker_log, worker_log[-3000:]
         if paged_kernel.available():  # bfloat16 without AMX: eight rows, where oneDNN took three to eight
-            amx = small_batch.amx_available()
+            amx = small_batch.amx_cpu()
             rows = 8 if dtype == "bfloat16" and not amx else small_batch.SMALL_ROWS[getattr(torch, dtype)]
             assert f"small-batch kernel for up to {rows} rows" in worker_log, worker_log[-3000:]
         if dtype == "bfloat16" and paged_kernel.available() and small_batch.amx_available():  # an AMX CPU: the tiles too

@@ -9,7 +9,7 @@ four, slower from eight; float32 (AVX-512, or AVX2 with FMA) 1.2x faster at one 
 rows. Hence ``SMALL_ROWS``; on an AMD EPYC Zen 4 (AVX512-BF16, no AMX), once it prefetched into
 L2, bfloat16 was also faster than oneDNN at three and four rows (a decode step's linears 9.3
 against 12.8 ms at three, 9.4 against 11.0 at four; docs/benchmarks.md, "The small-batch linear
-kernel's prefetch") and at five to eight (1.09-1.21x on two threads, 1.02-1.11x on one;
+kernel's prefetch") and at five, six and eight (1.09-1.21x on two threads, 1.02-1.11x on one;
 "Bfloat16's small-batch rows up to eight without AMX"), so on a CPU without AMX it takes them
 (``small_rows``).
 It reads the plain weight, which a prepacked layer otherwise drops, so keeping it costs the
@@ -33,6 +33,7 @@ from dataclasses import dataclass
 import torch
 
 from kvmesh.engine.model.weights import ModelWeights
+from kvmesh.machine import cpu_flags
 
 # Inputs of at most this many rows go to the kernel: where it was measured faster.
 SMALL_ROWS = {torch.bfloat16: 2, torch.float32: 4}
@@ -57,9 +58,15 @@ def amx_available() -> bool:
     return bool(torch.ops.kvmesh.amx_available())
 
 
+def amx_cpu() -> bool:
+    """Does this CPU have AMX for bfloat16: kvmesh's tile kernel loaded, or the CPU's flag (oneDNN
+    uses the tiles even where kvmesh's kernel was not built, say with an older compiler)?"""
+    return amx_available() or "amx_bf16" in cpu_flags().split()
+
+
 def small_rows(dtype: torch.dtype, amx: bool) -> int:
     """The most rows an input of ``dtype`` may have for the kernel; ``amx``: this CPU has AMX
-    (``amx_available``), where bfloat16 keeps the two rows measured there."""
+    (``amx_cpu``), where bfloat16 keeps the two rows measured there."""
     if dtype == torch.bfloat16 and not amx:
         return SMALL_ROWS_BF16_WITHOUT_AMX
     return SMALL_ROWS[dtype]
@@ -78,7 +85,7 @@ def plan(weights: ModelWeights, dtype: torch.dtype, compiled: bool, prepacked: b
     if not small and not tiles:
         need = "AVX512-BF16" if dtype == torch.bfloat16 else "AVX-512 or AVX2 with FMA"
         return SmallBatchPlan(0, 0, f"off: {name} needs {need}, which this CPU lacks")
-    rows = small_rows(dtype, tiles) if small else 0
+    rows = small_rows(dtype, tiles or amx_cpu()) if small else 0
     layers = sum(
         tensor.numel() * tensor.element_size()
         for layer in weights.layers
