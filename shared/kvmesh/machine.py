@@ -34,6 +34,12 @@ def cpu_flags() -> str:
     return ""
 
 
+def cpu_has_amx() -> bool:
+    """Does the CPU have AMX for bfloat16 (oneDNN's tiles, whether or not kvmesh's tile kernel was
+    built)? Where it does, the compiled kernels measured against oneDNN step aside sooner."""
+    return "amx_bf16" in cpu_flags().split()
+
+
 def default_dtype(device_type: str = "cpu") -> tuple[str, str]:
     """The dtype ``--dtype auto`` picks here, and why: bfloat16 only where the CPU computes it
     natively (AMX-BF16 or AVX512-BF16), float32 elsewhere (emulated bf16 is many times slower);

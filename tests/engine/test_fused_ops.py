@@ -10,6 +10,7 @@ import torch.nn.functional as F
 from kvmesh.engine.model import paged_kernel, small_batch
 from kvmesh.engine.model.linear import Linear
 from kvmesh.engine.model.weights import LayerWeights, ModelWeights
+from kvmesh.machine import cpu_has_amx
 
 pytestmark = pytest.mark.skipif(paged_kernel.compiler() is None, reason="no C++ compiler: the PyTorch ops run")
 
@@ -161,7 +162,7 @@ def _weights(dtype: torch.dtype, tied: bool) -> ModelWeights:
 
 @small_linear
 def test_the_plan_keeps_plain_weights_within_the_limit(monkeypatch) -> None:
-    rows = small_batch.small_rows(torch.bfloat16, small_batch.amx_cpu())
+    rows = small_batch.small_rows(torch.bfloat16, cpu_has_amx())
     plan = small_batch.plan(_weights(torch.bfloat16, tied=True), torch.bfloat16, compiled=True, prepacked=True)
     assert (plan.layer_rows, plan.lm_head_rows) == (rows, rows)
     assert "keeping 0 MiB of plain weights" in plan.why
@@ -183,15 +184,11 @@ def test_bfloat16_takes_eight_rows_on_a_cpu_without_amx(monkeypatch) -> None:
     eight on the Intel Xeons measured). (The CPU and its kernels are pretended, so that this runs
     on any CPU that builds the library.)"""
     monkeypatch.setattr(torch.ops.kvmesh, "small_linear_available", lambda name: True, raising=False)
-    for tile_kernel, flags, rows, tile_rows in (
-        (False, "avx512_bf16 avx512f", 8, 0),
-        (True, "amx_bf16 amx_tile avx512_bf16 avx512f", 2, small_batch.TILE_ROWS),
-        (False, "amx_bf16 amx_tile avx512_bf16 avx512f", 2, 0),
-    ):
+    for tile_kernel, amx, rows, tile_rows in ((False, False, 8, 0), (True, True, 2, small_batch.TILE_ROWS), (False, True, 2, 0)):
         monkeypatch.setattr(small_batch, "amx_available", lambda tile_kernel=tile_kernel: tile_kernel)
-        monkeypatch.setattr(small_batch, "cpu_flags", lambda flags=flags: flags)
+        monkeypatch.setattr(small_batch, "cpu_has_amx", lambda amx=amx: amx)
         plan = small_batch.plan(_weights(torch.bfloat16, tied=True), torch.bfloat16, compiled=True, prepacked=True)
-        assert (plan.layer_rows, plan.lm_head_rows, plan.tile_rows) == (rows, rows, tile_rows), flags
+        assert (plan.layer_rows, plan.lm_head_rows, plan.tile_rows) == (rows, rows, tile_rows), (tile_kernel, amx)
         assert f"small-batch kernel for up to {rows} rows" in plan.why
 
 
@@ -221,7 +218,7 @@ def test_the_model_with_the_small_batch_kernel_on_and_off(tiny_model_dir) -> Non
     reference.model.small_batch_linear = False
     engine = LLMEngine(EngineConfig(dtype="bfloat16", **config))
     assert engine.model.small_batch_linear
-    rows = small_batch.small_rows(torch.bfloat16, small_batch.amx_cpu())
+    rows = small_batch.small_rows(torch.bfloat16, cpu_has_amx())
     assert all(linear.small_rows == rows for linear in engine.model.linears())
     params = SamplingParams(max_tokens=3, ignore_eos=True, logprobs=8)
 

@@ -27,6 +27,12 @@ def test_default_dtype_follows_the_cpu_flags(monkeypatch: pytest.MonkeyPatch, fl
     assert got == dtype and why in reason
 
 
+@pytest.mark.parametrize(("flags", "amx"), [("avx2 amx_bf16 amx_tile avx512f", True), ("avx512f avx512_bf16", False), ("", False)])
+def test_amx_is_the_cpu_flag(monkeypatch: pytest.MonkeyPatch, flags: str, amx: bool) -> None:
+    monkeypatch.setattr(machine, "cpu_flags", lambda: flags)
+    assert machine.cpu_has_amx() is amx
+
+
 def test_default_dtype_off_cpu_is_float32() -> None:
     assert machine.default_dtype("npu")[0] == "float32"
 

@@ -29,7 +29,7 @@ import pytest
 import torch
 
 from kvmesh.engine.model import paged_kernel, small_batch
-from kvmesh.machine import default_dtype, threads_per_worker, usable_cores
+from kvmesh.machine import cpu_has_amx, default_dtype, threads_per_worker, usable_cores
 from kvmesh.protocol import Subjects, WorkerStats
 from kvmesh.security.tls import client_context
 from tests.mesh.client import post, stream, streamed_text
@@ -438,7 +438,7 @@ def test_the_services_options_reach_the_services(tmp_path, default_model_dir):
         assert "compiled decode attention unavailable" not in worker_log, worker_log[-3000:]
         assert "small-batch linear kernel: on" in worker_log, worker_log[-3000:]
         if paged_kernel.available():  # bfloat16 without AMX: eight rows, where oneDNN took three to eight
-            amx = small_batch.amx_cpu()
+            amx = cpu_has_amx()
             rows = 8 if dtype == "bfloat16" and not amx else small_batch.SMALL_ROWS[getattr(torch, dtype)]
             assert f"small-batch kernel for up to {rows} rows" in worker_log, worker_log[-3000:]
         if dtype == "bfloat16" and paged_kernel.available() and small_batch.amx_available():  # an AMX CPU: the tiles too

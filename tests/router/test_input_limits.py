@@ -14,7 +14,6 @@ import pytest
 from kvmesh.engine.tokenizer import Tokenizer
 from kvmesh.services.router.app import INLINE_TOKENIZE_BYTES, create_app
 from kvmesh.services.router.limits import Limits
-from kvmesh.services.router.openai_fields import lone_surrogate
 from tests.router.fakes import FakeBackend
 
 MODEL = "tiny-llama"
@@ -163,12 +162,24 @@ async def test_a_lone_surrogate_is_a_400_naming_the_field(
     assert fake.calls == []
 
 
-def test_a_lone_surrogate_is_found_past_a_long_prompt_of_token_ids() -> None:
-    """The walk passes numbers over (a prompt of token ids is thousands of them) and still
-    names the field of the one string that is not valid Unicode."""
-    body = {"model": MODEL, "prompt": list(range(50_000)), "user": {"tags": [1, 2.5, None, True, "ok", "a\ud800b"]}}
-    assert lone_surrogate(body) == ("user.tags.5", PROBLEM)
-    assert lone_surrogate({**body, "user": "ok"}) is None
+async def test_a_lone_surrogate_is_found_past_thousands_of_numbers(client: httpx.AsyncClient, fake: FakeBackend) -> None:
+    """The check passes numbers over where they lie (a prompt of token ids, an enum of them) and
+    still names the field of the one string that is not valid Unicode."""
+    numbers = ", ".join(str(i) for i in range(4000))
+    parameters = f'{{"type": "object", "properties": {{"n": {{"enum": [{numbers}, null, true, "ok"]}}}}}}'
+    body = (
+        f'{{"model": "{MODEL}", "messages": [{{"role": "user", "content": "x"}}], "tools": [{{"type": "function", '
+        f'"function": {{"name": "f", "parameters": {parameters}, "description": "{LONE}"}}}}]}}'
+    )
+    where = "tools.0.function.description"
+    resp = await post_raw(client, CHAT, body.encode())
+    assert (resp.status_code, resp.json()) == (400, error(f"{where}: {PROBLEM}", param=where))
+    # a long prompt of valid token ids passes the checks whole, to be measured against the model
+    ids = ", ".join(str(100 + i % 400) for i in range(4000))
+    resp = await post_raw(client, COMPLETIONS, f'{{"model": "{MODEL}", "prompt": [{ids}], "max_tokens": 1}}'.encode())
+    assert resp.status_code == 400 and resp.json()["error"]["code"] == "context_length_exceeded", resp.text
+    assert "(4000 in the prompt, 1 in the completion)" in resp.json()["error"]["message"]
+    assert fake.calls == []
 
 
 async def test_surrogate_bytes_and_invalid_utf8_are_400s(client: httpx.AsyncClient) -> None:

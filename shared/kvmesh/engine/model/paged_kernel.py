@@ -25,6 +25,7 @@ from pathlib import Path
 
 import torch
 
+from kvmesh.machine import cpu_has_amx
 from kvmesh.native_build import build_shared_library
 
 logger = logging.getLogger(__name__)
@@ -106,7 +107,7 @@ def prefill_attention_wanted(head_dim: int, group: int, dtype: torch.dtype = tor
         return False
     if not available() or not hasattr(torch.ops.kvmesh, "prefill_attention_lse"):  # an earlier commit's library
         return False  # (before 3fb611e the op took no earlier context and had no log-sum-exp variant)
-    return prefill_attention_built(dtype) and "amx_bf16" not in _cpu_flags().split()
+    return prefill_attention_built(dtype) and not cpu_has_amx()
 
 
 def prefill_attention_built(dtype: torch.dtype) -> bool:

@@ -33,7 +33,7 @@ from dataclasses import dataclass
 import torch
 
 from kvmesh.engine.model.weights import ModelWeights
-from kvmesh.machine import cpu_flags
+from kvmesh.machine import cpu_has_amx
 
 # Inputs of at most this many rows go to the kernel: where it was measured faster.
 SMALL_ROWS = {torch.bfloat16: 2, torch.float32: 4}
@@ -58,15 +58,10 @@ def amx_available() -> bool:
     return bool(torch.ops.kvmesh.amx_available())
 
 
-def amx_cpu() -> bool:
-    """Does this CPU have AMX for bfloat16: kvmesh's tile kernel loaded, or the CPU's flag (oneDNN
-    uses the tiles even where kvmesh's kernel was not built, say with an older compiler)?"""
-    return amx_available() or "amx_bf16" in cpu_flags().split()
-
-
 def small_rows(dtype: torch.dtype, amx: bool) -> int:
     """The most rows an input of ``dtype`` may have for the kernel; ``amx``: this CPU has AMX
-    (``amx_cpu``), where bfloat16 keeps the two rows measured there."""
+    (``cpu_has_amx``: oneDNN's tiles, even where kvmesh's tile kernel was not built), where
+    bfloat16 keeps the two rows measured there."""
     if dtype == torch.bfloat16 and not amx:
         return SMALL_ROWS_BF16_WITHOUT_AMX
     return SMALL_ROWS[dtype]
@@ -85,7 +80,7 @@ def plan(weights: ModelWeights, dtype: torch.dtype, compiled: bool, prepacked: b
     if not small and not tiles:
         need = "AVX512-BF16" if dtype == torch.bfloat16 else "AVX-512 or AVX2 with FMA"
         return SmallBatchPlan(0, 0, f"off: {name} needs {need}, which this CPU lacks")
-    rows = small_rows(dtype, tiles or amx_cpu()) if small else 0
+    rows = small_rows(dtype, cpu_has_amx()) if small else 0
     layers = sum(
         tensor.numel() * tensor.element_size()
         for layer in weights.layers
