@@ -80,7 +80,8 @@ def plan(weights: ModelWeights, dtype: torch.dtype, compiled: bool, prepacked: b
     if not small and not tiles:
         need = "AVX512-BF16" if dtype == torch.bfloat16 else "AVX-512 or AVX2 with FMA"
         return SmallBatchPlan(0, 0, f"off: {name} needs {need}, which this CPU lacks")
-    rows = small_rows(dtype, cpu_has_amx()) if small else 0
+    # the tile kernel loaded is AMX too, whatever /proc/cpuinfo says (or fails to)
+    rows = small_rows(dtype, tiles or cpu_has_amx()) if small else 0
     layers = sum(
         tensor.numel() * tensor.element_size()
         for layer in weights.layers
