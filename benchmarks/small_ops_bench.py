@@ -4,7 +4,8 @@ what they replace, in one run (issue 12):
 1. ``torch.ops.kvmesh.small_linear`` against oneDNN's prepacked weights (``Linear`` without
    ``small_rows``) on the default model's shapes (qkv, o, gate-up, down, LM head) at 1-4 rows
    (``--rows``), each dtype, and on a CPU with AMX ``torch.ops.kvmesh.amx_linear`` (the
-   weights in AMX tiles) beside them in bfloat16; 80 weights of each shape rotated (3 of the
+   weights in AMX tiles) beside them in bfloat16, with AVX512-BF16 ``torch.ops.kvmesh.vnni_linear``
+   (the same tiles read by vector dot products); 80 weights of each shape rotated (3 of the
    LM head) so they come from memory, as in a model; the sum over a decode step's 30 layers
    and the LM head.
 2. ``add_rms_norm`` against ``F.rms_norm(x + d)``, and ``silu_mul`` against
@@ -48,8 +49,10 @@ def per_call_s(call: Callable[[], Any], repeats: int) -> float:
 
 def linear_rows(dtype: torch.dtype, rows: int) -> dict[str, Any]:
     result: dict[str, Any] = {"dtype": str(dtype).removeprefix("torch."), "rows": rows, "us": {}}
-    tiles_here = dtype == torch.bfloat16 and small_batch.amx_available()
-    step = {"onednn": 0.0, "small_linear": 0.0} | ({"amx_linear": 0.0} if tiles_here else {})
+    amx_here = dtype == torch.bfloat16 and small_batch.amx_available()
+    vnni_here = dtype == torch.bfloat16 and small_batch.vnni_available()
+    tiles_here = amx_here or vnni_here
+    step = {"onednn": 0.0, "small_linear": 0.0} | ({"amx_linear": 0.0} if amx_here else {}) | ({"vnni_linear": 0.0} if vnni_here else {})
     for name, (out_features, in_features) in SHAPES.items():
         count = 3 if name == "lm_head" else 80
         weights = [torch.randn(out_features, in_features).to(dtype) for _ in range(count)]
@@ -67,10 +70,15 @@ def linear_rows(dtype: torch.dtype, rows: int) -> dict[str, Any]:
         def amx(turns: Iterator[torch.Tensor] = tile_turns, x: torch.Tensor = x, n: int = out_features) -> torch.Tensor:
             return torch.ops.kvmesh.amx_linear(x, next(turns), n, None)
 
+        def vnni(turns: Iterator[torch.Tensor] = tile_turns, x: torch.Tensor = x, n: int = out_features) -> torch.Tensor:
+            return torch.ops.kvmesh.vnni_linear(x, next(turns), n, None)
+
         repeats = 30 if name == "lm_head" else 300
         times = {"onednn": per_call_s(onednn, repeats), "small_linear": per_call_s(small, repeats)}
-        if tiles_here:
+        if amx_here:
             times["amx_linear"] = per_call_s(amx, repeats)
+        if vnni_here:
+            times["vnni_linear"] = per_call_s(vnni, repeats)
         result["us"][name] = {k: round(v * 1e6, 1) for k, v in times.items()}
         for key, value in times.items():
             step[key] += value * (1 if name == "lm_head" else LAYERS)

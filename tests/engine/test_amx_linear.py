@@ -111,6 +111,7 @@ def _weights(dtype: torch.dtype) -> ModelWeights:
 def test_the_plan_gives_the_tiles_their_copies_within_the_limit(monkeypatch) -> None:
     """Plain copies (2,304 bytes for two layers) and tiles (those and the output layer's 800)."""
     monkeypatch.setattr(small_batch, "amx_available", lambda: True)
+    monkeypatch.setattr(small_batch, "cpu_has_amx", lambda: True)
     monkeypatch.setattr(torch.ops.kvmesh, "small_linear_available", lambda name: True, raising=False)
     rows, tiles = small_batch.SMALL_ROWS[torch.bfloat16], small_batch.TILE_ROWS
     plan = small_batch.plan(_weights(torch.bfloat16), torch.bfloat16, compiled=True, prepacked=True)
@@ -127,6 +128,7 @@ def test_the_plan_gives_the_tiles_their_copies_within_the_limit(monkeypatch) -> 
     plan = small_batch.plan(_weights(torch.float32), torch.float32, compiled=True, prepacked=True)
     assert plan.tile_rows == 0  # bfloat16 only
     monkeypatch.setattr(small_batch, "amx_available", lambda: False)
+    monkeypatch.setattr(small_batch, "vnni_available", lambda: False)  # (test_vnni_linear.py's)
     plan = small_batch.plan(_weights(torch.bfloat16), torch.bfloat16, compiled=True, prepacked=True)
     assert plan.tile_rows == 0 and "AMX" not in plan.why
 

@@ -177,14 +177,15 @@ def test_the_plan_keeps_plain_weights_within_the_limit(monkeypatch) -> None:
 
 
 @pytest.mark.skipif(paged_kernel.compiler() is None or not paged_kernel.available(), reason="no compiled kernels")
-def test_bfloat16_takes_eight_rows_on_a_cpu_without_amx(monkeypatch) -> None:
+def test_bfloat16_takes_four_rows_on_a_cpu_without_amx(monkeypatch) -> None:
     """Without AMX, oneDNN would take bfloat16's rows past two; the kernel was faster at three
-    to eight (AMD EPYC Zen 4). With AMX, the tiles take them from three; an AMX CPU whose tile
-    kernel was not built keeps two rows too (oneDNN has the tiles there, and was faster from
-    eight on the Intel Xeons measured). (The CPU and its kernels are pretended, so that this runs
-    on any CPU that builds the library.)"""
+    and four (AMD EPYC Zen 4; from five the packed kernel is, test_vnni_linear.py). With AMX,
+    the tiles take them from three; an AMX CPU whose tile kernel was not built keeps two rows too
+    (oneDNN has the tiles there, and was faster from eight on the Intel Xeons measured). (The CPU
+    and its kernels are pretended, so that this runs on any CPU that builds the library.)"""
     monkeypatch.setattr(torch.ops.kvmesh, "small_linear_available", lambda name: True, raising=False)
-    for tile_kernel, amx, rows, tile_rows in ((False, False, 8, 0), (True, True, 2, small_batch.TILE_ROWS), (False, True, 2, 0)):
+    monkeypatch.setattr(small_batch, "vnni_available", lambda: False)
+    for tile_kernel, amx, rows, tile_rows in ((False, False, 4, 0), (True, True, 2, small_batch.TILE_ROWS), (False, True, 2, 0)):
         monkeypatch.setattr(small_batch, "amx_available", lambda tile_kernel=tile_kernel: tile_kernel)
         monkeypatch.setattr(small_batch, "cpu_has_amx", lambda amx=amx: amx)
         plan = small_batch.plan(_weights(torch.bfloat16, tied=True), torch.bfloat16, compiled=True, prepacked=True)

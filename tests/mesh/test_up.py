@@ -437,10 +437,14 @@ def test_the_services_options_reach_the_services(tmp_path, default_model_dir):
         assert "compiled CPU kernels loaded" in worker_log, worker_log[-3000:]
         assert "compiled decode attention unavailable" not in worker_log, worker_log[-3000:]
         assert "small-batch linear kernel: on" in worker_log, worker_log[-3000:]
-        if paged_kernel.available():  # bfloat16 without AMX: eight rows, where oneDNN took three to eight
+        if paged_kernel.available():  # bfloat16 without AMX: four rows, then the packed kernel
             amx = cpu_has_amx()
-            rows = 8 if dtype == "bfloat16" and not amx else small_batch.SMALL_ROWS[getattr(torch, dtype)]
+            without_amx = dtype == "bfloat16" and not amx
+            rows = small_batch.SMALL_ROWS_BF16_WITHOUT_AMX if without_amx else small_batch.SMALL_ROWS[getattr(torch, dtype)]
             assert f"small-batch kernel for up to {rows} rows" in worker_log, worker_log[-3000:]
+            if without_amx and small_batch.vnni_available():
+                words = f"packed weights for AVX512-BF16 dot products for {rows + 1}-{small_batch.VNNI_ROWS} rows"
+                assert words in worker_log, worker_log[-3000:]
         if dtype == "bfloat16" and paged_kernel.available() and small_batch.amx_available():  # an AMX CPU: the tiles too
             assert f"AMX tiles for 3-{small_batch.TILE_ROWS} rows" in worker_log, worker_log[-3000:]
         assert up.stop() == (0, pytest.approx(0, abs=10))

@@ -15,9 +15,10 @@ A layer may also keep its plain weight for the compiled small-batch kernel
 (``torch.ops.kvmesh.small_linear``, csrc/small_linear.cpp; which layers and how many rows:
 small_batch.py): inputs of at most ``small_rows`` rows go there, where a decode step of a few
 sequences is bound by reading the weight, which that kernel streams faster than oneDNN does.
-On a CPU with AMX a bfloat16 layer may also keep a copy of its weight in AMX tiles
+A bfloat16 layer may also keep a copy of its weight in AMX tiles
 (``torch.ops.kvmesh.amx_pack``, csrc/amx_linear.cpp): inputs of more than ``small_rows`` and
-at most ``tile_rows`` rows go there.
+at most ``tile_rows`` rows go there, to the AMX kernel on a CPU with AMX, or on one without
+to a kernel of AVX512-BF16 dot products that reads the same layout (csrc/vnni_linear.cpp).
 """
 
 from __future__ import annotations
@@ -42,7 +43,7 @@ def can_prepack(weight: torch.Tensor) -> bool:
 class Linear:
     """``y = x @ weight.T + bias`` for x (..., in_features)."""
 
-    __slots__ = ("weight", "bias", "_packed", "small_rows", "tiles", "tile_rows", "out_features")
+    __slots__ = ("weight", "bias", "_packed", "small_rows", "tiles", "tile_rows", "_tile_op", "out_features")
 
     def __init__(
         self,
@@ -52,14 +53,17 @@ class Linear:
         prepack: bool = True,
         small_rows: int = 0,
         tile_rows: int = 0,
+        tile_kernel: str = "amx",
     ) -> None:
         self.weight: torch.Tensor | None = weight  # dropped by owners once prepacked, unless small_rows
         self.bias = bias
         self.out_features = weight.shape[0]
         self.small_rows = small_rows  # inputs of at most this many rows go to the small-batch kernel
-        # the weight in AMX tiles, for inputs of more than small_rows and at most tile_rows rows
+        # the weight in AMX tiles, for inputs of more than small_rows and at most tile_rows rows,
+        # read by the AMX kernel or (tile_kernel "vnni") by AVX512-BF16 dot products
         self.tiles = torch.ops.kvmesh.amx_pack(weight) if tile_rows else None
         self.tile_rows = tile_rows
+        self._tile_op = torch.ops.kvmesh.vnni_linear if tile_kernel == "vnni" else torch.ops.kvmesh.amx_linear
         self._packed: torch.Tensor | None = None
         if prepack and can_prepack(weight):
             try:
@@ -76,7 +80,7 @@ class Linear:
         if rows <= self.small_rows:
             return torch.ops.kvmesh.small_linear(x, self.weight, self.bias)
         if rows <= self.tile_rows:
-            return torch.ops.kvmesh.amx_linear(x, self.tiles, self.out_features, self.bias)
+            return self._tile_op(x, self.tiles, self.out_features, self.bias)
         if self._packed is not None:
             return torch.ops.mkldnn._linear_pointwise(x, self._packed, self.bias, "none", [], "")
         assert self.weight is not None

@@ -69,16 +69,19 @@ class LlamaModel:
         compiled = device.type == "cpu" and paged_kernel.available()
         small = small_batch.plan(weights, dtype, compiled, prepack and can_prepack(weights.embed))
         logger.info("small-batch linear kernel: %s", small.why)
-        tiles = small.tile_rows
-        self.lm_head = Linear(weights.lm_head, prepack=prepack, small_rows=small.lm_head_rows, tile_rows=tiles)
+
+        def make_linear(weight: torch.Tensor, bias: torch.Tensor | None = None, rows: int = small.layer_rows) -> Linear:
+            return Linear(weight, bias, prepack=prepack, small_rows=rows, tile_rows=small.tile_rows, tile_kernel=small.tile_kernel)
+
+        self.lm_head = make_linear(weights.lm_head, rows=small.lm_head_rows)
         self.layers = [
             DecoderLayer(
                 input_norm=layer.input_norm,
-                qkv=Linear(layer.qkv, layer.qkv_bias, prepack=prepack, small_rows=small.layer_rows, tile_rows=tiles),
-                o_proj=Linear(layer.o_proj, prepack=prepack, small_rows=small.layer_rows, tile_rows=tiles),
+                qkv=make_linear(layer.qkv, layer.qkv_bias),
+                o_proj=make_linear(layer.o_proj),
                 post_norm=layer.post_norm,
-                gate_up=Linear(layer.gate_up, prepack=prepack, small_rows=small.layer_rows, tile_rows=tiles),
-                down=Linear(layer.down, prepack=prepack, small_rows=small.layer_rows, tile_rows=tiles),
+                gate_up=make_linear(layer.gate_up),
+                down=make_linear(layer.down),
             )
             for layer in weights.layers
         ]
@@ -136,7 +139,7 @@ class LlamaModel:
 
     @property
     def tile_linear(self) -> bool:
-        """Do bfloat16 batches of up to ``small_batch.TILE_ROWS`` rows go to the AMX tile kernel?"""
+        """Do bfloat16 batches of up to the plan's ``tile_rows`` go to the AMX or packed kernel?"""
         return any(linear.tile_rows for linear in self.linears())
 
     @tile_linear.setter

@@ -37,12 +37,20 @@ from kvmesh.machine import cpu_has_amx
 
 # Inputs of at most this many rows go to the kernel: where it was measured faster.
 SMALL_ROWS = {torch.bfloat16: 2, torch.float32: 4}
-# bfloat16 on a CPU without AMX, where oneDNN, not the tiles, would take the rows past SMALL_ROWS.
-SMALL_ROWS_BF16_WITHOUT_AMX = 8
+# bfloat16 on a CPU without AMX: the kernel up to four rows, where the packed kernel is no faster
+# (and slower at one and two rows on two threads).
+SMALL_ROWS_BF16_WITHOUT_AMX = 4
 # bfloat16 inputs of more rows than SMALL_ROWS and at most this many go to the AMX tile kernel:
 # faster than oneDNN at every row count measured up to 64, even with it from 96.
 TILE_ROWS = 64
+# On a CPU without AMX, bfloat16 inputs of more rows than SMALL_ROWS_BF16_WITHOUT_AMX and at most
+# this many go to the packed kernel (csrc/vnni_linear.cpp): 1.2-1.5x oneDNN from 5 to 16 rows,
+# 1.03-1.11x at 32, even from 48.
+VNNI_ROWS = 32
 PLAIN_COPY_LIMIT = 2**30  # bytes of weight copies (plain, tiles) kept beside the prepacked ones, at most
+
+# The kernels that read a weight packed by amx_pack, by the SmallBatchPlan.tile_kernel naming them.
+TILE_KERNELS = {"amx": "AMX tiles", "vnni": "packed weights for AVX512-BF16 dot products"}
 
 
 @dataclass(frozen=True, slots=True)
@@ -50,12 +58,18 @@ class SmallBatchPlan:
     layer_rows: int  # the decoder layers' linears: small_rows (0: the kernel is not used)
     lm_head_rows: int  # the output layer's
     why: str  # one line for the log
-    tile_rows: int = 0  # every linear: inputs of more than its small_rows and at most this many go to the AMX tiles
+    tile_rows: int = 0  # every linear: inputs of more than its small_rows and at most this many go to tile_kernel
+    tile_kernel: str = ""  # "amx" (csrc/amx_linear.cpp) or "vnni" (csrc/vnni_linear.cpp), reading amx_pack's copy
 
 
 def amx_available() -> bool:
     """Is the AMX tile kernel built here, with the tile state granted (the kernels loaded)?"""
     return bool(torch.ops.kvmesh.amx_available())
+
+
+def vnni_available() -> bool:
+    """Is the packed AVX512-BF16 kernel built here (the kernels loaded)?"""
+    return bool(torch.ops.kvmesh.vnni_linear_available())
 
 
 def small_rows(dtype: torch.dtype, amx: bool) -> int:
@@ -76,12 +90,20 @@ def plan(weights: ModelWeights, dtype: torch.dtype, compiled: bool, prepacked: b
     if dtype not in (torch.bfloat16, torch.float32):
         return SmallBatchPlan(0, 0, f"off: the kernel is for bfloat16 and float32; this engine runs {name}")
     small = torch.ops.kvmesh.small_linear_available(name)
-    tiles = dtype == torch.bfloat16 and amx_available()
+    amx_cpu = cpu_has_amx()
+    tile_kernel = ""
+    if dtype == torch.bfloat16 and amx_available():
+        tile_kernel = "amx"
+    elif dtype == torch.bfloat16 and not amx_cpu and vnni_available():  # with AMX, oneDNN has the tiles
+        tile_kernel = "vnni"
+    tiles = bool(tile_kernel)
     if not small and not tiles:
         need = "AVX512-BF16" if dtype == torch.bfloat16 else "AVX-512 or AVX2 with FMA"
         return SmallBatchPlan(0, 0, f"off: {name} needs {need}, which this CPU lacks")
     # the tile kernel loaded is AMX too, whatever /proc/cpuinfo says (or fails to)
-    rows = small_rows(dtype, tiles or cpu_has_amx()) if small else 0
+    rows = small_rows(dtype, tile_kernel == "amx" or amx_cpu) if small else 0
+    tile_limit = TILE_ROWS if tile_kernel == "amx" else VNNI_ROWS if tiles else 0
+    label = TILE_KERNELS.get(tile_kernel, "")
     layers = sum(
         tensor.numel() * tensor.element_size()
         for layer in weights.layers
@@ -93,18 +115,21 @@ def plan(weights: ModelWeights, dtype: torch.dtype, compiled: bool, prepacked: b
     kept = f"keeping {plain / 2**20:.0f} MiB of plain weights beside the prepacked ones" if prepacked else "no copies"
     small_words = f"small-batch kernel for up to {rows} rows ({kept})"
     if plain + tile_copies <= PLAIN_COPY_LIMIT:
-        tile_words = f"AMX tiles for {rows + 1}-{TILE_ROWS} rows ({tile_copies / 2**20:.0f} MiB)" if tiles else ""
-        return SmallBatchPlan(rows, rows, "on: " + "; ".join(w for w in (small_words if rows else "", tile_words) if w), TILE_ROWS if tiles else 0)
+        tile_words = f"{label} for {rows + 1}-{tile_limit} rows ({tile_copies / 2**20:.0f} MiB)" if tiles else ""
+        return SmallBatchPlan(
+            rows, rows, "on: " + "; ".join(w for w in (small_words if rows else "", tile_words) if w), tile_limit, tile_kernel
+        )
     if tiles and tile_copies <= PLAIN_COPY_LIMIT:
         head = ", the small-batch kernel for the output layer only" if rows else ""
         return SmallBatchPlan(
             0,
             rows,
-            f"on: AMX tiles for 1-{TILE_ROWS} rows ({tile_copies / 2**20:.0f} MiB){head} (plain copies of the layers' "
+            f"on: {label} for 1-{tile_limit} rows ({tile_copies / 2**20:.0f} MiB){head} (plain copies of the layers' "
             f"weights too would pass {PLAIN_COPY_LIMIT // 2**20} MiB)",
-            TILE_ROWS,
+            tile_limit,
+            tile_kernel,
         )
-    too_big = f"AMX tiles of the weights would take {tile_copies / 2**20:.0f} MiB, more than {PLAIN_COPY_LIMIT // 2**20} MiB"
+    too_big = f"{label} of the weights would take {tile_copies / 2**20:.0f} MiB, more than {PLAIN_COPY_LIMIT // 2**20} MiB"
     if rows and plain <= PLAIN_COPY_LIMIT:
         return SmallBatchPlan(rows, rows, f"on: {small_words}; no {too_big}")
     if not rows:
