@@ -9,8 +9,8 @@
 // output, a third of its instructions at K = 576), and each weight vector loaded once serves
 // up to twelve x rows (small_linear.cpp's: four). A task keeps 32 outputs by up to twelve
 // rows in 24 registers, streams its outputs' weight as one contiguous range with software
-// prefetch into L2 ahead, and does more rows twelve at a time while that weight is still in
-// cache. Each output is its float32 sum plus the bias, rounded once to bfloat16 (round to
+// prefetch into L2 ahead, and does more rows in passes of at most twelve while that weight is
+// still in cache. Each output is its float32 sum plus the bias, rounded once to bfloat16 (round to
 // nearest even), as oneDNN's is; the sums' order differs, so an output may be one unit in the
 // last place apart.
 //
@@ -126,6 +126,8 @@ at::Tensor vnni_linear(const at::Tensor& x, const at::Tensor& tiles, int64_t N, 
   const auto* bp = b.defined() ? static_cast<const uint16_t*>(b.const_data_ptr()) : nullptr;
   auto* yp = static_cast<uint16_t*>(y.data_ptr());
   const int64_t xs = x.stride(0), groups = Np / kGroupN;
+  // the rows split evenly into passes of at most kMaxRows (16: 8 + 8, not 12 + 4)
+  const int64_t passes = (M + kMaxRows - 1) / kMaxRows, pass_rows = (M + passes - 1) / passes;
   at::parallel_for(0, groups, 1, [&](int64_t begin, int64_t end) {
     for (int64_t g = begin; g < end; ++g) {
       const int64_t n0 = g * kGroupN, width = N - n0 < kGroupN ? N - n0 : kGroupN;
@@ -136,8 +138,8 @@ at::Tensor vnni_linear(const at::Tensor& x, const at::Tensor& tiles, int64_t N, 
         bias_v[h] = kvmesh::cpu::bf16x16_to_float(_mm256_maskz_loadu_epi16(mask, bp + n0 + h * 16));
       }
       const uint16_t* w = wp + g * kGroupN * Kp;
-      for (int64_t m0 = 0; m0 < M; m0 += kMaxRows) {
-        const int64_t mb = M - m0 < kMaxRows ? M - m0 : kMaxRows;
+      for (int64_t m0 = 0; m0 < M; m0 += pass_rows) {
+        const int64_t mb = M - m0 < pass_rows ? M - m0 : pass_rows;
         kernels[mb - 1](w, K, xp + m0 * xs, xs, m0 == 0, bp != nullptr ? bias_v : nullptr, yp + m0 * N, N, n0, width);
       }
     }
