@@ -35,7 +35,8 @@ def _check(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> 
 @pytest.mark.parametrize(
     ("rows", "out_features", "in_features", "bias"),
     [
-        (5, 960, 576, False),  # the default model's shapes
+        (2, 960, 576, False),  # the default model's shapes; two rows: four chains of sums
+        (4, 576, 576, True),  # four: two chains
         (10, 3072, 576, True),
         (12, 576, 1536, False),  # twelve rows: one pass, 24 sums in registers
         (13, 576, 576, False),  # thirteen: twelve, then one more with the weight in cache
@@ -86,16 +87,15 @@ def test_vnni_linear_refuses_what_it_cannot_compute() -> None:
 
 
 @vnni
-def test_a_linear_sends_five_to_32_rows_to_the_packed_kernel() -> None:
+def test_a_linear_sends_two_to_32_rows_to_the_packed_kernel() -> None:
     weight = torch.randn(64, 96).bfloat16()
-    four = small_batch.SMALL_ROWS_BF16_WITHOUT_AMX
-    linear = Linear(weight, small_rows=four, tile_rows=small_batch.VNNI_ROWS, tile_kernel="vnni")  # as the plan sets it
+    one = small_batch.SMALL_ROWS_BF16_WITHOUT_AMX
+    linear = Linear(weight, small_rows=one, tile_rows=small_batch.VNNI_ROWS, tile_kernel="vnni")  # as the plan sets it
     plain = Linear(weight)
     tiles = torch.ops.kvmesh.amx_pack(weight)
-    for rows in (1, four):
-        x = torch.randn(rows, 96).bfloat16()
-        torch.testing.assert_close(linear(x), torch.ops.kvmesh.small_linear(x, weight, None), atol=0, rtol=0)
-    for rows in (four + 1, 17, small_batch.VNNI_ROWS):
+    x = torch.randn(one, 96).bfloat16()
+    torch.testing.assert_close(linear(x), torch.ops.kvmesh.small_linear(x, weight, None), atol=0, rtol=0)
+    for rows in (one + 1, 5, 17, small_batch.VNNI_ROWS):
         x = torch.randn(rows, 96).bfloat16()
         torch.testing.assert_close(linear(x), torch.ops.kvmesh.vnni_linear(x, tiles, 64, None), atol=0, rtol=0)
     x = torch.randn(small_batch.VNNI_ROWS + 1, 96).bfloat16()
@@ -113,7 +113,7 @@ def _weights() -> ModelWeights:
 
 @pytest.mark.skipif(paged_kernel.compiler() is None or not paged_kernel.available(), reason="no compiled kernels")
 def test_the_plan_gives_the_packed_kernel_its_rows_on_a_cpu_without_amx(monkeypatch) -> None:
-    """Without AMX: the small-batch kernel up to four rows, the packed kernel for 5-32 (its copy
+    """Without AMX: the small-batch kernel for one row, the packed kernel for 2-32 (its copy
     beside the plain one within the limit, else first); a CPU with AMX but without kvmesh's tile
     kernel leaves those rows to oneDNN (which has the tiles). The CPU and its kernels are
     pretended, so that this runs on any CPU that builds the library."""
@@ -121,14 +121,14 @@ def test_the_plan_gives_the_packed_kernel_its_rows_on_a_cpu_without_amx(monkeypa
     monkeypatch.setattr(small_batch, "vnni_available", lambda: True)
     monkeypatch.setattr(small_batch, "amx_available", lambda: False)
     monkeypatch.setattr(small_batch, "cpu_has_amx", lambda: False)
-    four, most = small_batch.SMALL_ROWS_BF16_WITHOUT_AMX, small_batch.VNNI_ROWS
+    one, most = small_batch.SMALL_ROWS_BF16_WITHOUT_AMX, small_batch.VNNI_ROWS
     plan = small_batch.plan(_weights(), torch.bfloat16, compiled=True, prepacked=True)
-    assert (plan.layer_rows, plan.lm_head_rows, plan.tile_rows, plan.tile_kernel) == (four, four, most, "vnni")
-    assert f"small-batch kernel for up to {four} rows" in plan.why
-    assert f"packed weights for AVX512-BF16 dot products for {four + 1}-{most} rows" in plan.why
+    assert (plan.layer_rows, plan.lm_head_rows, plan.tile_rows, plan.tile_kernel) == (one, one, most, "vnni")
+    assert "small-batch kernel for one row" in plan.why
+    assert f"packed weights for AVX512-BF16 dot products for {one + 1}-{most} rows" in plan.why
     monkeypatch.setattr(small_batch, "PLAIN_COPY_LIMIT", 4000)  # the packed copy fits, not both: it first
     plan = small_batch.plan(_weights(), torch.bfloat16, compiled=True, prepacked=True)
-    assert (plan.layer_rows, plan.lm_head_rows, plan.tile_rows, plan.tile_kernel) == (0, four, most, "vnni")
+    assert (plan.layer_rows, plan.lm_head_rows, plan.tile_rows, plan.tile_kernel) == (0, one, most, "vnni")
     monkeypatch.setattr(small_batch, "PLAIN_COPY_LIMIT", 2**30)
     plan = small_batch.plan(_weights(), torch.float32, compiled=True, prepacked=True)
     assert plan.tile_rows == 0 and plan.tile_kernel == ""  # bfloat16 only
@@ -139,7 +139,7 @@ def test_the_plan_gives_the_packed_kernel_its_rows_on_a_cpu_without_amx(monkeypa
 
 @vnni
 def test_the_model_with_the_packed_kernel_on_and_off(tiny_model_dir) -> None:
-    """bfloat16, five to twelve sequences decoding together (the packed kernel's rows): every
+    """bfloat16, two to twelve sequences decoding together (the packed kernel's rows): every
     sequence's log-probabilities are as close to float32's with it as with oneDNN, and nothing
     is left in the pool."""
     from kvmesh.engine.llm_engine import EngineConfig, LLMEngine
@@ -162,7 +162,7 @@ def test_the_model_with_the_packed_kernel_on_and_off(tiny_model_dir) -> None:
     for on in (True, False):
         engine.model.tile_linear = on
         worst = 0.0
-        for count in (5, 12):
+        for count in (2, 5, 12):
             for want, got in zip(logprobs(reference, count), logprobs(engine, count), strict=True):
                 worst = max(worst, logprob_gap(want, got))
         errors[on] = worst

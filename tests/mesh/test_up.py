@@ -441,7 +441,7 @@ def test_the_services_options_reach_the_services(tmp_path, default_model_dir):
             amx = cpu_has_amx()
             without_amx = dtype == "bfloat16" and not amx
             rows = small_batch.SMALL_ROWS_BF16_WITHOUT_AMX if without_amx else small_batch.SMALL_ROWS[getattr(torch, dtype)]
-            assert f"small-batch kernel for up to {rows} rows" in worker_log, worker_log[-3000:]
+            assert f"small-batch kernel for {'one row' if rows == 1 else f'up to {rows} rows'}" in worker_log, worker_log[-3000:]
             if without_amx and small_batch.vnni_available():
                 words = f"packed weights for AVX512-BF16 dot products for {rows + 1}-{small_batch.VNNI_ROWS} rows"
                 assert words in worker_log, worker_log[-3000:]

@@ -1,16 +1,15 @@
 """Which linear layers keep their plain weight for the compiled small-batch kernel, and which
-get a copy in AMX tiles for the tile kernel.
+get a copy in AMX tiles for the AMX or the packed AVX512-BF16 kernel.
 
 ``torch.ops.kvmesh.small_linear`` (csrc/small_linear.cpp) computes a linear of the few rows
 of a decode step of a few sequences. Measured on an Intel Xeon with AMX against oneDNN's
 prepacked weights (docs/benchmarks.md, "Fused norms, a small-batch linear kernel and a kept
 prefix gather"): bfloat16 (AVX512-BF16) 1.47x faster at one row, 1.19-1.32x at two, even at
 four, slower from eight; float32 (AVX-512, or AVX2 with FMA) 1.2x faster at one to four
-rows. Hence ``SMALL_ROWS``; on an AMD EPYC Zen 4 (AVX512-BF16, no AMX), once it prefetched into
-L2, bfloat16 was also faster than oneDNN at three and four rows (a decode step's linears 9.3
-against 12.8 ms at three, 9.4 against 11.0 at four; docs/benchmarks.md, "The small-batch linear
-kernel's prefetch") and at five, six and eight (1.09-1.21x on two threads, 1.02-1.11x on one;
-"Bfloat16's small-batch rows up to eight without AMX"), so on a CPU without AMX it takes them
+rows. Hence ``SMALL_ROWS``. On an AMD EPYC Zen 4 (AVX512-BF16, no AMX), once it prefetched into
+L2, bfloat16 was faster than oneDNN at one to eight rows ("The small-batch linear kernel's
+prefetch", "Bfloat16's small-batch rows up to eight without AMX"), but from two rows the packed
+kernel below is faster still, so on a CPU without AMX bfloat16 takes it for one row only
 (``small_rows``).
 It reads the plain weight, which a prepacked layer otherwise drops, so keeping it costs the
 weights' bytes again: it is kept for models whose copies stay within ``PLAIN_COPY_LIMIT``, and
@@ -22,8 +21,11 @@ On a CPU with AMX, bfloat16 inputs of more rows than that, up to ``TILE_ROWS``, 
 repacked into AMX tiles (``amx_pack``, the same bytes again, the output layer's included):
 a decode step's linears at 32 rows in 13.5 against oneDNN's 19.9 ms, at 16 rows 11.5 against
 14.7 (benchmarks/small_ops_bench.py; docs/benchmarks.md, "An AMX tile kernel for the decode
-step's linears"). The tiles come first where both copies do not fit the limit: they serve
-every row count up to ``TILE_ROWS``.
+step's linears"). On a CPU without AMX that has AVX512-BF16, bfloat16 inputs of two to
+``VNNI_ROWS`` rows go to ``torch.ops.kvmesh.vnni_linear`` (csrc/vnni_linear.cpp), which reads
+the same tiles with vector dot products (docs/benchmarks.md, "A packed bfloat16 linear kernel
+for CPUs without AMX"). The tiles come first where both copies do not fit the limit: they
+serve every row count up to their kernel's last.
 """
 
 from __future__ import annotations
@@ -37,15 +39,15 @@ from kvmesh.machine import cpu_has_amx
 
 # Inputs of at most this many rows go to the kernel: where it was measured faster.
 SMALL_ROWS = {torch.bfloat16: 2, torch.float32: 4}
-# bfloat16 on a CPU without AMX: the kernel up to four rows, where the packed kernel is no faster
-# (and slower at one and two rows on two threads).
-SMALL_ROWS_BF16_WITHOUT_AMX = 4
+# bfloat16 on a CPU without AMX: the kernel for one row, where the packed kernel is slower (0.85-0.92x);
+# from two rows the packed kernel is faster (1.04-1.31x).
+SMALL_ROWS_BF16_WITHOUT_AMX = 1
 # bfloat16 inputs of more rows than SMALL_ROWS and at most this many go to the AMX tile kernel:
 # faster than oneDNN at every row count measured up to 64, even with it from 96.
 TILE_ROWS = 64
 # On a CPU without AMX, bfloat16 inputs of more rows than SMALL_ROWS_BF16_WITHOUT_AMX and at most
-# this many go to the packed kernel (csrc/vnni_linear.cpp): 1.2-1.5x oneDNN from 5 to 16 rows,
-# 1.03-1.11x at 32, even from 48.
+# this many go to the packed kernel (csrc/vnni_linear.cpp): 1.3-1.9x oneDNN from 2 to 16 rows,
+# 1.1-1.2x at 24 and 32, even at 48.
 VNNI_ROWS = 32
 PLAIN_COPY_LIMIT = 2**30  # bytes of weight copies (plain, tiles) kept beside the prepacked ones, at most
 
@@ -113,7 +115,7 @@ def plan(weights: ModelWeights, dtype: torch.dtype, compiled: bool, prepacked: b
     plain = layers if prepacked and rows else 0
     tile_copies = layers + weights.lm_head.numel() * weights.lm_head.element_size() if tiles else 0
     kept = f"keeping {plain / 2**20:.0f} MiB of plain weights beside the prepacked ones" if prepacked else "no copies"
-    small_words = f"small-batch kernel for up to {rows} rows ({kept})"
+    small_words = f"small-batch kernel for {'one row' if rows == 1 else f'up to {rows} rows'} ({kept})"
     if plain + tile_copies <= PLAIN_COPY_LIMIT:
         tile_words = f"{label} for {rows + 1}-{tile_limit} rows ({tile_copies / 2**20:.0f} MiB)" if tiles else ""
         return SmallBatchPlan(

@@ -1,4 +1,4 @@
-// y = x @ w.T (+ bias) in bfloat16 with AVX512-BF16 vector dot products, for the five to a few
+// y = x @ w.T (+ bias) in bfloat16 with AVX512-BF16 vector dot products, for the two to a few
 // dozen rows of a decode step, on a CPU without AMX.
 //
 // It reads the weight in the layout amx_pack (amx_linear.cpp) makes for the AMX tiles: for each
@@ -10,7 +10,8 @@
 // up to twelve x rows (small_linear.cpp's: four). A task keeps 32 outputs by up to twelve
 // rows in 24 registers, streams its outputs' weight as one contiguous range with software
 // prefetch into L2 ahead, and does more rows in passes of at most twelve while that weight is
-// still in cache. Each output is its float32 sum plus the bias, rounded once to bfloat16 (round to
+// still in cache; with four rows or fewer it splits the sums into two or four chains so that
+// the multiplies do not wait on each other. Each output is its float32 sum plus the bias, rounded once to bfloat16 (round to
 // nearest even), as oneDNN's is; the sums' order differs, so an output may be one unit in the
 // last place apart.
 //
@@ -66,8 +67,13 @@ inline void add_pair(__m512 (*acc)[2], __m512bh w0, __m512bh w1, const uint16_t*
 template <int MB>
 void group_rows(const uint16_t* w, int64_t K, const uint16_t* x, int64_t xs, bool prefetch, const __m512* bias,
                 uint16_t* y, int64_t ys, int64_t n0, int64_t width) {
-  __m512 acc[MB][2];
-  for (int m = 0; m < MB; ++m) acc[m][0] = acc[m][1] = _mm512_setzero_ps();
+  // Few rows make few sums, each waiting on its last VDPBF16PS: alternate pairs of K go to
+  // separate chains of sums (added up at the end) so that the multiplies overlap.
+  constexpr int kChains = MB <= 2 ? 4 : MB <= 4 ? 2 : 1;
+  __m512 chains[kChains][MB][2];
+  for (int c = 0; c < kChains; ++c)
+    for (int m = 0; m < MB; ++m) chains[c][m][0] = chains[c][m][1] = _mm512_setzero_ps();
+  auto& acc = chains[0];
   const int64_t pairs = K / 2;  // whole pairs; an odd K's last value is a pair with a zero
   for (int64_t p0 = 0; p0 < pairs; p0 += kTileK / 2) {
     const uint16_t* tile = w + (p0 / (kTileK / 2)) * 2 * kTileElems;
@@ -75,10 +81,18 @@ void group_rows(const uint16_t* w, int64_t K, const uint16_t* x, int64_t xs, boo
       for (int64_t line = 0; line < 2 * kTileElems * 2; line += 64)
         _mm_prefetch(reinterpret_cast<const char*>(reinterpret_cast<uintptr_t>(tile) + kAheadBytes + line), _MM_HINT_T1);
     const int64_t end = pairs - p0 < kTileK / 2 ? pairs - p0 : kTileK / 2;
-    for (int64_t q = 0; q < end; ++q)
+    int64_t q = 0;
+    for (; q + kChains <= end; q += kChains)
+      for (int c = 0; c < kChains; ++c)
+        add_pair<MB>(chains[c], (__m512bh)_mm512_loadu_si512(tile + (q + c) * kGroupN),
+                     (__m512bh)_mm512_loadu_si512(tile + kTileElems + (q + c) * kGroupN), x, xs, 2 * (p0 + q + c), false);
+    for (; q < end; ++q)
       add_pair<MB>(acc, (__m512bh)_mm512_loadu_si512(tile + q * kGroupN),
                    (__m512bh)_mm512_loadu_si512(tile + kTileElems + q * kGroupN), x, xs, 2 * (p0 + q), false);
   }
+  for (int c = 1; c < kChains; ++c)
+    for (int m = 0; m < MB; ++m)
+      for (int h = 0; h < 2; ++h) acc[m][h] = _mm512_add_ps(acc[m][h], chains[c][m][h]);
   if (K % 2 != 0) {
     const int64_t p = pairs, q = p % (kTileK / 2);
     const uint16_t* tile = w + (p / (kTileK / 2)) * 2 * kTileElems;
