@@ -5,7 +5,8 @@ what they replace, in one run (issue 12):
    ``small_rows``) on the default model's shapes (qkv, o, gate-up, down, LM head) at 1-4 rows
    (``--rows``), each dtype, and on a CPU with AMX ``torch.ops.kvmesh.amx_linear`` (the
    weights in AMX tiles) beside them in bfloat16, with AVX512-BF16 ``torch.ops.kvmesh.vnni_linear``
-   (the same tiles read by vector dot products); 80 weights of each shape rotated (3 of the
+   (the same tiles read by vector dot products), and in float32 ``torch.ops.kvmesh.f32_packed_linear``
+   (the weight packed for fused multiply-adds); 80 weights of each shape rotated (3 of the
    LM head) so they come from memory, as in a model; the sum over a decode step's 30 layers
    and the LM head.
 2. ``add_rms_norm`` against ``F.rms_norm(x + d)``, and ``silu_mul`` against
@@ -51,13 +52,16 @@ def linear_rows(dtype: torch.dtype, rows: int) -> dict[str, Any]:
     result: dict[str, Any] = {"dtype": str(dtype).removeprefix("torch."), "rows": rows, "us": {}}
     amx_here = dtype == torch.bfloat16 and small_batch.amx_available()
     vnni_here = dtype == torch.bfloat16 and small_batch.vnni_available()
-    tiles_here = amx_here or vnni_here
-    step = {"onednn": 0.0, "small_linear": 0.0} | ({"amx_linear": 0.0} if amx_here else {}) | ({"vnni_linear": 0.0} if vnni_here else {})
+    f32_here = dtype == torch.float32 and small_batch.f32_packed_available()
+    tiles_here = amx_here or vnni_here or f32_here
+    packed_ops = {"amx_linear": amx_here, "vnni_linear": vnni_here, "f32_packed_linear": f32_here}
+    step = {"onednn": 0.0, "small_linear": 0.0} | {op: 0.0 for op, here in packed_ops.items() if here}
     for name, (out_features, in_features) in SHAPES.items():
         count = 3 if name == "lm_head" else 80
         weights = [torch.randn(out_features, in_features).to(dtype) for _ in range(count)]
         packed = [Linear(w) for w in weights]
-        tiles = [torch.ops.kvmesh.amx_pack(w) for w in weights] if tiles_here else []
+        pack = torch.ops.kvmesh.f32_pack if f32_here else torch.ops.kvmesh.amx_pack
+        tiles = [pack(w) for w in weights] if tiles_here else []
         x = torch.randn(rows, in_features).to(dtype)
         packed_turns, plain_turns, tile_turns = itertools.cycle(packed), itertools.cycle(weights), itertools.cycle(tiles)
 
@@ -67,18 +71,16 @@ def linear_rows(dtype: torch.dtype, rows: int) -> dict[str, Any]:
         def small(turns: Iterator[torch.Tensor] = plain_turns, x: torch.Tensor = x) -> torch.Tensor:
             return torch.ops.kvmesh.small_linear(x, next(turns), None)
 
-        def amx(turns: Iterator[torch.Tensor] = tile_turns, x: torch.Tensor = x, n: int = out_features) -> torch.Tensor:
-            return torch.ops.kvmesh.amx_linear(x, next(turns), n, None)
-
-        def vnni(turns: Iterator[torch.Tensor] = tile_turns, x: torch.Tensor = x, n: int = out_features) -> torch.Tensor:
-            return torch.ops.kvmesh.vnni_linear(x, next(turns), n, None)
-
         repeats = 30 if name == "lm_head" else 300
         times = {"onednn": per_call_s(onednn, repeats), "small_linear": per_call_s(small, repeats)}
-        if amx_here:
-            times["amx_linear"] = per_call_s(amx, repeats)
-        if vnni_here:
-            times["vnni_linear"] = per_call_s(vnni, repeats)
+        for op_name, here in packed_ops.items():
+            if here:
+                op = getattr(torch.ops.kvmesh, op_name)
+
+                def packed_call(op: Any = op, turns: Iterator[torch.Tensor] = tile_turns, x: torch.Tensor = x, n: int = out_features) -> torch.Tensor:
+                    return op(x, next(turns), n, None)
+
+                times[op_name] = per_call_s(packed_call, repeats)
         result["us"][name] = {k: round(v * 1e6, 1) for k, v in times.items()}
         for key, value in times.items():
             step[key] += value * (1 if name == "lm_head" else LAYERS)

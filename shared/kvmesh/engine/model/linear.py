@@ -18,7 +18,9 @@ sequences is bound by reading the weight, which that kernel streams faster than 
 A bfloat16 layer may also keep a copy of its weight in AMX tiles
 (``torch.ops.kvmesh.amx_pack``, csrc/amx_linear.cpp): inputs of more than ``small_rows`` and
 at most ``tile_rows`` rows go there, to the AMX kernel on a CPU with AMX, or on one without
-to a kernel of AVX512-BF16 dot products that reads the same layout (csrc/vnni_linear.cpp).
+to a kernel of AVX512-BF16 dot products that reads the same layout (csrc/vnni_linear.cpp); a
+float32 layer, to a kernel of fused multiply-adds on its own packed copy
+(``torch.ops.kvmesh.f32_pack``, csrc/f32_packed_linear.cpp).
 """
 
 from __future__ import annotations
@@ -31,6 +33,13 @@ import torch.nn.functional as F
 logger = logging.getLogger(__name__)
 
 _PACKABLE = (torch.float32, torch.bfloat16)
+
+# Each tile kernel's (small_batch.SmallBatchPlan.tile_kernel) packing op and linear op, in torch.ops.kvmesh.
+TILE_OPS = {
+    "amx": ("amx_pack", "amx_linear"),  # csrc/amx_linear.cpp
+    "vnni": ("amx_pack", "vnni_linear"),  # csrc/vnni_linear.cpp: the AMX tiles read by AVX512-BF16 dot products
+    "f32": ("f32_pack", "f32_packed_linear"),  # csrc/f32_packed_linear.cpp
+}
 
 # The input rows each dtype's weights are packed for (benchmarks/engine_ablation.py measures it).
 PACK_ROWS = {torch.float32: 32, torch.bfloat16: 1}
@@ -59,11 +68,12 @@ class Linear:
         self.bias = bias
         self.out_features = weight.shape[0]
         self.small_rows = small_rows  # inputs of at most this many rows go to the small-batch kernel
-        # the weight in AMX tiles, for inputs of more than small_rows and at most tile_rows rows,
-        # read by the AMX kernel or (tile_kernel "vnni") by AVX512-BF16 dot products
-        self.tiles = torch.ops.kvmesh.amx_pack(weight) if tile_rows else None
+        # the weight packed for tile_kernel (TILE_OPS), for inputs of more than small_rows and at
+        # most tile_rows rows
+        pack, op = TILE_OPS[tile_kernel]
+        self.tiles = getattr(torch.ops.kvmesh, pack)(weight) if tile_rows else None
         self.tile_rows = tile_rows
-        self._tile_op = torch.ops.kvmesh.vnni_linear if tile_kernel == "vnni" else torch.ops.kvmesh.amx_linear
+        self._tile_op = getattr(torch.ops.kvmesh, op) if tile_rows else None
         self._packed: torch.Tensor | None = None
         if prepack and can_prepack(weight):
             try:
@@ -80,6 +90,7 @@ class Linear:
         if rows <= self.small_rows:
             return torch.ops.kvmesh.small_linear(x, self.weight, self.bias)
         if rows <= self.tile_rows:
+            assert self._tile_op is not None
             return self._tile_op(x, self.tiles, self.out_features, self.bias)
         if self._packed is not None:
             return torch.ops.mkldnn._linear_pointwise(x, self._packed, self.bias, "none", [], "")

@@ -31,7 +31,7 @@ from kvmesh.native_build import build_shared_library
 logger = logging.getLogger(__name__)
 
 CSRC = Path(__file__).with_name("csrc")
-SOURCES = ["paged_decode.cpp", "fused_ops.cpp", "small_linear.cpp", "amx_linear.cpp", "vnni_linear.cpp", "prefill_attention.cpp"]  # in CSRC (or another csrc folder)
+SOURCES = ["paged_decode.cpp", "fused_ops.cpp", "small_linear.cpp", "amx_linear.cpp", "vnni_linear.cpp", "f32_packed_linear.cpp", "prefill_attention.cpp"]  # in CSRC (or another csrc folder)
 HEADERS = ["cpu_math.h"]
 DISABLE_ENV = "KVMESH_PAGED_KERNEL"
 FLAGS = ["-O3", "-fno-math-errno", "-fopenmp", "-shared", "-fPIC", "-std=c++17", "-Wno-psabi"]

@@ -39,20 +39,28 @@ from kvmesh.machine import cpu_has_amx
 
 # Inputs of at most this many rows go to the kernel: where it was measured faster.
 SMALL_ROWS = {torch.bfloat16: 2, torch.float32: 4}
-# bfloat16 on a CPU without AMX: the kernel for one row, where the packed kernel is slower (0.85-0.92x);
-# from two rows the packed kernel is faster (1.04-1.31x).
+# bfloat16 on a CPU without AMX: the kernel for one row, where the packed kernel was 0.85-1.09x
+# as fast run to run; from two rows the packed kernel was faster in every run (1.04-1.31x at 2-4).
 SMALL_ROWS_BF16_WITHOUT_AMX = 1
 # bfloat16 inputs of more rows than SMALL_ROWS and at most this many go to the AMX tile kernel:
 # faster than oneDNN at every row count measured up to 64, even with it from 96.
 TILE_ROWS = 64
 # On a CPU without AMX, bfloat16 inputs of more rows than SMALL_ROWS_BF16_WITHOUT_AMX and at most
-# this many go to the packed kernel (csrc/vnni_linear.cpp): 1.3-1.9x oneDNN from 2 to 16 rows,
-# 1.1-1.2x at 24 and 32, even at 48.
+# this many go to the packed kernel (csrc/vnni_linear.cpp): 1.2-1.8x oneDNN from 2 to 16 rows,
+# 1.1-1.2x at 24 and 32, 0.99-1.10x at 48.
 VNNI_ROWS = 32
+# float32 inputs of more rows than SMALL_ROWS and at most this many go to the packed float32
+# kernel (csrc/f32_packed_linear.cpp), on any CPU it is built for: on an AMD Zen 4, 1.2-1.9x
+# oneDNN at 5-16 rows, 1.1-1.3x at 32, 1.07-1.4x at 48, 1.05-1.07x at 64 and 96.
+F32_PACKED_ROWS = 48
 PLAIN_COPY_LIMIT = 2**30  # bytes of weight copies (plain, tiles) kept beside the prepacked ones, at most
 
 # The kernels that read a weight packed by amx_pack, by the SmallBatchPlan.tile_kernel naming them.
-TILE_KERNELS = {"amx": "AMX tiles", "vnni": "packed weights for AVX512-BF16 dot products"}
+TILE_KERNELS = {
+    "amx": "AMX tiles",
+    "vnni": "packed weights for AVX512-BF16 dot products",
+    "f32": "packed weights for float32 fused multiply-adds",
+}
 
 
 @dataclass(frozen=True, slots=True)
@@ -72,6 +80,11 @@ def amx_available() -> bool:
 def vnni_available() -> bool:
     """Is the packed AVX512-BF16 kernel built here (the kernels loaded)?"""
     return bool(torch.ops.kvmesh.vnni_linear_available())
+
+
+def f32_packed_available() -> bool:
+    """Is the packed float32 kernel built here (the kernels loaded)?"""
+    return bool(torch.ops.kvmesh.f32_packed_linear_available())
 
 
 def small_rows(dtype: torch.dtype, amx: bool) -> int:
@@ -98,13 +111,15 @@ def plan(weights: ModelWeights, dtype: torch.dtype, compiled: bool, prepacked: b
         tile_kernel = "amx"
     elif dtype == torch.bfloat16 and not amx_cpu and vnni_available():  # with AMX, oneDNN has the tiles
         tile_kernel = "vnni"
+    elif dtype == torch.float32 and f32_packed_available():
+        tile_kernel = "f32"
     tiles = bool(tile_kernel)
     if not small and not tiles:
         need = "AVX512-BF16" if dtype == torch.bfloat16 else "AVX-512 or AVX2 with FMA"
         return SmallBatchPlan(0, 0, f"off: {name} needs {need}, which this CPU lacks")
     # the tile kernel loaded is AMX too, whatever /proc/cpuinfo says (or fails to)
     rows = small_rows(dtype, tile_kernel == "amx" or amx_cpu) if small else 0
-    tile_limit = TILE_ROWS if tile_kernel == "amx" else VNNI_ROWS if tiles else 0
+    tile_limit = {"amx": TILE_ROWS, "vnni": VNNI_ROWS, "f32": F32_PACKED_ROWS}.get(tile_kernel, 0)
     label = TILE_KERNELS.get(tile_kernel, "")
     layers = sum(
         tensor.numel() * tensor.element_size()

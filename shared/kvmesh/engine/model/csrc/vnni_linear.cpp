@@ -11,9 +11,9 @@
 // rows in 24 registers, streams its outputs' weight as one contiguous range with software
 // prefetch into L2 ahead, and does more rows in passes of at most twelve while that weight is
 // still in cache; with four rows or fewer it splits the sums into two or four chains so that
-// the multiplies do not wait on each other. Each output is its float32 sum plus the bias, rounded once to bfloat16 (round to
-// nearest even), as oneDNN's is; the sums' order differs, so an output may be one unit in the
-// last place apart.
+// the multiplies do not wait on each other. Each output is its float32 sum plus the bias,
+// rounded once to bfloat16 (round to nearest even), as oneDNN's is; the sums' order differs,
+// so an output may be one unit in the last place apart.
 //
 // Built only where the compiler targets AVX512-BF16 (-march=native);
 // kvmesh::vnni_linear_available() says whether it was.
