@@ -20,15 +20,20 @@ def _tiles_here() -> bool:
 amx = pytest.mark.skipif(not _tiles_here(), reason="no AMX-BF16 on this CPU (or no compiled kernels)")
 
 
-def _check(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
-    tiles = torch.ops.kvmesh.amx_pack(weight)
-    got = torch.ops.kvmesh.amx_linear(x, tiles, weight.shape[0], bias)
+def check_tile_kernel(op: str, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
+    """``torch.ops.kvmesh.<op>`` on amx_pack's tiles of ``weight`` (bfloat16) as accurate as
+    oneDNN against float64, and equal to it almost everywhere."""
+    got = getattr(torch.ops.kvmesh, op)(x, torch.ops.kvmesh.amx_pack(weight), weight.shape[0], bias)
     assert got.dtype == torch.bfloat16 and got.shape == (x.shape[0], weight.shape[0])
     exact = F.linear(x.double(), weight.double(), bias.double() if bias is not None else None)
     onednn = F.linear(x, weight, bias)
     ulp = exact.abs() * 2.0**-8 + 1e-6  # half a unit: each output is its float32 sum rounded once
     assert ((got.double() - exact).abs() <= (onednn.double() - exact).abs() + 2 * ulp).all()
     assert (got == onednn).float().mean().item() > 0.99
+
+
+def _check(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
+    check_tile_kernel("amx_linear", x, weight, bias)
 
 
 @amx

@@ -6,11 +6,11 @@ from __future__ import annotations
 
 import pytest
 import torch
-import torch.nn.functional as F
 
 from kvmesh.engine.model import paged_kernel, small_batch
 from kvmesh.engine.model.linear import Linear
 from kvmesh.engine.model.weights import LayerWeights, ModelWeights
+from tests.engine.test_amx_linear import check_tile_kernel
 from tests.engine.test_fused_ops import logprob_gap
 
 
@@ -22,13 +22,7 @@ vnni = pytest.mark.skipif(not _kernel_here(), reason="no AVX512-BF16 on this CPU
 
 
 def _check(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
-    got = torch.ops.kvmesh.vnni_linear(x, torch.ops.kvmesh.amx_pack(weight), weight.shape[0], bias)
-    assert got.dtype == torch.bfloat16 and got.shape == (x.shape[0], weight.shape[0])
-    exact = F.linear(x.double(), weight.double(), bias.double() if bias is not None else None)
-    onednn = F.linear(x, weight, bias)
-    ulp = exact.abs() * 2.0**-8 + 1e-6  # half a unit: each output is its float32 sum rounded once
-    assert ((got.double() - exact).abs() <= (onednn.double() - exact).abs() + 2 * ulp).all()
-    assert (got == onednn).float().mean().item() > 0.99
+    check_tile_kernel("vnni_linear", x, weight, bias)
 
 
 @vnni
