@@ -143,7 +143,16 @@ async def test_a_failed_step_fails_its_batch_and_leaves_no_cached_garbage(engine
     monkeypatch.setattr(engine.engine.model, "forward", forward)
     long_prompt = prompts[0] * 3  # several full blocks of 4 tokens
     await engine.take_kv_events()
-    bad = await asyncio.gather(*(collect(engine.generate(f"b{i}", long_prompt, GREEDY)) for i in range(2)))
+    # Both requests in that one step: the engine thread is held on a command until both are
+    # queued behind it (it runs every queued command before its next step). Without the hold,
+    # a thread that woke between the two submissions stepped the first alone.
+    gate = threading.Event()
+    held = asyncio.ensure_future(engine._call(lambda: gate.wait(10)))
+    streams = [asyncio.ensure_future(collect(engine.generate(f"b{i}", long_prompt, GREEDY))) for i in range(2)]
+    await asyncio.sleep(0.05)
+    gate.set()
+    await held
+    bad = await asyncio.gather(*streams)
     assert [[o.finish_reason for o in outs] for outs in bad] == [[FinishReason.ERROR], [FinishReason.ERROR]]
     assert bad[0][0].error == "step failed: RuntimeError: injected forward failure"
     # Not these requests' fault: retryable on another worker (request_failed is not).

@@ -42,6 +42,8 @@ def _check(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> 
         (2, 50, 37, False),  # a few rows: chains of sums
         (4, 33, 31, True),
         (3, 17, 1, False),
+        (2, 50, 38, True),  # chains with k left over; a last group 18 wide
+        (3, 45, 77, True),
     ],
 )
 def test_f32_packed_linear_against_float64(rows: int, out_features: int, in_features: int, bias: bool) -> None:
@@ -140,4 +142,35 @@ def test_float32_greedy_tokens_with_the_packed_kernel_on_and_off(tiny_model_dir)
         engine.model.tile_linear = on
         runs.append([out.new_token_ids for count in (5, 12) for out in engine.generate(prompts[:count], params)])
     assert runs[0] == runs[1]
+    assert engine.kv_manager.pool.num_free_blocks == engine.kv_manager.pool.num_blocks
+
+
+@pytest.mark.parametrize(
+    "case", ["no compiled kernels", "bfloat16 without a tile kernel", "bfloat16 copies past the limit", "float32 copies past the limit"]
+)
+def test_a_model_builds_and_runs_where_the_plan_gives_no_tile_kernel(tiny_model_dir, monkeypatch, case: str) -> None:
+    """Every plan without a tile kernel (tile_rows 0, tile_kernel "") still builds its layers and
+    decodes; without the packed copy, bfloat16 on a CPU without AMX keeps the small-batch kernel's
+    eight rows. (Once, a layer looked its tile ops up even with none: every such model failed to load.)"""
+    from kvmesh.engine.llm_engine import EngineConfig, LLMEngine
+    from kvmesh.engine.request import SamplingParams
+
+    dtype = "float32" if case.startswith("float32") else "bfloat16"
+    if case == "no compiled kernels":
+        monkeypatch.setattr(paged_kernel, "available", lambda: False)
+    elif not (paged_kernel.compiler() is not None and paged_kernel.available()):
+        pytest.skip("no compiled kernels")
+    elif case == "bfloat16 without a tile kernel":
+        monkeypatch.setattr(small_batch, "vnni_available", lambda: False)
+        monkeypatch.setattr(small_batch, "amx_available", lambda: False)
+    else:
+        monkeypatch.setattr(small_batch, "PLAIN_COPY_LIMIT", 1)
+    engine = LLMEngine(EngineConfig(model=str(tiny_model_dir), dtype=dtype, block_size=4, num_blocks=128))
+    assert not engine.model.tile_linear
+    assert all(linear.tiles is None for linear in engine.model.linears())
+    if case == "bfloat16 copies past the limit" and torch.ops.kvmesh.small_linear_available("bfloat16"):
+        if not small_batch.cpu_has_amx():
+            assert engine.model.lm_head.small_rows == small_batch.SMALL_ROWS_BF16_UNPACKED
+    outs = engine.generate([[5, 17, 40], [6, 19, 41, 7]], SamplingParams(max_tokens=4, ignore_eos=True))
+    assert [len(out.new_token_ids) for out in outs] == [4, 4]
     assert engine.kv_manager.pool.num_free_blocks == engine.kv_manager.pool.num_blocks

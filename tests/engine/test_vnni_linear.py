@@ -39,6 +39,8 @@ def _check(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> 
         (7, 50, 37, False),  # an odd K: the last value is a pair with a zero
         (25, 33, 31, True),  # odd K inside the first k tile, one output past 32
         (3, 17, 1, False),
+        (2, 50, 38, True),  # four chains with pairs left over in the last k tile; a last group 18 wide
+        (3, 45, 77, True),  # two chains, an odd K; a last group 13 wide
     ],
 )
 def test_vnni_linear_as_accurate_as_onednn(rows: int, out_features: int, in_features: int, bias: bool) -> None:
@@ -123,6 +125,11 @@ def test_the_plan_gives_the_packed_kernel_its_rows_on_a_cpu_without_amx(monkeypa
     monkeypatch.setattr(small_batch, "PLAIN_COPY_LIMIT", 4000)  # the packed copy fits, not both: it first
     plan = small_batch.plan(_weights(), torch.bfloat16, compiled=True, prepacked=True)
     assert (plan.layer_rows, plan.lm_head_rows, plan.tile_rows, plan.tile_kernel) == (0, one, most, "vnni")
+    monkeypatch.setattr(small_batch, "PLAIN_COPY_LIMIT", 3000)  # not the packed copy; the plain one: eight rows
+    plan = small_batch.plan(_weights(), torch.bfloat16, compiled=True, prepacked=True)
+    unpacked = small_batch.SMALL_ROWS_BF16_UNPACKED
+    assert (plan.layer_rows, plan.lm_head_rows, plan.tile_rows, plan.tile_kernel) == (unpacked, unpacked, 0, "")
+    assert f"small-batch kernel for up to {unpacked} rows" in plan.why
     monkeypatch.setattr(small_batch, "PLAIN_COPY_LIMIT", 2**30)
     plan = small_batch.plan(_weights(), torch.float32, compiled=True, prepacked=True)
     assert plan.tile_kernel != "vnni"  # bfloat16 only (float32 has a packed kernel of its own)

@@ -437,7 +437,7 @@ def test_the_services_options_reach_the_services(tmp_path, default_model_dir):
         assert "compiled CPU kernels loaded" in worker_log, worker_log[-3000:]
         assert "compiled decode attention unavailable" not in worker_log, worker_log[-3000:]
         assert "small-batch linear kernel: on" in worker_log, worker_log[-3000:]
-        if paged_kernel.available():  # bfloat16 without AMX: four rows, then the packed kernel
+        if paged_kernel.available():  # bfloat16 without AMX: one row, then the packed kernel
             amx = cpu_has_amx()
             without_amx = dtype == "bfloat16" and not amx
             rows = small_batch.SMALL_ROWS_BF16_WITHOUT_AMX if without_amx else small_batch.SMALL_ROWS[getattr(torch, dtype)]

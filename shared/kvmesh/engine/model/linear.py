@@ -70,10 +70,13 @@ class Linear:
         self.small_rows = small_rows  # inputs of at most this many rows go to the small-batch kernel
         # the weight packed for tile_kernel (TILE_OPS), for inputs of more than small_rows and at
         # most tile_rows rows
-        pack, op = TILE_OPS[tile_kernel]
-        self.tiles = getattr(torch.ops.kvmesh, pack)(weight) if tile_rows else None
+        self.tiles: torch.Tensor | None = None
+        self._tile_op = None
+        if tile_rows:
+            pack, op = TILE_OPS[tile_kernel]
+            self.tiles = getattr(torch.ops.kvmesh, pack)(weight)
+            self._tile_op = getattr(torch.ops.kvmesh, op)
         self.tile_rows = tile_rows
-        self._tile_op = getattr(torch.ops.kvmesh, op) if tile_rows else None
         self._packed: torch.Tensor | None = None
         if prepack and can_prepack(weight):
             try:

@@ -139,7 +139,7 @@ class LlamaModel:
 
     @property
     def tile_linear(self) -> bool:
-        """Do bfloat16 batches of up to the plan's ``tile_rows`` go to the AMX or packed kernel?"""
+        """Do batches of up to the plan's ``tile_rows`` go to its tile kernel (AMX, or a packed one)?"""
         return any(linear.tile_rows for linear in self.linears())
 
     @tile_linear.setter

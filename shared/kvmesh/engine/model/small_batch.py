@@ -45,6 +45,10 @@ SMALL_ROWS_BF16_WITHOUT_AMX = 1
 # bfloat16 inputs of more rows than SMALL_ROWS and at most this many go to the AMX tile kernel:
 # faster than oneDNN at every row count measured up to 64, even with it from 96.
 TILE_ROWS = 64
+# bfloat16 on a CPU without AMX where the packed kernel's copy does not fit PLAIN_COPY_LIMIT: the
+# kernel up to eight rows, where it was faster than oneDNN (docs/benchmarks.md, "Bfloat16's
+# small-batch rows up to eight without AMX").
+SMALL_ROWS_BF16_UNPACKED = 8
 # On a CPU without AMX, bfloat16 inputs of more rows than SMALL_ROWS_BF16_WITHOUT_AMX and at most
 # this many go to the packed kernel (csrc/vnni_linear.cpp): 1.2-1.8x oneDNN from 2 to 16 rows,
 # 1.1-1.2x at 24 and 32, 0.99-1.10x at 48.
@@ -55,7 +59,8 @@ VNNI_ROWS = 32
 F32_PACKED_ROWS = 48
 PLAIN_COPY_LIMIT = 2**30  # bytes of weight copies (plain, tiles) kept beside the prepacked ones, at most
 
-# The kernels that read a weight packed by amx_pack, by the SmallBatchPlan.tile_kernel naming them.
+# The kernels that read a packed copy of the weight (amx_pack's; f32_pack's for "f32"), by the
+# SmallBatchPlan.tile_kernel naming them.
 TILE_KERNELS = {
     "amx": "AMX tiles",
     "vnni": "packed weights for AVX512-BF16 dot products",
@@ -69,7 +74,7 @@ class SmallBatchPlan:
     lm_head_rows: int  # the output layer's
     why: str  # one line for the log
     tile_rows: int = 0  # every linear: inputs of more than its small_rows and at most this many go to tile_kernel
-    tile_kernel: str = ""  # "amx" (csrc/amx_linear.cpp) or "vnni" (csrc/vnni_linear.cpp), reading amx_pack's copy
+    tile_kernel: str = ""  # "amx", "vnni" or "f32" (TILE_KERNELS; linear.TILE_OPS), "" with tile_rows 0
 
 
 def amx_available() -> bool:
@@ -130,11 +135,14 @@ def plan(weights: ModelWeights, dtype: torch.dtype, compiled: bool, prepacked: b
     plain = layers if prepacked and rows else 0
     tile_copies = layers + weights.lm_head.numel() * weights.lm_head.element_size() if tiles else 0
     kept = f"keeping {plain / 2**20:.0f} MiB of plain weights beside the prepacked ones" if prepacked else "no copies"
-    small_words = f"small-batch kernel for {'one row' if rows == 1 else f'up to {rows} rows'} ({kept})"
+
+    def small_words(rows: int) -> str:
+        return f"small-batch kernel for {'one row' if rows == 1 else f'up to {rows} rows'} ({kept})"
+
     if plain + tile_copies <= PLAIN_COPY_LIMIT:
         tile_words = f"{label} for {rows + 1}-{tile_limit} rows ({tile_copies / 2**20:.0f} MiB)" if tiles else ""
         return SmallBatchPlan(
-            rows, rows, "on: " + "; ".join(w for w in (small_words if rows else "", tile_words) if w), tile_limit, tile_kernel
+            rows, rows, "on: " + "; ".join(w for w in (small_words(rows) if rows else "", tile_words) if w), tile_limit, tile_kernel
         )
     if tiles and tile_copies <= PLAIN_COPY_LIMIT:
         head = ", the small-batch kernel for the output layer only" if rows else ""
@@ -147,8 +155,10 @@ def plan(weights: ModelWeights, dtype: torch.dtype, compiled: bool, prepacked: b
             tile_kernel,
         )
     too_big = f"{label} of the weights would take {tile_copies / 2**20:.0f} MiB, more than {PLAIN_COPY_LIMIT // 2**20} MiB"
+    if tile_kernel == "vnni" and rows:  # no packed copy: the rows the small-batch kernel beat oneDNN at
+        rows = SMALL_ROWS_BF16_UNPACKED
     if rows and plain <= PLAIN_COPY_LIMIT:
-        return SmallBatchPlan(rows, rows, f"on: {small_words}; no {too_big}")
+        return SmallBatchPlan(rows, rows, f"on: {small_words(rows)}; no {too_big}")
     if not rows:
         return SmallBatchPlan(0, 0, f"off: {too_big}")
     return SmallBatchPlan(
