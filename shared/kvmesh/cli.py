@@ -108,8 +108,9 @@ def build_parser() -> argparse.ArgumentParser:
     up.add_argument("--num-threads", type=positive_int, help="threads per worker (default: the cores split between the workers)")
     up.add_argument("--no-prefix-caching", action="store_true", help="workers do not reuse KV blocks")
     up.add_argument(
-        "--lend-cores", action="store_true",
-        help="kvmesh engine: a worker runs on every core while the other workers are idle, else on its share",
+        "--lend-cores", action=argparse.BooleanOptionalAction, default=None,
+        help="kvmesh's engine on the CPU: a worker runs on every core while the other workers are idle, else on its share "
+        "(default: on where the workers split the cores; --no-lend-cores keeps each to its share)",
     )  # fmt: skip
     up.add_argument("--routing-config", help="JSON or YAML file of the router's scoring plugins and weights (default: prefix x2, load x1, session x1)")
     up.add_argument("--lease-ttl", type=positive_int, default=5, help="seconds a worker's etcd lease outlives it")

@@ -50,11 +50,11 @@ def test_auto_is_the_default_and_follows_the_cpu(no_dtype_env, monkeypatch, flag
 
 def test_a_dtype_given_is_kept_and_not_announced(no_dtype_env, monkeypatch) -> None:
     monkeypatch.setattr(machine, "cpu_flags", lambda: AVX512_BF16)
-    args = up_args("--dtype", "float32", "--num-threads", "1")
+    args = up_args("--dtype", "float32", "--num-threads", "1", "--no-lend-cores")
     assert choose_machine_defaults(args) == []
     assert args.dtype == "float32"
     monkeypatch.setenv("KVMESH_DTYPE", "float16")
-    args = up_args("--num-threads", "1")
+    args = up_args("--num-threads", "1", "--no-lend-cores")
     assert (choose_machine_defaults(args), args.dtype) == ([], "float16")
     assert worker_settings("decode", MESH).engine.dtype == "float16"
 
@@ -73,5 +73,38 @@ def test_threads_are_the_usable_cores_split_between_the_workers(monkeypatch) -> 
     assert machine.threads_per_worker(8) == 1
     args = up_args("--dtype", "float32", "--prefill", "1", "--decode", "2")
     said = choose_machine_defaults(args)
-    assert said == ["2 thread(s) per worker: 6 usable core(s) split between 3 workers (--num-threads to choose)"]
+    assert said == [
+        "2 thread(s) per worker: 6 usable core(s) split between 3 workers (--num-threads to choose)",
+        "cores lent between idle workers: a worker runs on all 6 while the others are idle, else on its 2 "
+        "(--no-lend-cores to keep each to its share)",
+    ]
     assert args.num_threads == 2  # what the workers are started with
+    assert args.lend_cores is True
+
+
+@pytest.mark.parametrize(
+    "argv, lend",
+    [
+        ((), True),  # 1 + 1 on two cores: each worker one thread, both while the other idles
+        (("--prefill", "0"), False),  # one worker has every core already
+        (("--num-threads", "2"), False),  # each worker on every core: nothing to lend
+        (("--device", "cuda", "--dtype", "float32"), False),  # the model runs on the GPU
+        (("--no-lend-cores",), False),
+        (("--lend-cores", "--prefill", "0"), True),  # asked for: kept, not announced
+    ],
+)
+def test_cores_are_lent_by_default_where_the_workers_split_them(monkeypatch, argv, lend) -> None:
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1})
+    args = up_args("--dtype", "float32", *argv)
+    said = choose_machine_defaults(args)
+    assert args.lend_cores is lend
+    announced = [line for line in said if line.startswith("cores lent")]
+    assert len(announced) == (lend and "--lend-cores" not in argv)
+
+
+def test_vllm_workers_lend_nothing_by_default(monkeypatch) -> None:
+    # a vLLM worker is bound to its cores (--cpu-bind); asked for, --lend-cores is refused
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1})
+    args = up_args("--dtype", "float32", "--engine", "vllm")
+    assert "cores lent" not in " ".join(choose_machine_defaults(args))
+    assert args.lend_cores is False

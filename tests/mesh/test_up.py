@@ -456,7 +456,8 @@ def test_the_services_options_reach_the_services(tmp_path, default_model_dir):
 
 
 def test_workers_lending_each_other_cores_answer_as_one_process(tmp_path, default_model_dir):
-    """``kvmesh up --lend-cores``: each worker has its own slot on one board in the workdir,
+    """``kvmesh up``, lending by default where the workers split the cores (``--lend-cores``
+    where they do not, a machine of one core): each worker has its own slot on one board in the workdir,
     eight greedy requests at once (the two workers busy together, then in turn, their threads
     changing with it) answer as one process does, the board shows them busy meanwhile, and
     afterwards every worker idle, so a worker waiting for work never keeps the other from its cores.
@@ -465,8 +466,11 @@ def test_workers_lending_each_other_cores_answer_as_one_process(tmp_path, defaul
     from kvmesh.engine.llm_engine import EngineConfig, LLMEngine
     from kvmesh.engine.request import SamplingParams
 
-    up = start_up(tmp_path, default_model_dir, "--lend-cores", "--max-num-seqs", "4")
+    by_default = usable_cores() >= 2
+    up = start_up(tmp_path, default_model_dir, *(() if by_default else ("--lend-cores",)), "--max-num-seqs", "4")
     try:
+        if by_default:
+            assert any(line.startswith("kvmesh up: cores lent between idle workers: ") for line in up.lines), up.lines
         board = up.workdir / "cores"
         slots = []
         for name in ("prefill-1", "decode-2"):
