@@ -363,7 +363,7 @@ def lending_by_default(args: argparse.Namespace) -> bool:
     metadata is built, so a step cannot give cores back between layers). Measured on two
     cores (docs/benchmarks.md, "Cores lent between idle workers by default"): a 1 + 1 mesh
     1.23x at concurrency 1, 0.95x at 8 (within its rounds' spread), 1.05x at 32, and
-    multi-turn chat 1.17x, with a higher first-token latency at concurrency 32."""
+    multi-turn chat 1.01-1.17x in two runs, with a higher first-token latency at concurrency 32."""
     from kvmesh.machine import usable_cores
 
     device = getattr(args, "device", None) or "cpu"
