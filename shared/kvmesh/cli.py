@@ -109,7 +109,7 @@ def build_parser() -> argparse.ArgumentParser:
     up.add_argument("--no-prefix-caching", action="store_true", help="workers do not reuse KV blocks")
     up.add_argument(
         "--lend-cores", action=argparse.BooleanOptionalAction, default=None,
-        help="kvmesh's engine on the CPU: a worker runs on every core while the other workers are idle, else on its share "
+        help="on the CPU: a worker runs on every core while the other workers are idle, else on its share "
         "(default: on where the workers split the cores; --no-lend-cores keeps each to its share)",
     )  # fmt: skip
     up.add_argument("--routing-config", help="JSON or YAML file of the router's scoring plugins and weights (default: prefix x2, load x1, session x1)")

@@ -102,9 +102,9 @@ def test_cores_are_lent_by_default_where_the_workers_split_them(monkeypatch, arg
     assert len(announced) == (lend and "--lend-cores" not in argv)
 
 
-def test_vllm_workers_lend_nothing_by_default(monkeypatch) -> None:
-    # a vLLM worker is bound to its cores (--cpu-bind); asked for, --lend-cores is refused
+@pytest.mark.parametrize("engine", ["kvmesh", "vllm"])
+def test_either_engines_workers_lend_by_default(monkeypatch, engine) -> None:
     monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1})
-    args = up_args("--dtype", "float32", "--engine", "vllm")
-    assert "cores lent" not in " ".join(choose_machine_defaults(args))
-    assert args.lend_cores is False
+    args = up_args("--dtype", "float32", "--engine", engine)
+    assert any(line.startswith("cores lent between idle workers") for line in choose_machine_defaults(args))
+    assert args.lend_cores is True

@@ -130,17 +130,3 @@ def test_a_bad_service_option_fails_before_anything_starts(tmp_path: Path, args:
     assert done.stderr.startswith(message), done.stderr
     assert done.stderr.count("\n") == 1 and done.stdout == ""
     assert not (tmp_path / "w" / "logs").exists()
-
-
-def test_lent_cores_are_refused_with_vllm_workers(tmp_path: Path) -> None:
-    # a vLLM worker is bound to its cores (--cpu-bind): it cannot borrow the others'
-    from kvmesh.infra.up import UpUsageError, check_engine
-
-    try:
-        check_engine("vllm")
-    except UpUsageError as exc:
-        pytest.skip(str(exc))
-    done = kvmesh("up", "--port", "0", "--workdir", str(tmp_path / "w"), "--engine", "vllm", "--lend-cores")
-    assert done.returncode == 2, done.stderr
-    assert done.stderr == "kvmesh up: error: --lend-cores is only for kvmesh's engine: vLLM's workers keep to their cores\n"
-    assert not (tmp_path / "w" / "logs").exists()

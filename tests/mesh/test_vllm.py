@@ -24,6 +24,7 @@ import pytest
 
 from kvmesh.engine.tokenizer import Tokenizer
 from kvmesh.hashing import hash_to_hex, hash_token_blocks
+from kvmesh.machine import usable_cores
 from kvmesh.protocol import (
     DecodeAck,
     DecodeRequest,
@@ -798,10 +799,10 @@ async def test_a_vllm_prefill_worker_killed_before_the_pull_is_retried(trio, pro
 
 # ------------------------------------------------------------- kvmesh up --engine vllm, as users run it
 def test_kvmesh_up_engine_vllm_gives_the_official_client_kvmesh_ups_greedy_text(tmp_path, default_model_dir, vllm_python, reference, prompt_ids):
-    """``kvmesh up --engine vllm`` from the README (a vLLM prefill and a vLLM decode worker):
-    the official ``openai`` client gets one vLLM process's greedy text, completions and chat,
-    streamed and not, and it is the text kvmesh's own engine (what plain ``kvmesh up`` runs,
-    float32) makes of the same prompts."""
+    """``kvmesh up --engine vllm`` from the README (a vLLM prefill and a vLLM decode worker,
+    lending each other their cores by default): the official ``openai`` client gets one vLLM
+    process's greedy text, completions and chat, streamed and not, and it is the text kvmesh's
+    own engine (what plain ``kvmesh up`` runs, float32) makes of the same prompts."""
     import openai
 
     from kvmesh.engine.llm_engine import EngineConfig, LLMEngine
@@ -811,6 +812,11 @@ def test_kvmesh_up_engine_vllm_gives_the_official_client_kvmesh_ups_greedy_text(
     _one_mesh_at_a_time()
     up = start_up(tmp_path, default_model_dir, "--engine", "vllm", kv_cache_mib=64)
     try:
+        if usable_cores() >= 2:  # the workers lend each other their cores (between steps), unbound
+            assert any(line.startswith("kvmesh up: cores lent between idle workers: ") for line in up.lines), up.lines
+            for name in ("prefill-1", "decode-2"):
+                argv = Path(f"/proc/{up.pid(name)}/cmdline").read_bytes().decode().split("\0")
+                assert "--lend-cores" in argv and "--cpu-bind" not in argv, argv
         client = openai.OpenAI(base_url=f"{up.base_url}/v1", api_key="unused", max_retries=0, timeout=120)
         got = []
         for prompt in PROMPTS[:2]:

@@ -5,6 +5,7 @@ leave the pool as it was (``vllm_engine_story.py``)."""
 from __future__ import annotations
 
 import json
+import os
 import re
 from pathlib import Path
 
@@ -54,4 +55,10 @@ def test_export_import_and_release_through_the_connector(default_model_dir):
     }  # fmt: skip
     # a first token the grammar does not allow: the import fails by name, after that token alone
     assert guided["refused"] == {"reason": "error", "code": "request_failed", "tokens": [guided["digit"]]}
+    # cores lent as kvmesh's engine lends them, between steps: every core while the other
+    # engine on the board is idle, one thread while it is busy (a machine of one core: one)
+    cores = len(os.sched_getaffinity(0))
+    assert seen["lending"] == {
+        "borrowed_so_far": cores > 1, "threads_while_other_busy": 1, "threads_while_other_idle": cores, "same_tokens": True,
+    }  # fmt: skip
     assert (seen["free_at_end"], seen["in_use_at_end"]) == (seen["free_at_start"], 0)

@@ -7,14 +7,20 @@ release the export, decode from the import: the greedy tokens of a plain run. Th
 imported requests early and release twice: the pool ends where it began. Abort an export
 mid-prefill: its blocks go back. Release two exports, the first finished before the
 second (whose step saw the first one's finish), the second first, with no traffic after:
-every block goes back and the engine thread goes idle.
+every block goes back and the engine thread goes idle. All of it on a core-lending board
+whose other engine is idle (so the steps run on every core), then the lending itself.
 """
 
 from __future__ import annotations
 
 import asyncio
 import json
+import mmap
 import sys
+import tempfile
+from pathlib import Path
+
+from kvmesh.engine.core_lending import CoreLending
 
 
 async def story(model: str) -> dict:
@@ -24,7 +30,11 @@ async def story(model: str) -> dict:
     from kvmesh.worker.engines import create_engine
     from kvmesh.settings.worker import EngineSettings
 
-    settings = EngineSettings(name="vllm", model=model, block_size=32, kv_cache_bytes=128 * 2**20, num_threads=1)
+    board = Path(tempfile.mkdtemp()) / "cores"  # slot 0 this engine's, slot 1 another's (idle but in lending())
+    CoreLending.create(board, 2)
+    settings = EngineSettings(
+        name="vllm", model=model, block_size=32, kv_cache_bytes=128 * 2**20, num_threads=1, lend_cores=f"{board}:0"
+    )
     engine = await create_engine(settings)
     seen: dict = {"free_at_start": (await engine.pool_stats()).num_free}
     try:
@@ -69,6 +79,7 @@ async def story(model: str) -> dict:
         seen["abort_mid_prefill"] = await abort_mid_prefill(engine)
         seen["release_idle"] = await release_on_an_idle_engine(engine)
         seen["guided"] = await guided_hand_off(engine)
+        seen["lending"] = await lending(engine, board)
         for _ in range(50):
             stats = await engine.pool_stats()
             if stats.num_in_use == 0:
@@ -78,6 +89,37 @@ async def story(model: str) -> dict:
         seen["in_use_at_end"] = stats.num_in_use
     finally:
         await engine.shutdown()
+    return seen
+
+
+async def lending(engine, board: Path) -> dict:
+    """Cores lent (``--lend-cores``): with the other engine on the board idle, the steps so far
+    borrowed every core; while it is busy the steps keep to this engine's one thread; its
+    turning busy and idle between outputs changes the threads only between steps (vLLM's CPU
+    attention fixes a step's thread count in the step's metadata), and no step fails. The
+    greedy tokens are the same whichever threads the steps ran on."""
+    import torch
+
+    from kvmesh.engine.core_lending import IDLE, OWN
+    from kvmesh.engine.request import SamplingParams
+
+    seen: dict = {"borrowed_so_far": engine.lending_counts().borrowed > 0}
+    with open(board, "r+b") as f:
+        other = mmap.mmap(f.fileno(), 0)
+    prompt = [504, 3575, 282, 4649, 314] * 8
+    params = SamplingParams(max_tokens=40, ignore_eos=True)
+    flipping: list[int] = []
+    async for out in engine.generate("lend-flip", prompt, params):  # the other engine busy every other output
+        flipping.extend(out.new_token_ids)
+        other[1] = OWN if len(flipping) % 2 else IDLE
+    other[1] = OWN  # busy for good: this engine keeps to its one thread
+    own = [t async for out in engine.generate("lend-own", prompt, params) for t in out.new_token_ids]
+    seen["threads_while_other_busy"] = await engine._call(torch.get_num_threads)
+    other[1] = IDLE
+    borrowing = [t async for out in engine.generate("lend-all", prompt, params) for t in out.new_token_ids]
+    seen["threads_while_other_idle"] = await engine._call(torch.get_num_threads)
+    seen["same_tokens"] = flipping == own == borrowing and len(own) == 40
+    other.close()
     return seen
 
 

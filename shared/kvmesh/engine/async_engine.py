@@ -119,7 +119,7 @@ class AsyncEngine:
 
     def _set_threads(self, threads: int) -> None:
         if threads != self._threads:
-            torch.set_num_threads(threads)
+            torch._C.set_num_threads(threads)  # torch's own: vLLM's CPU worker makes torch.set_num_threads a no-op
             self._threads = threads
 
     def _lend(self) -> None:

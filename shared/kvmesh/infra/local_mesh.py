@@ -347,13 +347,13 @@ class LocalMesh:
             argv += ["--model", opts.model]
         if not opts.prefix_caching:
             argv.append("--no-prefix-caching")
-        if opts.engine == "vllm":  # each worker's OpenMP threads on cores of their own, round robin
-            argv += ["--cpu-bind", cpu_bind(self._count - 1, threads)]
-        elif opts.lend_cores and self._count <= LENDING_SLOTS:
+        if opts.lend_cores and self._count <= LENDING_SLOTS:
             if self._lending_board is None:  # a fresh one: a workdir's earlier board may hold its dead workers busy
                 self._lending_board = self.workdir / "cores"
                 CoreLending.create(self._lending_board, LENDING_SLOTS)
             argv += ["--lend-cores", f"{self._lending_board}:{self._count - 1}"]
+        elif opts.engine == "vllm":  # each worker's OpenMP threads on cores of their own, round robin
+            argv += ["--cpu-bind", cpu_bind(self._count - 1, threads)]
         argv += [*opts.worker_args, *extra_args]
         self.workers[worker_id] = self._spawn(worker_id, argv, self._worker_env())
         self._write_pids()

@@ -305,8 +305,6 @@ def check_service_args(args: argparse.Namespace) -> None:
         for flag in VLLM_ONLY:
             if getattr(args, flag.removeprefix("--").replace("-", "_")) is not None:
                 raise UpUsageError(f"{flag} is only for vLLM's workers: give --engine vllm, or leave it out")
-    elif args.lend_cores:  # a vLLM worker is bound to its cores (``--cpu-bind``)
-        raise UpUsageError("--lend-cores is only for kvmesh's engine: vLLM's workers keep to their cores")
 
 
 def check_block_size(args: argparse.Namespace) -> None:
@@ -357,18 +355,17 @@ def choose_machine_defaults(args: argparse.Namespace) -> list[str]:
 
 
 def lending_by_default(args: argparse.Namespace) -> bool:
-    """Whether the workers lend each other their cores where the user did not say: kvmesh's
-    engine on the CPU, two workers or more, each on a share smaller than the cores (vLLM's
-    workers keep to theirs: its CPU attention fixes a step's thread count when the step's
-    metadata is built, so a step cannot give cores back between layers). Measured on two
-    cores (docs/benchmarks.md, "Cores lent between idle workers by default"): a 1 + 1 mesh
-    1.23x at concurrency 1, 0.95x at 8 (within its rounds' spread), 1.05x at 32, and
-    multi-turn chat 1.01-1.17x in two runs, with a higher first-token latency at concurrency 32."""
+    """Whether the workers lend each other their cores where the user did not say: on the
+    CPU, two workers or more, each on a share smaller than the cores, either engine. Measured
+    on two cores (docs/benchmarks.md, "Cores lent between idle workers by default"): kvmesh's
+    1 + 1 mesh 1.23x at concurrency 1, 0.95x at 8 (within its rounds' spread), 1.05x at 32,
+    multi-turn chat 1.01-1.17x in two runs; vLLM's 1 + 1 mesh TTFT 0.67x, multi-turn 1.05x,
+    0.98-1.02x under load; both with a higher first-token latency at concurrency 32."""
     from kvmesh.machine import usable_cores
 
     device = getattr(args, "device", None) or "cpu"
     workers = args.prefill + args.decode
-    return args.engine == "kvmesh" and device == "cpu" and workers > 1 and args.num_threads < usable_cores()
+    return device == "cpu" and workers > 1 and args.num_threads < usable_cores()
 
 
 def check_args(args: argparse.Namespace) -> Path:

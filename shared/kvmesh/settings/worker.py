@@ -172,8 +172,6 @@ def worker_settings(role: Role, argv: list[str] | None = None) -> WorkerSettings
     problem = engine_args_problem(args.engine_args) if args.engine_args is not None else None
     if problem is not None:
         parser.error(problem)
-    if args.lend_cores is not None and args.engine == "vllm":
-        parser.error("--lend-cores is only for kvmesh's engine: a vLLM worker keeps to its cores (--cpu-bind)")
     if args.dtype == "auto":
         args.dtype, why = default_dtype(args.device)
         logger.info("dtype auto: %s, since %s", args.dtype, why)

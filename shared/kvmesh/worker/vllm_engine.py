@@ -26,6 +26,7 @@ from pathlib import Path
 from typing import Any, cast
 
 from kvmesh.engine.async_engine import AsyncEngine, StepObserver
+from kvmesh.engine.core_lending import CoreLending, parse_lending
 from kvmesh.engine.own_thread import run_in_own_thread
 from kvmesh.engine.loader.default_model import resolve_model, served_model_name
 from kvmesh.hashing import hash_token_blocks
@@ -47,8 +48,10 @@ logger = logging.getLogger(__name__)
 class VllmEngine(AsyncEngine):
     """vLLM in this process as an ``Engine``."""
 
-    def __init__(self, core: VllmCore, layout: PoolLayout, max_model_len: int, vocab_size: int) -> None:
-        super().__init__(cast(Any, core))  # the face AsyncEngine drives (add, step, abort, load)
+    def __init__(
+        self, core: VllmCore, layout: PoolLayout, max_model_len: int, vocab_size: int, lending: CoreLending | None = None
+    ) -> None:
+        super().__init__(cast(Any, core), lending)  # the face AsyncEngine drives (add, step, abort, load)
         self.core = core
         self._layout = layout
         self._max_model_len = max_model_len
@@ -62,7 +65,8 @@ class VllmEngine(AsyncEngine):
 
     @classmethod
     def build(cls, s: EngineSettings) -> VllmEngine:
-        cores = bind_cores(s.cpu_bind, s.num_threads)
+        cores = bind_cores(s.cpu_bind, None if s.lend_cores else s.num_threads)  # lending: every core, each step its threads
+        lending = parse_lending(s.lend_cores, s.num_threads) if s.lend_cores else None
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # the engine core (and the KV pool) in this process
         os.environ.setdefault("VLLM_HOST_IP", "127.0.0.1")  # its internal traffic on loopback
         # KV events with vLLM's own block hashes (bytes), not 64-bit ints made of them: a lend
@@ -86,10 +90,12 @@ class VllmEngine(AsyncEngine):
         stats.keep_only_ours(engine)
         block_size = engine.vllm_config.cache_config.block_size
         layout = pool_layout(engine, s.dtype, block_size)
-        core = VllmCore(engine, name, layout, len(cores), EXCHANGES[exchange])
+        core = VllmCore(engine, name, layout, None if lending else len(cores), EXCHANGES[exchange])
         core.stats = stats
         logger.info("vLLM KV pool: %d blocks of %d tokens, %d bytes at %#x", layout.num_blocks, block_size, layout.pool_bytes, layout.base_address)
-        return cls(core, layout, engine.model_config.max_model_len, engine.model_config.get_vocab_size())
+        if lending is not None:
+            logger.info("cores lent: %d thread(s) of its own, %d while the other engines are idle", lending.own, lending.most)
+        return cls(core, layout, engine.model_config.max_model_len, engine.model_config.get_vocab_size(), lending)
 
     def observe_steps(self, observer: StepObserver) -> None:
         super().observe_steps(observer)
