@@ -248,8 +248,19 @@ def assert_streams_unharmed(results: list[list[dict]], references: list[str]) ->
 
 
 async def test_a_killed_decode_worker_is_restarted_and_no_stream_is_cut(mesh22, references):
+    """Its streams resume on the other decode worker; and, the workers lending each other their
+    cores (``kvmesh up``'s default here), its byte on the board is idle once it is seen dead, long
+    before its restart is back, so the survivors do not wait for a borrower that is gone."""
     up, victim = mesh22, "decode-3"
     old_pid, since = up.pid(victim), len(up.lines)
+    lending = "--lend-cores" in Path(f"/proc/{old_pid}/cmdline").read_bytes().decode().split("\0")
+    board_at_death: list[bytes] = []
+
+    def board_when_seen_dead() -> None:
+        # the etcd record goes right after the board's byte, both once the supervisor sees it dead
+        up.wait_line(lambda text: f"deleted the etcd record of {victim}" in text, timeout=10, start=since)
+        board_at_death.append((up.workdir / "cores").read_bytes()[2:3])  # decode-3: the third worker, slot 2
+        assert not any(f"{victim} is back" in line for line in up.lines[since:])
 
     async def kill_once_decoding(events: list[list[dict]]) -> bool:
         if sum(len(e) >= 3 for e in events) < STREAMS // 2:  # half the streams decoding (the rest may queue)
@@ -259,8 +270,12 @@ async def test_a_killed_decode_worker_is_restarted_and_no_stream_is_cut(mesh22, 
         os.kill(old_pid, signal.SIGKILL)
         return True
 
+    watcher = asyncio.create_task(asyncio.to_thread(board_when_seen_dead)) if lending else None
     results = await run_streams_with_a_kill(up, kill_once_decoding)
     assert_streams_unharmed(results, references)
+    if watcher is not None:
+        await watcher
+        assert board_at_death == [b"\x00"]
     await assert_restarted_and_serving(up, victim, old_pid, since)
 
 

@@ -807,7 +807,7 @@ def test_kvmesh_up_engine_vllm_gives_the_official_client_kvmesh_ups_greedy_text(
 
     from kvmesh.engine.llm_engine import EngineConfig, LLMEngine
     from kvmesh.engine.request import SamplingParams
-    from tests.mesh.test_up import start_up
+    from tests.mesh.test_up import scrape, start_up, worker_metrics
 
     _one_mesh_at_a_time()
     up = start_up(tmp_path, default_model_dir, "--engine", "vllm", kv_cache_mib=64)
@@ -827,6 +827,9 @@ def test_kvmesh_up_engine_vllm_gives_the_official_client_kvmesh_ups_greedy_text(
         chunks = client.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=CHAT_TOKENS, temperature=0, stream=True)
         chat = "".join(chunk.choices[0].delta.content or "" for chunk in chunks if chunk.choices)
         assert up.popen.poll() is None
+        if usable_cores() >= 2:  # one worker busy while the other idled: steps on both cores
+            borrowed = [worker_metrics(asyncio.run(scrape(up, name)), "kvmesh:core_lending_total", "event")["borrowed"] for name in ("prefill-1", "decode-2")]
+            assert sum(borrowed) >= 1, borrowed
     finally:
         up.cleanup()
     assert got == [r["text"] for r in reference["completions"][:2]]

@@ -16,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import json
 import mmap
+import shutil
 import sys
 import tempfile
 from pathlib import Path
@@ -89,6 +90,7 @@ async def story(model: str) -> dict:
         seen["in_use_at_end"] = stats.num_in_use
     finally:
         await engine.shutdown()
+        shutil.rmtree(board.parent, ignore_errors=True)
     return seen
 
 

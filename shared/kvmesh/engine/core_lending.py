@@ -1,4 +1,5 @@
-"""Cores lent between engines that share a machine (``kvmesh up --lend-cores``).
+"""Cores lent between engines that share a machine (``kvmesh up``'s default where its workers
+split the cores; ``--lend-cores``).
 
 Each engine has its share of the cores (``own`` threads: ``kvmesh up`` splits the cores
 between its workers); while every other engine sharing the board is idle, it runs on all
@@ -13,10 +14,11 @@ The board is a file of one byte per engine (``create``), mapped by every engine:
 byte says whether it is idle, busy on its share, or busy on more (borrowing). Before each
 step an engine marks itself busy and reads the others'; when it waits for work it marks
 itself idle. An engine turning busy while another borrows its cores waits for the borrower
-to give them back (at most ``HANDOVER`` seconds): the borrower reads the board between the
-layers of its step (``give_back``) and keeps to its share from the next layer on, so the
+to give them back (at most ``HANDOVER`` seconds): kvmesh's engine reads the board between
+the layers of its step (``give_back``) and keeps to its share from the next layer on, so the
 wait is one layer's time, not a whole step's (a 1,024-token prefill chunk borrowing both
-cores takes longer than ``HANDOVER``). Not waiting, the two would run on the same cores, where
+cores takes longer than ``HANDOVER``). A vLLM engine gives them back only at the end of its
+step: its CPU attention fixes a step's thread count. Not waiting, the two would run on the same cores, where
 the borrower's OpenMP team stalls on a helper that is not running and the newcomer runs at
 half speed. An engine that dies busy leaves its byte set, so the others keep to their share
 until it is back (it clears its byte when it starts), and one that dies borrowing costs each

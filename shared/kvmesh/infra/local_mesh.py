@@ -61,7 +61,7 @@ class MeshOptions:
     lease_ttl: int = 5
     pin_ttl: int = 30
     num_threads: int | None = None  # per worker; None: the cores split between workers
-    lend_cores: bool = False  # kvmesh engines lend each other their cores while idle (``engine.core_lending``)
+    lend_cores: bool = False  # the workers' engines lend each other their cores while idle (``engine.core_lending``)
     request_timeout: float = 30.0
     api_key: str | None = None  # written to a 0600 file in the workdir; the router gets its path, never the key
     api_key_file: str | None = None  # the router's --api-key-file (KVMESH_API_KEY passes through the environment)
@@ -81,7 +81,10 @@ SERVICE_DEATH_SIGNAL = signal.SIGKILL
 SERVER_DEATH_SIGNAL = signal.SIGKILL  # nats-server and etcd have nothing to drain
 # Variables that name one process (its health port, its id): the mesh runs several services,
 # each with its own (a fixed health port would be taken by the first and refused to the rest).
-ONE_PROCESS_VARIABLES = ("KVMESH_HEALTH_PORT", "KVMESH_WORKER_ID", "KVMESH_SERVICE_ID", "KVMESH_IDENTITY_SLOTS")
+# each names one process: a worker's cores (its board slot, its bound cores) included
+ONE_PROCESS_VARIABLES = (
+    "KVMESH_HEALTH_PORT", "KVMESH_WORKER_ID", "KVMESH_SERVICE_ID", "KVMESH_IDENTITY_SLOTS", "KVMESH_LEND_CORES", "KVMESH_CPU_BIND",
+)  # fmt: skip
 LENDING_SLOTS = 64  # workers of a mesh on one core-lending board; later ones keep to their share
 
 
@@ -108,6 +111,7 @@ class LocalMesh:
         self.base_url = ""
         self._count = 0
         self._lending_board: Path | None = None  # ``MeshOptions.lend_cores``: made with the first worker
+        self._lending_slots: dict[str, int] = {}  # each worker's byte on it
         self._roles: dict[str, str] = {}  # worker id -> role
         self._supervisor: Supervisor | None = None
         self._report: Callable[[str], None] = lambda message: None
@@ -197,7 +201,7 @@ class LocalMesh:
         for worker_id in self.workers:
             supervisor.watch(
                 worker_id, self.workers[worker_id], functools.partial(self._respawn_worker, worker_id), tier=1,
-                ready=functools.partial(_says_ready, worker_id), on_exit=self._deregister,
+                ready=functools.partial(_says_ready, worker_id), on_exit=self._worker_exited,
             )  # fmt: skip
         port = int(self.base_url.rsplit(":", 1)[1])  # a restarted router keeps the URL
         supervisor.watch(
@@ -220,6 +224,24 @@ class LocalMesh:
         assert self.router is not None
         self.router = self.router.respawn(self._router_argv(port))
         return self.router
+
+    def _worker_exited(self, child: Supervised) -> None:
+        self._idle_on_the_board(child.name)
+        self._deregister(child)
+
+    def _idle_on_the_board(self, worker_id: str) -> None:
+        """A dead worker's byte on the lending board back to idle now, not when its restart has
+        loaded the model: the other workers neither keep to their share nor wait ``HANDOVER``
+        each time they turn busy for a borrower that is gone."""
+        slot = self._lending_slots.get(worker_id)
+        if self._lending_board is None or slot is None:
+            return
+        try:
+            with open(self._lending_board, "r+b") as board:
+                board.seek(slot)
+                board.write(bytes(1))
+        except OSError as exc:
+            logger.warning("could not mark %s idle on the lending board: %s", worker_id, exc)
 
     def _deregister(self, child: Supervised) -> None:
         """Delete a dead worker's etcd record now, so nobody waits out its lease."""
@@ -352,6 +374,7 @@ class LocalMesh:
                 self._lending_board = self.workdir / "cores"
                 CoreLending.create(self._lending_board, LENDING_SLOTS)
             argv += ["--lend-cores", f"{self._lending_board}:{self._count - 1}"]
+            self._lending_slots[worker_id] = self._count - 1
         elif opts.engine == "vllm":  # each worker's OpenMP threads on cores of their own, round robin
             argv += ["--cpu-bind", cpu_bind(self._count - 1, threads)]
         argv += [*opts.worker_args, *extra_args]

@@ -37,12 +37,13 @@ class EngineSettings:
     max_num_batched_tokens: int = 1024
     enable_prefix_caching: bool = True
     num_threads: int | None = None  # torch threads; None: torch's default
-    # kvmesh's engine: PATH:SLOT of a board of engines on this machine that lend each other
-    # their cores while idle (``kvmesh.engine.core_lending``); None: ``num_threads`` always
+    # PATH:SLOT of a board of engines on this machine that lend each other their cores while
+    # idle (``kvmesh.engine.core_lending``); None: ``num_threads`` always
     lend_cores: str | None = None
     # vLLM only (``kvmesh.worker.vllm_engine``): the longest sequence (None: the model's),
     # the cores its OpenMP threads are bound to (VLLM_CPU_OMP_THREADS_BIND, e.g. "0" or
-    # "0-1"; None: the first ``num_threads`` cores this process may run on), and further
+    # "0-1"; None: the first ``num_threads`` cores this process may run on, or all of them
+    # with ``lend_cores``), and further
     # ``EngineArgs`` as a JSON object (``{"enforce_eager": false}``), applied last.
     max_model_len: int | None = None
     cpu_bind: str | None = None
@@ -111,7 +112,7 @@ def worker_parser(role: Role) -> SettingsParser:
     option(
         "--cpu-bind", env=env.CPU_BIND,
         help="vllm on CPU: cores of its OpenMP threads, as VLLM_CPU_OMP_THREADS_BIND (KVMESH_CPU_BIND; "
-        "default the first --num-threads cores this process may use)",
+        "default the first --num-threads cores this process may use; with --lend-cores all of them)",
     )  # fmt: skip
     option(
         "--engine-args", env=env.ENGINE_ARGS, metavar="JSON",
@@ -123,7 +124,7 @@ def worker_parser(role: Role) -> SettingsParser:
     option("--num-threads", env=env.NUM_THREADS, type=positive_int, from_env=positive_or_unset)
     option(
         "--lend-cores", env=env.LEND_CORES, metavar="PATH:SLOT",
-        help="kvmesh engine: this engine's slot on a board of engines on this machine (kvmesh up --lend-cores makes it); "
+        help="this engine's slot on a board of engines on this machine (kvmesh up makes it where the workers split the cores); "
         "it runs on every core this process may use while the others are idle, else --num-threads (KVMESH_LEND_CORES)",
     )  # fmt: skip
     option(

@@ -8,7 +8,10 @@ with the transfer engine and published like any pool. The worker's settings beco
 ``EngineArgs``: the model folder kvmesh's loader converts, dtype, block size, max model len,
 KV cache bytes, batch limits, prefix caching, then ``--engine-args`` (JSON) last. The
 process is bound to its cores (``--cpu-bind``) before vLLM loads, and the engine thread
-runs ``num_threads`` OpenMP threads there.
+runs ``num_threads`` OpenMP threads there; with ``--lend-cores`` (``kvmesh.engine.core_lending``)
+it may run on every core, each step on the threads the board allows then, the count changed
+only between steps: vLLM's CPU attention fixes it in a step's metadata, so a borrowed step
+cannot give cores back between layers as kvmesh's engine does.
 
 Prefill for export and decode from imported KV go through kvmesh's KV connector
 (``kvmesh.worker.vllm_connector``, vLLM's connector V1 API) in this process, and so does a
