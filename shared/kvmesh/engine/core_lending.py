@@ -68,6 +68,13 @@ class CoreLending:
         """A board for ``slots`` engines, all idle."""
         path.write_bytes(bytes(slots))
 
+    @staticmethod
+    def mark_idle(path: Path, slot: int) -> None:
+        """``slot``'s engine idle on the board at ``path``, from outside it: the engine is dead."""
+        with open(path, "r+b") as board:
+            board.seek(slot)
+            board.write(bytes([IDLE]))
+
     def threads_for_step(self) -> int:
         """Mark this engine busy; the threads of its next step: ``most`` while every other
         engine is idle, else ``own`` (once a borrower's step in flight has ended)."""

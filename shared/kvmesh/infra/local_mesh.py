@@ -237,9 +237,7 @@ class LocalMesh:
         if self._lending_board is None or slot is None:
             return
         try:
-            with open(self._lending_board, "r+b") as board:
-                board.seek(slot)
-                board.write(bytes(1))
+            CoreLending.mark_idle(self._lending_board, slot)
         except OSError as exc:
             logger.warning("could not mark %s idle on the lending board: %s", worker_id, exc)
 

@@ -30,16 +30,11 @@ import logging
 import torch
 import torch.nn.functional as F
 
+from kvmesh.engine.model.small_batch import TILE_KERNELS
+
 logger = logging.getLogger(__name__)
 
 _PACKABLE = (torch.float32, torch.bfloat16)
-
-# Each tile kernel's (small_batch.SmallBatchPlan.tile_kernel) packing op and linear op, in torch.ops.kvmesh.
-TILE_OPS = {
-    "amx": ("amx_pack", "amx_linear"),  # csrc/amx_linear.cpp
-    "vnni": ("amx_pack", "vnni_linear"),  # csrc/vnni_linear.cpp: the AMX tiles read by AVX512-BF16 dot products
-    "f32": ("f32_pack", "f32_packed_linear"),  # csrc/f32_packed_linear.cpp
-}
 
 # The input rows each dtype's weights are packed for (benchmarks/engine_ablation.py measures it).
 PACK_ROWS = {torch.float32: 32, torch.bfloat16: 1}
@@ -68,14 +63,14 @@ class Linear:
         self.bias = bias
         self.out_features = weight.shape[0]
         self.small_rows = small_rows  # inputs of at most this many rows go to the small-batch kernel
-        # the weight packed for tile_kernel (TILE_OPS), for inputs of more than small_rows and at
-        # most tile_rows rows
+        # the weight packed for tile_kernel (small_batch.TILE_KERNELS), for inputs of more than
+        # small_rows and at most tile_rows rows
         self.tiles: torch.Tensor | None = None
         self._tile_op = None
         if tile_rows:
-            pack, op = TILE_OPS[tile_kernel]
-            self.tiles = getattr(torch.ops.kvmesh, pack)(weight)
-            self._tile_op = getattr(torch.ops.kvmesh, op)
+            kernel = TILE_KERNELS[tile_kernel]
+            self.tiles = getattr(torch.ops.kvmesh, kernel.pack)(weight)
+            self._tile_op = getattr(torch.ops.kvmesh, kernel.linear)
         self.tile_rows = tile_rows
         self._packed: torch.Tensor | None = None
         if prepack and can_prepack(weight):

@@ -59,12 +59,24 @@ VNNI_ROWS = 32
 F32_PACKED_ROWS = 48
 PLAIN_COPY_LIMIT = 2**30  # bytes of weight copies (plain, tiles) kept beside the prepacked ones, at most
 
-# The kernels that read a packed copy of the weight (amx_pack's; f32_pack's for "f32"), by the
-# SmallBatchPlan.tile_kernel naming them.
+
+@dataclass(frozen=True, slots=True)
+class TileKernel:
+    """A kernel that reads a packed copy of the weight: ``pack`` makes the copy and ``linear``
+    runs it (both in ``torch.ops.kvmesh``), for inputs of at most ``rows`` rows."""
+
+    label: str  # for the log
+    rows: int
+    pack: str
+    linear: str
+
+
+# The tile kernels, by the SmallBatchPlan.tile_kernel naming them.
 TILE_KERNELS = {
-    "amx": "AMX tiles",
-    "vnni": "packed weights for AVX512-BF16 dot products",
-    "f32": "packed weights for float32 fused multiply-adds",
+    "amx": TileKernel("AMX tiles", TILE_ROWS, "amx_pack", "amx_linear"),  # csrc/amx_linear.cpp
+    # csrc/vnni_linear.cpp: the AMX tiles read by AVX512-BF16 dot products
+    "vnni": TileKernel("packed weights for AVX512-BF16 dot products", VNNI_ROWS, "amx_pack", "vnni_linear"),
+    "f32": TileKernel("packed weights for float32 fused multiply-adds", F32_PACKED_ROWS, "f32_pack", "f32_packed_linear"),
 }
 
 
@@ -74,7 +86,7 @@ class SmallBatchPlan:
     lm_head_rows: int  # the output layer's
     why: str  # one line for the log
     tile_rows: int = 0  # every linear: inputs of more than its small_rows and at most this many go to tile_kernel
-    tile_kernel: str = ""  # "amx", "vnni" or "f32" (TILE_KERNELS; linear.TILE_OPS), "" with tile_rows 0
+    tile_kernel: str = ""  # "amx", "vnni" or "f32" (TILE_KERNELS), "" with tile_rows 0
 
 
 def amx_available() -> bool:
@@ -124,8 +136,8 @@ def plan(weights: ModelWeights, dtype: torch.dtype, compiled: bool, prepacked: b
         return SmallBatchPlan(0, 0, f"off: {name} needs {need}, which this CPU lacks")
     # the tile kernel loaded is AMX too, whatever /proc/cpuinfo says (or fails to)
     rows = small_rows(dtype, tile_kernel == "amx" or amx_cpu) if small else 0
-    tile_limit = {"amx": TILE_ROWS, "vnni": VNNI_ROWS, "f32": F32_PACKED_ROWS}.get(tile_kernel, 0)
-    label = TILE_KERNELS.get(tile_kernel, "")
+    tile_limit = TILE_KERNELS[tile_kernel].rows if tiles else 0
+    label = TILE_KERNELS[tile_kernel].label if tiles else ""
     layers = sum(
         tensor.numel() * tensor.element_size()
         for layer in weights.layers
