@@ -124,12 +124,17 @@ def test_kvmesh_up_serves_and_stops_on_ctrl_c(default_model_dir, tmp_path):
 def test_kvmesh_up_without_a_workdir_leaves_nothing_behind(default_model_dir, tmp_path):
     """Its temporary workdir (the mesh's credentials, its CA's key, etcd's data, the logs) goes
     when it stops; a health port set in the environment, which would be every service's,
-    is said to be ignored rather than failing the second service to bind it."""
+    is said to be ignored rather than failing the second service to bind it; so are a
+    worker's lending board slot and bound cores (one worker's each: the worker would open a
+    board that is not there)."""
     import signal
 
     from kvmesh.infra.processes import free_port
 
-    env = {"KVMESH_CACHE_DIR": str(default_model_dir.parent.parent), "TMPDIR": str(tmp_path), "KVMESH_HEALTH_PORT": str(free_port())}
+    env = {
+        "KVMESH_CACHE_DIR": str(default_model_dir.parent.parent), "TMPDIR": str(tmp_path), "KVMESH_HEALTH_PORT": str(free_port()),
+        "KVMESH_LEND_CORES": str(tmp_path / "no-board:0"), "KVMESH_CPU_BIND": "0",
+    }  # fmt: skip
     up, _ = start_up(["--prefill", "0"], env)
     try:
         [workdir] = tmp_path.glob("kvmesh-up-*")
@@ -137,7 +142,8 @@ def test_kvmesh_up_without_a_workdir_leaves_nothing_behind(default_model_dir, tm
         up.send_signal(signal.SIGINT)
         assert up.wait(60) == 0
         stderr = up.stderr.read()
-        assert "kvmesh up: KVMESH_HEALTH_PORT ignored: it names one process, and kvmesh up runs several" in stderr
+        for name in ("KVMESH_HEALTH_PORT", "KVMESH_LEND_CORES", "KVMESH_CPU_BIND"):
+            assert f"kvmesh up: {name} ignored: it names one process, and kvmesh up runs several" in stderr
         assert stderr.endswith("kvmesh up: stopped\n"), stderr
         assert list(tmp_path.glob("kvmesh-up-*")) == []  # (the workers' Mooncake start lock is shared, and stays)
     finally:
