@@ -218,6 +218,17 @@ def test_up_on_a_busy_port_fails_at_once_on_one_line(tmp_path):
         (["--host", "bad host!"], "kvmesh up: error: argument --host: must be an IP address or a host name, got 'bad host!'"),
         # vLLM refused it only once its worker had loaded the model
         (["--engine", "vllm", "--block-size", "48"], "kvmesh up: error: --block-size 48: vLLM on CPU takes a multiple of 32"),
+        # tensor parallel: a vLLM decode worker's KV stays in vLLM's worker processes
+        (
+            ["--engine", "vllm", "--tensor-parallel-size", "2", "--prefill", "1"],
+            "kvmesh up: error: --tensor-parallel-size 2 with --prefill 1: vLLM keeps the KV in its worker processes",
+        ),
+        (["--tensor-parallel-size", "2"], "kvmesh up: error: --tensor-parallel-size 2: vLLM's workers only (--engine vllm)"),
+        (
+            ["--engine", "vllm", "--tensor-parallel-size", "2", "--lend-cores"],
+            "kvmesh up: error: --tensor-parallel-size 2: each worker's processes are bound to their cores; not with --lend-cores",
+        ),
+        (["--engine", "vllm", "--engine-args", '{"pipeline_parallel_size": 2}'], "kvmesh up: error: pipeline parallel: not run"),
     ],
 )
 def test_up_bad_arguments_fail_at_once_on_one_line(tmp_path, args, message):

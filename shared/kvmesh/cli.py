@@ -92,7 +92,10 @@ def build_parser() -> argparse.ArgumentParser:
         "(and to its KVMESH_* environment variable).",
     )  # fmt: skip
     up.add_argument("--version", action="version", version=f"kvmesh {__version__}")
-    up.add_argument("--prefill", type=non_negative_int, default=1, help="prefill workers (0: decode workers prefill themselves)")
+    up.add_argument(
+        "--prefill", type=non_negative_int,
+        help="prefill workers (0: decode workers prefill themselves; default 1, 0 with --tensor-parallel-size above 1)",
+    )  # fmt: skip
     up.add_argument("--decode", type=positive_int, default=1, help="decode workers")
     up.add_argument("--host", type=host_address, default="127.0.0.1", help="the router's address")
     up.add_argument("--port", type=port_number, default=8000, help="the router's port (0 picks a free one)")

@@ -186,6 +186,10 @@ def _is_zero(value: object) -> bool:
     return not value
 
 
+def _is_one(value: object) -> bool:
+    return value == 1
+
+
 def _is_none(value: object) -> bool:
     return value is None
 
@@ -276,6 +280,7 @@ class KVLayoutSpec(Message):
     kv_split: bool = Field(default=False, exclude_if=_is_zero)
     kv_stride: int = Field(default=0, ge=0, exclude_if=_is_zero)
     planes: tuple[int, ...] = Field(default=(), max_length=MAX_PLANES, exclude_if=_is_zero)  # separately allocated layers
+    ranks: int = Field(default=1, ge=1, exclude_if=_is_one)  # tensor parallel: rank 0's pool of ranks, pulled by none
 
     @model_validator(mode="after")
     def _a_layout(self) -> KVLayoutSpec:
@@ -317,6 +322,7 @@ def _pool_layout(spec: KVLayoutSpec, default_base: int) -> PoolLayout:
         kv_split=spec.kv_split,
         kv_stride=spec.kv_stride,
         planes=spec.planes,
+        ranks=spec.ranks,
     )
 
 

@@ -839,3 +839,72 @@ def test_kvmesh_up_engine_vllm_gives_the_official_client_kvmesh_ups_greedy_text(
     assert [out.text for out in own] == got
     [own_chat] = engine.generate([prompt_ids["chat"]], SamplingParams(max_tokens=CHAT_TOKENS))
     assert own_chat.text == chat
+
+
+# ------------------------------------------------------------- tensor parallel, through kvmesh up
+TP_PROMPTS = [
+    "The lighthouse keeper opened the door and saw",
+    "A river runs under the old stone bridge, and the children " * 4,  # more than a block: cached on a repeat
+    "Bread is made from",
+]
+
+
+def test_kvmesh_up_tensor_parallel_2_gives_one_tensor_parallel_vllm_processs_greedy_text(tmp_path, vllm_python):
+    """``kvmesh up --engine vllm --tensor-parallel-size 2``: no prefill workers (said in one
+    line), one decode worker whose model and KV pool are split across two vLLM worker
+    processes, a core each; completions, streamed and not, equal one vLLM process's with
+    tensor parallel 2, a repeated prompt is served from its prefix cache, and its rank
+    processes end with it. The model is a tiny random Llama whose 4 heads split in two
+    (SmolLM2's 9 do not)."""
+    import httpx
+
+    from kvmesh.testing.tiny_model import build_tiny_model
+    from tests.mesh.test_up import Up, wait_all_gone
+
+    if usable_cores() < 2:
+        pytest.skip("tensor parallel 2 here puts a rank on each of two cores")
+    model = build_tiny_model(tmp_path / "tiny", hidden_size=256, num_heads=4, num_kv_heads=2, intermediate_size=512)
+    tokenizer = Tokenizer.from_dir(model)
+    ids = [tokenizer.encode(p, add_special_tokens=True) for p in TP_PROMPTS]
+    assert len(ids[1]) > BLOCK
+    job = {"model": str(model), "block_size": BLOCK, "tensor_parallel_size": 2,
+           "requests": [{"prompt_token_ids": i, "max_tokens": 8, "ignore_eos": True} for i in ids]}  # fmt: skip
+    done = subprocess.run(
+        [vllm_python, str(Path(__file__).with_name("vllm_reference.py"))],
+        input=json.dumps(job), capture_output=True, text=True, timeout=600, env={**_env(), "VLLM_CPU_OMP_THREADS_BIND": "0|1"},
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    last = next(line for line in reversed(done.stdout.splitlines()) if line.startswith('{"outputs"'))  # vLLM logs its shutdown after
+    reference = [out["text"] for out in json.loads(last)["outputs"]]
+
+    _one_mesh_at_a_time()
+    (tmp_path / "up").mkdir()
+    up = Up(tmp_path / "up", tmp_path, "--engine", "vllm", "--tensor-parallel-size", "2", "--model", str(model), "--dtype", "float32", kv_cache_mib=64)
+    try:
+        assert any(line.startswith("kvmesh up: no prefill workers: with tensor parallel 2") for line in up.lines), up.lines
+        assert sorted(up.info["processes"]) == ["decode-1", "etcd", "kv-metadata", "nats-server", "router"], up.info
+        worker = up.pid("decode-1")
+        ranks = [int(pid) for pid in Path(f"/proc/{worker}/task/{worker}/children").read_text().split()]
+        names = [Path(f"/proc/{pid}/comm").read_text().strip() for pid in ranks]
+        assert names.count("VLLM::Worker_TP") == 2, names  # VLLM::Worker_TP0 and 1, cut to 15 characters
+        with httpx.Client(base_url=up.base_url, timeout=120) as client:
+            [served] = [m["id"] for m in client.get("/v1/models").json()["data"]]
+            body = {"model": served, "max_tokens": 8, "temperature": 0, "ignore_eos": True}
+            got = [client.post("/v1/completions", json={**body, "prompt": p}).json() for p in TP_PROMPTS]
+            with client.stream("POST", "/v1/completions", json={**body, "prompt": TP_PROMPTS[1], "stream": True}) as response:
+                streamed = "".join(
+                    json.loads(line[6:])["choices"][0]["text"]
+                    for line in response.iter_lines() if line.startswith("data: {") and json.loads(line[6:])["choices"]
+                )  # fmt: skip
+            again = client.post("/v1/completions", json={**body, "prompt": TP_PROMPTS[1]}).json()
+        assert [answer["choices"][0]["text"] for answer in got] == reference
+        assert streamed == again["choices"][0]["text"] == reference[1]
+        assert got[1]["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+        assert again["usage"]["prompt_tokens_details"]["cached_tokens"] >= BLOCK  # the prefix cache of a rank-split pool
+        log = (tmp_path / "up" / "logs" / "decode-1.log").read_text()
+        assert "vLLM KV pool: " in log and "in each of 2 worker processes (tensor parallel" in log
+        code, _ = up.stop()
+        assert code == 0
+        assert wait_all_gone(ranks, timeout=15) == []  # vLLM's rank processes went with their worker
+    finally:
+        up.cleanup()

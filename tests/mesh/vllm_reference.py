@@ -2,7 +2,7 @@
 tests with ``.venv-vllm/bin/python`` (vLLM is not in the test's own virtualenv).
 
 Reads ``{"model", "block_size", "requests": [{"prompt_token_ids", "max_tokens", "ignore_eos"}]}``
-as JSON on stdin and prints ``{"outputs": [{"token_ids", "text", "finish_reason"}]}`` as the
+(and optionally ``tensor_parallel_size``) as JSON on stdin and prints ``{"outputs": [{"token_ids", "text", "finish_reason"}]}`` as the
 last line of stdout: greedy, float32, ``LLM.generate`` on all the prompts at once. A request
 may also name ``logprobs``, ``prompt_logprobs`` (its output then has them as vLLM gave them:
 per position ``[[token id, logprob, rank], ...]`` in vLLM's order, the prompt's first None),
@@ -31,6 +31,7 @@ def main() -> None:
     llm = LLM(
         model=job["model"], dtype="float32", block_size=job["block_size"], max_model_len=2048,
         kv_cache_memory_bytes=256 * 2**20, enforce_eager=True, seed=0, structured_outputs_config={"backend": "guidance"},
+        tensor_parallel_size=job.get("tensor_parallel_size", 1),
     )  # fmt: skip
     requests = job["requests"]
     result: list = [None] * len(requests)

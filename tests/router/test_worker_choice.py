@@ -132,6 +132,20 @@ def test_prefill_workers_are_paired_only_with_decode_workers_that_can_pull_their
     assert layout_mismatch(worker("p", "prefill", same_shape), worker("d2", "decode", same_shape)) is None
 
 
+def test_a_decode_worker_whose_pool_is_split_across_processes_is_paired_with_no_prefill_worker():
+    """A vLLM decode worker with tensor parallel 2 publishes rank 0's pool, marked split: no
+    prefill worker is paired with it, not even one of the same shape, and the reason says why
+    (the router then has it prefill its own prompts)."""
+    split = spec(engine="vllm", num_kv_heads=1, ranks=2)
+    assert KVLayoutSpec.model_validate_json(split.model_dump_json()) == split  # the record carries it
+    assert "ranks" not in spec().model_dump()  # and a one-process pool's record is as before
+    reason = "a pool split across 2 processes (tensor parallel): kvmesh moves no KV in or out of one yet"
+    decode = worker("d-tp", "decode", split)
+    assert layout_mismatch(worker("p", "prefill", spec()), decode) == f"p's KV layout does not match d-tp's ({reason})"
+    assert layout_mismatch(worker("p", "prefill", split), decode) == f"p's KV layout does not match d-tp's ({reason})"
+    assert layout_mismatch(worker("p", "prefill", split), worker("d", "decode", spec())) == f"p's KV layout does not match d's ({reason})"
+
+
 
 def test_workers_whose_k_and_v_lie_apart_pair_by_the_order_inside_a_piece():
     """FlashAttention-like pools (K and V apart, layers allocated one by one) pair with

@@ -238,6 +238,50 @@ def test_a_worker_flag_out_of_range_is_one_error_line(capsys: pytest.CaptureFixt
     assert last_error(capsys) == f"kvmesh-decode-worker: error: {error}"
 
 
+@pytest.mark.parametrize(
+    ("role", "fields", "error"),
+    [
+        ("decode", {"name": "vllm", "tensor_parallel_size": 2}, None),
+        ("decode", {"name": "vllm", "engine_args": '{"tensor_parallel_size": 2}'}, None),  # --engine-args' wins, as in vLLM
+        ("decode", {"name": "vllm", "tensor_parallel_size": 2, "engine_args": '{"tensor_parallel_size": 1}'}, None),
+        ("decode", {"name": "kvmesh", "tensor_parallel_size": 2}, "--tensor-parallel-size 2: vLLM's workers only (--engine vllm)"),
+        (
+            "prefill", {"name": "vllm", "tensor_parallel_size": 2},
+            "--tensor-parallel-size 2: a decode worker only: vLLM keeps the KV in its 2 worker processes, "
+            "which kvmesh pulls no prefill's KV from yet (such decode workers prefill their own prompts)",
+        ),
+        (
+            "decode", {"name": "vllm", "tensor_parallel_size": 2, "lend_cores": "/tmp/board:0"},
+            "--tensor-parallel-size 2: its processes are bound to their cores; not with --lend-cores",
+        ),
+        (
+            "decode", {"name": "vllm", "engine_args": '{"pipeline_parallel_size": 2}'},
+            "pipeline parallel: not run by kvmesh's workers yet (vLLM's CPU backend fails it); use --tensor-parallel-size",
+        ),
+        (
+            "decode", {"name": "vllm", "engine_args": '{"tensor_parallel_size": "two"}'},
+            "--engine-args: tensor_parallel_size must be a positive whole number, not 'two'",
+        ),
+        ("decode", {"name": "vllm", "engine_args": "[2]"}, "--engine-args: must be a JSON object of EngineArgs fields"),
+    ],
+)  # fmt: skip
+def test_tensor_parallel_is_for_vllm_decode_workers_that_lend_no_cores(role: str, fields: dict, error: str | None) -> None:
+    from kvmesh.settings.worker import EngineSettings
+    from kvmesh.worker.engines import parallel_problem
+
+    assert parallel_problem(role, EngineSettings(**fields)) == error
+
+
+def test_a_kvmesh_worker_refuses_tensor_parallel_in_one_line(capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("KVMESH_TENSOR_PARALLEL_SIZE", "2")
+    with pytest.raises(SystemExit) as exit_:
+        worker_settings("prefill", MESH)
+    assert exit_.value.code == 2
+    assert last_error(capsys) == "kvmesh-prefill-worker: error: --tensor-parallel-size 2: vLLM's workers only (--engine vllm)"
+    monkeypatch.delenv("KVMESH_TENSOR_PARALLEL_SIZE")
+    assert worker_settings("decode", MESH).engine.tensor_parallel_size == 1
+
+
 def test_a_vllm_block_size_its_cpu_backend_refuses_is_named() -> None:
     from kvmesh.worker.engines import block_size_problem
 
@@ -437,7 +481,7 @@ def test_the_engine_settings_are_the_engines_own_fields() -> None:
         "max_num_batched_tokens", "enable_prefix_caching", "num_threads",
     }  # fmt: skip
     # vLLM's, which engine, and the worker's lending board (``KvmeshEngine.start`` takes it to ``AsyncEngine``)
-    assert {f.name for f in fields(EngineSettings)} - shared == {"name", "max_model_len", "cpu_bind", "engine_args", "lend_cores"}
+    assert {f.name for f in fields(EngineSettings)} - shared == {"name", "max_model_len", "cpu_bind", "engine_args", "tensor_parallel_size", "lend_cores"}
 
 
 def test_the_docs_can_list_every_variable() -> None:

@@ -63,7 +63,7 @@ class ServiceOption:
 POSITIVE_INT = {"type": positive_int}
 POSITIVE_FLOAT = {"type": positive_number}
 # what only vLLM's workers read (``kvmesh.worker.vllm_engine``): kvmesh's engine would ignore it
-VLLM_ONLY = ("--max-model-len", "--engine-args")
+VLLM_ONLY = ("--max-model-len", "--engine-args", "--tensor-parallel-size")
 
 
 def _file_or_setting(*settings: str) -> Any:
@@ -102,6 +102,12 @@ SERVICE_OPTIONS = (
     ServiceOption("--max-model-len", "workers", "vllm: the longest sequence, prompt and output (default: the model's)", POSITIVE_INT),
     ServiceOption("--max-num-seqs", "workers", "requests a worker batches at most (default: 64)", POSITIVE_INT),
     ServiceOption("--max-num-batched-tokens", "workers", "tokens in one engine step at most (default: 1024)", POSITIVE_INT),
+    ServiceOption(
+        "--tensor-parallel-size", "workers",
+        "vllm: worker processes each decode worker's model (and KV pool) is split across; more than 1: "
+        "no prefill workers (the decode workers prefill their own prompts) (default: 1)",
+        POSITIVE_INT,
+    ),  # fmt: skip
     ServiceOption("--engine-args", "workers", 'vllm: more EngineArgs as a JSON object, e.g. \'{"enforce_eager": false}\'', {"metavar": "JSON"}),
     ServiceOption("--drain-timeout", "workers", "seconds a stopping worker finishes its work in (default: 60)", {"type": non_negative_number}),
     ServiceOption("--load-interval", "workers", "seconds between a worker's load reports (default: 0.5)", POSITIVE_FLOAT),
@@ -316,6 +322,21 @@ def check_block_size(args: argparse.Namespace) -> None:
             raise UpUsageError(problem)
 
 
+def check_parallel(args: argparse.Namespace) -> None:
+    """Tensor parallel: vLLM decode workers only (``kvmesh.worker.engines.parallel_problem``)."""
+    problem = parallel_problem_of(args)
+    if problem is not None:
+        raise UpUsageError(problem)
+    ranks = tensor_parallel_of(args)
+    if ranks > 1 and args.prefill:
+        raise UpUsageError(
+            f"--tensor-parallel-size {ranks} with --prefill {args.prefill}: vLLM keeps the KV in its worker processes, "
+            "which kvmesh pulls no prefill's KV from yet; leave --prefill out (the decode workers prefill their own prompts)"
+        )
+    if ranks > 1 and args.lend_cores:
+        raise UpUsageError(f"--tensor-parallel-size {ranks}: each worker's processes are bound to their cores; not with --lend-cores")
+
+
 def check_engine(engine: str) -> None:
     """The workers can host ``engine``: here, or (vLLM) with the Python of .venv-vllm."""
     from kvmesh.worker.engines import worker_python
@@ -333,6 +354,14 @@ def choose_machine_defaults(args: argparse.Namespace) -> list[str]:
     from kvmesh.machine import default_dtype, threads_per_worker, usable_cores
 
     said = []
+    if args.prefill is None:
+        ranks = tensor_parallel_of(args)
+        args.prefill = 0 if ranks > 1 else 1
+        if ranks > 1:
+            said.append(
+                f"no prefill workers: with tensor parallel {ranks} vLLM keeps the KV in its worker processes, which kvmesh moves "
+                "no KV out of yet, so the decode workers prefill their own prompts"
+            )
     if args.dtype == "auto":
         device = getattr(args, "device", None) or "cpu"
         args.dtype, why = default_dtype(device)
@@ -365,12 +394,32 @@ def lending_by_default(args: argparse.Namespace) -> bool:
 
     device = getattr(args, "device", None) or "cpu"
     workers = args.prefill + args.decode
-    return device == "cpu" and workers > 1 and args.num_threads < usable_cores()
+    return device == "cpu" and workers > 1 and args.num_threads < usable_cores() and tensor_parallel_of(args) == 1
+
+
+def parallel_problem_of(args: argparse.Namespace) -> str | None:
+    """What a decode worker would refuse of the tensor / pipeline parallel settings given."""
+    from kvmesh.settings.worker import EngineSettings
+    from kvmesh.worker.engines import parallel_problem
+
+    given = EngineSettings(name=args.engine, tensor_parallel_size=getattr(args, "tensor_parallel_size", None) or 1, engine_args=args.engine_args)
+    return parallel_problem("decode", given)
+
+
+def tensor_parallel_of(args: argparse.Namespace) -> int:
+    """The workers' tensor parallel size, as they will read it (``--engine-args`` last)."""
+    from kvmesh.worker.engines import tensor_parallel
+
+    try:
+        return tensor_parallel(getattr(args, "tensor_parallel_size", None), getattr(args, "engine_args", None))
+    except ValueError:
+        return 1  # the bad value is refused by check_service_args
 
 
 def check_args(args: argparse.Namespace) -> Path:
     """Everything that can be checked without starting anything; returns the workdir."""
     check_block_size(args)
+    check_parallel(args)
     check_engine(args.engine)
     check_model(args.model, args.engine)
     if args.model is None or args.model == DEFAULT_MODEL or str(args.model).lower().endswith(".gguf"):

@@ -17,7 +17,14 @@ from kvmesh.settings.flags import SettingsParser, from_args
 from kvmesh.settings.values import host_address, non_negative_number, port_number, positive_int, positive_number, positive_or_unset
 from kvmesh.settings.mesh import MeshSettings, add_mesh_args, mesh_settings
 from kvmesh.transfer.mooncake_agent import mooncake_env_range, parse_port_range
-from kvmesh.worker.engines import DEFAULT_BLOCK_SIZE, ENGINES, block_size_problem, engine_args_problem, unavailable
+from kvmesh.worker.engines import (
+    DEFAULT_BLOCK_SIZE,
+    ENGINES,
+    block_size_problem,
+    engine_args_problem,
+    parallel_problem,
+    unavailable,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -48,6 +55,9 @@ class EngineSettings:
     max_model_len: int | None = None
     cpu_bind: str | None = None
     engine_args: str | None = None
+    # vLLM only: its worker processes, the model's heads (and the KV pool) split between them;
+    # with more than one a worker prefills its own prompts (``parallel_problem``)
+    tensor_parallel_size: int = 1
 
 
 def new_worker_id() -> str:
@@ -113,6 +123,11 @@ def worker_parser(role: Role) -> SettingsParser:
         "--cpu-bind", env=env.CPU_BIND,
         help="vllm on CPU: cores of its OpenMP threads, as VLLM_CPU_OMP_THREADS_BIND (KVMESH_CPU_BIND; "
         "default the first --num-threads cores this process may use; with --lend-cores all of them)",
+    )  # fmt: skip
+    option(
+        "--tensor-parallel-size", env=env.TENSOR_PARALLEL_SIZE, type=positive_int, default=1,
+        help="vllm: worker processes the model (and its KV pool) is split across, each on its share of --cpu-bind's cores; "
+        "more than 1: decode workers only, which prefill their own prompts (KVMESH_TENSOR_PARALLEL_SIZE)",
     )  # fmt: skip
     option(
         "--engine-args", env=env.ENGINE_ARGS, metavar="JSON",
@@ -205,6 +220,7 @@ def worker_settings(role: Role, argv: list[str] | None = None) -> WorkerSettings
     except (EnvError, ValueError) as exc:
         parser.error(str(exc))
     problem = block_size_problem(engine.name, engine.device, engine.block_size)
+    problem = problem or parallel_problem(role, engine)
     if problem is not None:
         parser.error(problem)
     return from_args(

@@ -31,6 +31,10 @@ The engines' pools:
 
 ``kvmesh.worker.kv_tensors`` reads these from the tensors.
 
+A vLLM worker with tensor parallel ``N`` keeps its pool split by heads across vLLM's ``N``
+worker processes (``ranks``): the layout it publishes is rank 0's, in that process, for the
+record; no pool of more than one rank is pulled from or into yet (``mismatch`` says so).
+
 A pool whose segment is ``kv,<rest>`` holds the same bytes as a split pool whose pieces are
 ``<rest>`` with V one piece after K, so kvmesh's pool and a ``token,head,dim`` split pool pull
 from each other, piece by piece.
@@ -67,8 +71,11 @@ class PoolLayout:
     kv_split: bool = False  # K and V of a segment are two pieces apart
     kv_stride: int = 0  # split and strided: bytes from a block's K to its V in the same layer
     planes: tuple[int, ...] = ()  # explicit plane addresses, layer by layer (K, V per layer when split)
+    ranks: int = 1  # processes the pool is split across (vLLM's tensor parallel); > 1: this is rank 0's, elsewhere
 
     def __post_init__(self) -> None:
+        if self.ranks < 1:
+            raise ValueError(f"a KV pool lies in one process or more, not {self.ranks}")
         if self.dtype not in ITEMSIZE:
             raise ValueError(f"KV dtype must be one of {sorted(ITEMSIZE)}, got {self.dtype!r}")
         if min(self.block_size, self.num_blocks, self.num_layers, self.num_kv_heads, self.head_dim) < 1:
@@ -180,6 +187,9 @@ class PoolLayout:
     def mismatch(self, other: PoolLayout) -> str | None:
         """Why blocks cannot be copied piece for piece between pools of these two layouts
         (``None``: they can; strides, bases, planes and the engine may differ)."""
+        split = self.ranks if self.ranks > 1 else other.ranks
+        if split > 1:
+            return f"a pool split across {split} processes (tensor parallel): kvmesh moves no KV in or out of one yet"
         shape = self.shape_mismatch(other)
         if shape is not None:
             return shape

@@ -53,6 +53,46 @@ def block_size_problem(name: str, device: str, block_size: int) -> str | None:
     return None
 
 
+def tensor_parallel(size: int | None, engine_args: str | None) -> int:
+    """The worker processes vLLM splits the model across: ``--tensor-parallel-size``, or
+    ``--engine-args``' ``tensor_parallel_size`` (a JSON object, checked before), applied last."""
+    extra = json.loads(engine_args) if engine_args else {}
+    value = extra.get("tensor_parallel_size", size or 1)
+    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+        raise ValueError(f"--engine-args: tensor_parallel_size must be a positive whole number, not {value!r}")
+    return value
+
+
+def parallel_problem(role: str, s: EngineSettings) -> str | None:
+    """Why a ``role`` worker cannot host ``s``' parallel engine (``None``: it can). vLLM with
+    tensor parallel keeps its KV pool in its worker processes, split by heads, and kvmesh
+    moves no KV in or out of them yet: such a worker is a decode worker that prefills its own
+    prompts (the router pairs it with no prefill worker), and, its ranks bound to their cores,
+    lends none. Pipeline parallel is refused: vLLM 0.32's CPU backend fails it at start, so it
+    has not run here."""
+    problem = engine_args_problem(s.engine_args) if s.engine_args is not None else None
+    if problem is not None:
+        return problem
+    if json.loads(s.engine_args or "{}").get("pipeline_parallel_size", 1) != 1:
+        return "pipeline parallel: not run by kvmesh's workers yet (vLLM's CPU backend fails it); use --tensor-parallel-size"
+    try:
+        ranks = tensor_parallel(s.tensor_parallel_size, s.engine_args)
+    except ValueError as exc:
+        return str(exc)
+    if ranks == 1:
+        return None
+    if s.name != "vllm":
+        return f"--tensor-parallel-size {ranks}: vLLM's workers only (--engine vllm)"
+    if role != "decode":
+        return (
+            f"--tensor-parallel-size {ranks}: a decode worker only: vLLM keeps the KV in its {ranks} worker processes, "
+            "which kvmesh pulls no prefill's KV from yet (such decode workers prefill their own prompts)"
+        )
+    if s.lend_cores is not None:
+        return f"--tensor-parallel-size {ranks}: its processes are bound to their cores; not with --lend-cores"
+    return None
+
+
 def engine_args_problem(text: str) -> str | None:
     """Why ``--engine-args`` cannot be ``text`` (``None``: it can): a JSON object of vLLM's
     ``EngineArgs`` fields, said by the worker's settings and by ``kvmesh up``."""

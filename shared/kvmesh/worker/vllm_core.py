@@ -72,7 +72,9 @@ class VllmCore:
         self.layout = layout
         self.block_size = layout.block_size
         self.exchange = exchange
-        self.kv_caches = list(engine.model_executor.driver_worker.worker.model_runner.kv_caches)
+        # the KV tensors, where they are in this process (one rank; imports are copied into them)
+        driver = getattr(engine.model_executor, "driver_worker", None)
+        self.kv_caches = list(driver.worker.model_runner.kv_caches) if driver is not None else []
         self.tokenizer = engine.get_tokenizer()
         self._exports: set[str] = set()  # requests prefilled for export, until their last output
         self._staged: dict[str, list[Any]] = {}  # handle -> vLLM blocks a pull fills (allocate_import)

@@ -13,6 +13,13 @@ it may run on every core, each step on the threads the board allows then, the co
 only between steps: vLLM's CPU attention fixes it in a step's metadata, so a borrowed step
 cannot give cores back between layers as kvmesh's engine does.
 
+With tensor parallel (``--tensor-parallel-size``) the engine core stays here and vLLM's
+ranks are processes of its own, each bound to its share of the cores: the pool's layout is
+read in each (``collective_rpc``) and published as rank 0's, marked split, registered with
+no transfer engine; the KV connector is left out (its worker side would run in the ranks),
+so such a worker moves no KV in or out and prefills its own prompts
+(``kvmesh.worker.engines.parallel_problem``).
+
 Prefill for export and decode from imported KV go through kvmesh's KV connector
 (``kvmesh.worker.vllm_connector``, vLLM's connector V1 API) in this process, and so does a
 prefix pulled from a peer; cached blocks are lent to peers by holding a reference to them in
@@ -22,6 +29,7 @@ vLLM's block pool (``VllmCore.lend_cached_blocks``).
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import logging
 import os
@@ -38,6 +46,7 @@ from kvmesh.errors import EngineConfigError
 from kvmesh.worker.kv_tensors import pool_layout_of
 from kvmesh.worker.engine_api import Engine
 from kvmesh.settings.worker import EngineSettings
+from kvmesh.worker.engines import tensor_parallel
 from kvmesh.worker.vllm_core import VllmCore
 from kvmesh.worker.vllm_exchange import EXCHANGES, new_exchange
 from kvmesh.worker.vllm_outputs import GUIDANCE
@@ -68,14 +77,15 @@ class VllmEngine(AsyncEngine):
 
     @classmethod
     def build(cls, s: EngineSettings) -> VllmEngine:
+        ranks = tensor_parallel(s.tensor_parallel_size, s.engine_args)
         cores = bind_cores(s.cpu_bind, None if s.lend_cores else s.num_threads)  # lending: every core, each step its threads
         lending = parse_lending(s.lend_cores, s.num_threads) if s.lend_cores else None
-        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # the engine core (and the KV pool) in this process
+        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # the engine core (and, one rank, the KV pool) in this process
         os.environ.setdefault("VLLM_HOST_IP", "127.0.0.1")  # its internal traffic on loopback
         # KV events with vLLM's own block hashes (bytes), not 64-bit ints made of them: a lend
         # looks the blocks up by them in vLLM's prefix cache
         os.environ["VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES"] = "0"
-        os.environ["VLLM_CPU_OMP_THREADS_BIND"] = ",".join(map(str, cores))
+        os.environ["VLLM_CPU_OMP_THREADS_BIND"] = rank_cores(cores, ranks)
         from vllm import EngineArgs  # type: ignore[import-not-found]
         from vllm.v1.engine.llm_engine import LLMEngine as VllmLLMEngine  # type: ignore[import-not-found]
 
@@ -85,9 +95,8 @@ class VllmEngine(AsyncEngine):
         args = engine_args(s, model_dir, name, exchange)
         logger.info("vLLM engine args: %s", ", ".join(f"{k}={v}" for k, v in args.items()))
         engine_args_ = EngineArgs(**args)
-        parallel = engine_args_.tensor_parallel_size * engine_args_.pipeline_parallel_size
-        if parallel > 1:  # its workers, and the KV pool, would live in child processes
-            raise ValueError(f"--engine vllm: kvmesh hosts vLLM in the worker's process; tensor x pipeline parallel {parallel} is not there yet")
+        if engine_args_.pipeline_parallel_size > 1:  # settings refuse it first (``parallel_problem``)
+            raise ValueError("--engine vllm: pipeline parallel is not run by kvmesh's workers yet")
         stats = VllmStats()  # preemptions and request phases from vLLM's own stats
         engine = VllmLLMEngine.from_engine_args(engine_args_, stat_loggers=[stats.stat_logger_class()])
         stats.keep_only_ours(engine)
@@ -95,7 +104,13 @@ class VllmEngine(AsyncEngine):
         layout = pool_layout(engine, s.dtype, block_size)
         core = VllmCore(engine, name, layout, None if lending else len(cores), EXCHANGES[exchange])
         core.stats = stats
-        logger.info("vLLM KV pool: %d blocks of %d tokens, %d bytes at %#x", layout.num_blocks, block_size, layout.pool_bytes, layout.base_address)
+        if layout.ranks > 1:
+            logger.info(
+                "vLLM KV pool: %d blocks of %d tokens in each of %d worker processes (tensor parallel; this worker prefills its own prompts)",
+                layout.num_blocks, block_size, layout.ranks,
+            )  # fmt: skip
+        else:
+            logger.info("vLLM KV pool: %d blocks of %d tokens, %d bytes at %#x", layout.num_blocks, block_size, layout.pool_bytes, layout.base_address)
         if lending is not None:
             logger.info("cores lent: %d thread(s) of its own, %d while the other engines are idle", lending.own, lending.most)
         return cls(core, layout, engine.model_config.max_model_len, engine.model_config.get_vocab_size(), lending)
@@ -145,6 +160,14 @@ def bind_cores(cpu_bind: str | None, num_threads: int | None) -> list[int]:
     return cores
 
 
+def rank_cores(cores: list[int], ranks: int) -> str:
+    """VLLM_CPU_OMP_THREADS_BIND for ``ranks`` worker processes on ``cores``: each its own
+    share (``"0|1"``), or, fewer cores than ranks, one core each, shared round the cores."""
+    share = max(1, len(cores) // ranks)
+    groups = [cores[r * share : (r + 1) * share] or [cores[r % len(cores)]] for r in range(ranks)]
+    return "|".join(",".join(map(str, group)) for group in groups)
+
+
 def parse_cores(text: str) -> list[int]:
     cores: list[int] = []
     for part in text.split(","):
@@ -155,7 +178,9 @@ def parse_cores(text: str) -> list[int]:
 
 def engine_args(s: EngineSettings, model_dir: Path, name: str, exchange: str) -> dict[str, Any]:
     """vLLM's ``EngineArgs`` from a worker's settings, with kvmesh's KV connector sharing
-    ``exchange``; ``--engine-args`` last, so it wins."""
+    ``exchange`` (one process: with tensor parallel, vLLM's KV lies in its worker processes,
+    which the connector's worker side cannot share it from, and there is none);
+    ``--engine-args`` last, so it wins."""
     args: dict[str, Any] = {
         "model": str(model_dir),
         "served_model_name": name,
@@ -169,6 +194,7 @@ def engine_args(s: EngineSettings, model_dir: Path, name: str, exchange: str) ->
         "enforce_eager": True,  # no torch.compile: minutes of start-up on a small CPU
         "disable_log_stats": False,  # vLLM's stats feed the worker's metrics (``vllm_stats``)
         "seed": 0,
+        "tensor_parallel_size": s.tensor_parallel_size,
         # KV events into this process (``VllmCore`` replaces the null publisher with its queue)
         "kv_events_config": {"enable_kv_cache_events": True, "publisher": "null"},
         # prefill for export and decode from imports (``kvmesh.worker.vllm_connector``)
@@ -185,6 +211,8 @@ def engine_args(s: EngineSettings, model_dir: Path, name: str, exchange: str) ->
     }
     if s.engine_args:
         args.update(json.loads(s.engine_args))
+    if int(args["tensor_parallel_size"]) > 1:
+        del args["kv_transfer_config"]
     if isinstance(args["kv_events_config"], dict):
         from vllm.config import KVEventsConfig  # type: ignore[import-not-found]
 
@@ -213,9 +241,15 @@ def default_max_model_len(model_dir: Path, dtype: str, block_size: int, kv_cache
 def pool_layout(engine: Any, dtype: str, block_size: int) -> PoolLayout:
     """The pool from the model runner's KV tensors, read as they are
     (``kvmesh.worker.kv_tensors``): on CPU one tensor per layer ``[blocks, kv_heads, tokens,
-    2 * head_dim]``, all views of one storage."""
-    runner = engine.model_executor.driver_worker.worker.model_runner
-    return pool_layout_of(list(runner.kv_caches), dtype=dtype, block_size=block_size)
+    2 * head_dim]``, all views of one storage. With tensor parallel, rank 0's, read in its
+    process, marked as split across the ranks."""
+    layouts = engine.model_executor.collective_rpc(rank_pool_layout, args=(dtype, block_size))
+    return dataclasses.replace(layouts[0], ranks=len(layouts)) if len(layouts) > 1 else layouts[0]
+
+
+def rank_pool_layout(worker: Any, dtype: str, block_size: int) -> PoolLayout:
+    """Run by each of vLLM's workers (``collective_rpc``): its pool, from its model runner."""
+    return pool_layout_of(list(worker.worker.model_runner.kv_caches), dtype=dtype, block_size=block_size)
 
 
 def _is_an_engine(engine: VllmEngine) -> Engine:
