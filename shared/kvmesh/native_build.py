@@ -4,7 +4,9 @@ The bind guard (``kvmesh.transfer.bind_guard``) and the decode-attention kernel
 (``kvmesh.engine.model.paged_kernel``) are both built with the system's compiler at
 ``make install`` or at first use. The compiler writes a temporary file beside the target,
 which is renamed onto it only when the build succeeded: a process that finds the target
-finds a whole library, and two processes building it at once are harmless.
+finds a whole library, and two processes building it at once are harmless. A library of
+several sources compiles them as objects side by side, one a core (``compile_objects``),
+before the link.
 """
 
 from __future__ import annotations
@@ -12,7 +14,7 @@ from __future__ import annotations
 import os
 import subprocess
 import tempfile
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 
@@ -37,3 +39,43 @@ def build_shared_library(path: Path, argv: Callable[[str], list[str]], *, timeou
     except (OSError, subprocess.SubprocessError) as exc:
         return f"building {path} failed: {exc}"
     return ""
+
+
+def compile_objects(argv: Callable[[Path, Path], list[str]], sources: Sequence[Path], folder: Path, *, timeout: float) -> tuple[list[Path], str]:
+    """Compile each source with ``argv(source, object)`` into ``folder``, as many at once as
+    this process has cores: the objects, and "" or why one failed, in one line."""
+    jobs = max(1, len(os.sched_getaffinity(0)))
+    objects = [folder / f"{i}-{source.stem}.o" for i, source in enumerate(sources)]
+    running: list[subprocess.Popen[str]] = []
+    names: list[str] = []  # each running compile's compiler, for its failure line
+    try:
+        for source, target in zip(sources, objects):
+            if len(running) == jobs:
+                failure = _finish(running.pop(0), names.pop(0), timeout)
+                if failure:
+                    return objects, failure
+            command = argv(source, target)
+            try:
+                running.append(subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True))
+                names.append(command[0])
+            except OSError as exc:
+                return objects, f"{command[0]} failed to start: {exc}"
+        while running:
+            failure = _finish(running.pop(0), names.pop(0), timeout)
+            if failure:
+                return objects, failure
+    finally:
+        for process in running:  # after a failure: the others are not waited for
+            process.kill()
+            process.wait()
+    return objects, ""
+
+
+def _finish(process: subprocess.Popen[str], compiler: str, timeout: float) -> str:
+    try:
+        _, stderr = process.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        process.kill()
+        process.communicate()
+        return f"{compiler} took more than {timeout:g} s"
+    return f"{compiler} failed: {' '.join(stderr.split())[:300]}" if process.returncode else ""
