@@ -221,14 +221,15 @@ def test_up_on_a_busy_port_fails_at_once_on_one_line(tmp_path):
         # tensor parallel: a vLLM decode worker's KV stays in vLLM's worker processes
         (
             ["--engine", "vllm", "--tensor-parallel-size", "2", "--prefill", "1"],
-            "kvmesh up: error: --tensor-parallel-size 2 with --prefill 1: vLLM keeps the KV in its worker processes",
+            "kvmesh up: error: --tensor-parallel-size 2: a decode worker only: vLLM keeps the KV in its 2 worker processes",
         ),
         (["--tensor-parallel-size", "2"], "kvmesh up: error: --tensor-parallel-size 2: vLLM's workers only (--engine vllm)"),
         (
             ["--engine", "vllm", "--tensor-parallel-size", "2", "--lend-cores"],
-            "kvmesh up: error: --tensor-parallel-size 2: each worker's processes are bound to their cores; not with --lend-cores",
+            "kvmesh up: error: --tensor-parallel-size 2: its processes are bound to their cores; not with --lend-cores",
         ),
         (["--engine", "vllm", "--engine-args", '{"pipeline_parallel_size": 2}'], "kvmesh up: error: pipeline parallel: not run"),
+        (["--engine", "vllm", "--engine-args", "[1]"], "kvmesh up: error: --engine-args: must be a JSON object of EngineArgs fields"),
     ],
 )
 def test_up_bad_arguments_fail_at_once_on_one_line(tmp_path, args, message):
@@ -249,6 +250,27 @@ def test_up_bad_arguments_fail_at_once_on_one_line(tmp_path, args, message):
     assert done.stderr.startswith(message.replace("{empty_dir}", str(tmp_path / "empty"))), done.stderr
     assert done.stderr.count("\n") == 1 and done.stdout == ""
     assert took < 1.0, took
+    assert not (tmp_path / "w" / "logs").exists()
+
+
+@pytest.mark.parametrize(
+    "variables, message",
+    [
+        ({"KVMESH_TENSOR_PARALLEL_SIZE": "2"}, "kvmesh up: error: --tensor-parallel-size 2: a decode worker only: "),
+        ({"KVMESH_ENGINE_ARGS": '{"tensor_parallel_size": 2}'}, "kvmesh up: error: --tensor-parallel-size 2: a decode worker only: "),
+        ({"KVMESH_TENSOR_PARALLEL_SIZE": "two"}, "kvmesh up: error: KVMESH_TENSOR_PARALLEL_SIZE='two': "),
+        ({"KVMESH_ENGINE_ARGS": "[1]"}, "kvmesh up: error: --engine-args: must be a JSON object of EngineArgs fields"),  # was a traceback
+    ],
+)
+def test_up_judges_the_workers_parallel_variables_before_it_starts_anything(tmp_path, variables, message):
+    """The workers inherit ``kvmesh up``'s environment: a tensor parallel size there is
+    judged as a flag would be (here with a prefill worker asked for), before anything starts."""
+    done = kvmesh(
+        "up", "--port", "0", "--workdir", str(tmp_path / "w"), "--engine", "vllm", "--prefill", "1",
+        env={**variables, "KVMESH_VLLM_PYTHON": "/nonexistent/python"},
+    )  # fmt: skip
+    assert done.returncode == 2 and done.stdout == "", done.stderr
+    assert done.stderr.startswith(message) and done.stderr.count("\n") == 1, done.stderr
     assert not (tmp_path / "w" / "logs").exists()
 
 

@@ -12,6 +12,7 @@ before the link.
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 import tempfile
 from collections.abc import Callable, Sequence
@@ -41,33 +42,56 @@ def build_shared_library(path: Path, argv: Callable[[str], list[str]], *, timeou
     return ""
 
 
+def build_from_sources(
+    path: Path,
+    compile_argv: Callable[[Path, Path], list[str]],
+    link_argv: Callable[[list[Path], str], list[str]],
+    sources: Sequence[Path],
+    *,
+    timeout: float,
+) -> str:
+    """Compile ``sources`` into objects (``compile_argv(source, object)``, side by side, in a
+    temporary folder beside ``path``), then link them into ``path`` (``link_argv(objects,
+    output)``, as ``build_shared_library``): "" when it was built, else why not, in one line."""
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        folder = Path(tempfile.mkdtemp(prefix=f".{path.stem}-objects-", dir=path.parent))
+    except OSError as exc:
+        return f"building {path} failed: {exc}"
+    try:
+        objects, failure = compile_objects(compile_argv, sources, folder, timeout=timeout)
+        return failure or build_shared_library(path, lambda output: link_argv(objects, output), timeout=timeout)
+    finally:
+        shutil.rmtree(folder, ignore_errors=True)
+
+
 def compile_objects(argv: Callable[[Path, Path], list[str]], sources: Sequence[Path], folder: Path, *, timeout: float) -> tuple[list[Path], str]:
     """Compile each source with ``argv(source, object)`` into ``folder``, as many at once as
     this process has cores: the objects, and "" or why one failed, in one line."""
     jobs = max(1, len(os.sched_getaffinity(0)))
     objects = [folder / f"{i}-{source.stem}.o" for i, source in enumerate(sources)]
-    running: list[subprocess.Popen[str]] = []
-    names: list[str] = []  # each running compile's compiler, for its failure line
+    running: list[tuple[subprocess.Popen[str], str]] = []  # each compile, and its compiler for its failure line
     try:
         for source, target in zip(sources, objects):
             if len(running) == jobs:
-                failure = _finish(running.pop(0), names.pop(0), timeout)
+                failure = _finish(*running[0], timeout)
+                running.pop(0)
                 if failure:
                     return objects, failure
             command = argv(source, target)
             try:
-                running.append(subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True))
-                names.append(command[0])
+                running.append((subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True), command[0]))
             except OSError as exc:
                 return objects, f"{command[0]} failed to start: {exc}"
         while running:
-            failure = _finish(running.pop(0), names.pop(0), timeout)
+            failure = _finish(*running[0], timeout)
+            running.pop(0)
             if failure:
                 return objects, failure
     finally:
-        for process in running:  # after a failure: the others are not waited for
+        for process, _ in running:  # after a failure or an interruption: none left running
             process.kill()
-            process.wait()
+            process.communicate()
     return objects, ""
 
 

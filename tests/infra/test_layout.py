@@ -156,3 +156,16 @@ def test_pools_whose_pieces_are_ordered_differently_are_refused_with_the_reason(
     assert kvmesh_pool(0).mismatch(hnd) is not None
     with pytest.raises(ValueError, match="only for pools whose K and V lie apart"):
         dataclasses.replace(kvmesh_pool(0), kv_stride=PIECE)
+
+
+def test_a_pool_split_across_processes_matches_none_and_no_byte_range_reaches_it():
+    """Tensor parallel: rank 0's pool of two is published marked split; it matches no pool,
+    not even its own shape, and a pull's byte ranges are refused, either way."""
+    split = dataclasses.replace(layer_major_pool(0), ranks=2)
+    why = "a pool split across 2 processes (tensor parallel): kvmesh moves no KV in or out of one yet"
+    assert split.mismatch(layer_major_pool(0)) == layer_major_pool(0).mismatch(split) == split.mismatch(split) == why
+    for src, dst in ((split, layer_major_pool(0)), (layer_major_pool(0), split)):
+        with pytest.raises(ValueError, match="tensor parallel"):
+            layout_byte_ranges([BlockRun(0, 0, 1)], src=src, dst=dst)
+    with pytest.raises(ValueError, match="one process or more"):
+        dataclasses.replace(layer_major_pool(0), ranks=0)

@@ -849,7 +849,7 @@ TP_PROMPTS = [
 ]
 
 
-def test_kvmesh_up_tensor_parallel_2_gives_one_tensor_parallel_vllm_processs_greedy_text(tmp_path, vllm_python):
+def test_kvmesh_up_with_tensor_parallel_2_answers_as_one_tensor_parallel_vllm_process(tmp_path, vllm_python):
     """``kvmesh up --engine vllm --tensor-parallel-size 2``: no prefill workers (said in one
     line), one decode worker whose model and KV pool are split across two vLLM worker
     processes, a core each; completions, streamed and not, equal one vLLM process's with

@@ -93,3 +93,15 @@ def test_a_layout_this_worker_cannot_copy_is_refused():
     other = block_major(dtype="bfloat16", block_size=16, num_blocks=64, num_layers=2, num_kv_heads=2, head_dim=8, base_address=0)
     with pytest.raises(MeshError, match="does not match this worker's: dtype float32 vs bfloat16"):
         check(request(), local=other)
+
+
+def test_a_handle_into_or_out_of_a_pool_split_across_processes_is_a_bad_request():
+    """A tensor-parallel vLLM worker's pool lies in vLLM's processes: a handle naming one as
+    its producer, or sent to one, is refused before anything is allocated."""
+    import dataclasses
+
+    split = dataclasses.replace(LAYOUT, ranks=2)
+    for producer, local, kv in ((record(), split, {}), (record(kv_layout=KVLayoutSpec.from_layout(split)), LAYOUT, {"layout": KVLayoutSpec.from_layout(split)})):
+        with pytest.raises(MeshError, match=r"split across 2 processes \(tensor parallel\)") as err:
+            check(request(**kv), producer, local)
+        assert err.value.code is ErrorCode.BAD_REQUEST

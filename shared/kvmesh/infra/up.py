@@ -323,18 +323,14 @@ def check_block_size(args: argparse.Namespace) -> None:
 
 
 def check_parallel(args: argparse.Namespace) -> None:
-    """Tensor parallel: vLLM decode workers only (``kvmesh.worker.engines.parallel_problem``)."""
+    """Tensor parallel: vLLM decode workers only, lending no cores
+    (``kvmesh.worker.engines.parallel_problem``, as each worker would say it)."""
     problem = parallel_problem_of(args)
     if problem is not None:
         raise UpUsageError(problem)
-    ranks = tensor_parallel_of(args)
-    if ranks > 1 and args.prefill:
-        raise UpUsageError(
-            f"--tensor-parallel-size {ranks} with --prefill {args.prefill}: vLLM keeps the KV in its worker processes, "
-            "which kvmesh pulls no prefill's KV from yet; leave --prefill out (the decode workers prefill their own prompts)"
-        )
-    if ranks > 1 and args.lend_cores:
-        raise UpUsageError(f"--tensor-parallel-size {ranks}: each worker's processes are bound to their cores; not with --lend-cores")
+    problem = parallel_problem_of(args, "prefill") if args.prefill else None
+    if problem is not None:
+        raise UpUsageError(f"{problem}; leave --prefill out")
 
 
 def check_engine(engine: str) -> None:
@@ -397,13 +393,21 @@ def lending_by_default(args: argparse.Namespace) -> bool:
     return device == "cpu" and workers > 1 and args.num_threads < usable_cores() and tensor_parallel_of(args) == 1
 
 
-def parallel_problem_of(args: argparse.Namespace) -> str | None:
-    """What a decode worker would refuse of the tensor / pipeline parallel settings given."""
+def parallel_problem_of(args: argparse.Namespace, role: str = "decode") -> str | None:
+    """What a ``role`` worker would refuse of the tensor / pipeline parallel settings given
+    (flags, else the variables the workers would read)."""
     from kvmesh.settings.worker import EngineSettings
     from kvmesh.worker.engines import parallel_problem
 
-    given = EngineSettings(name=args.engine, tensor_parallel_size=getattr(args, "tensor_parallel_size", None) or 1, engine_args=args.engine_args)
-    return parallel_problem("decode", given)
+    try:
+        size = _given_tensor_parallel(args)
+    except env.EnvError as exc:
+        return str(exc)
+    given = EngineSettings(
+        name=args.engine, tensor_parallel_size=size, engine_args=_given_engine_args(args),
+        lend_cores="kvmesh up" if args.lend_cores else None,
+    )  # fmt: skip
+    return parallel_problem(role, given)
 
 
 def tensor_parallel_of(args: argparse.Namespace) -> int:
@@ -411,9 +415,20 @@ def tensor_parallel_of(args: argparse.Namespace) -> int:
     from kvmesh.worker.engines import tensor_parallel
 
     try:
-        return tensor_parallel(getattr(args, "tensor_parallel_size", None), getattr(args, "engine_args", None))
+        return tensor_parallel(_given_tensor_parallel(args), _given_engine_args(args))
     except ValueError:
-        return 1  # the bad value is refused by check_service_args
+        return 1  # a bad value is refused by check_parallel
+
+
+def _given_tensor_parallel(args: argparse.Namespace) -> int:
+    given = getattr(args, "tensor_parallel_size", None)
+    if given is not None:
+        return int(given)
+    return env.TENSOR_PARALLEL_SIZE.read(int, 1)  # as the workers will: they inherit the environment
+
+
+def _given_engine_args(args: argparse.Namespace) -> str | None:
+    return args.engine_args if args.engine_args is not None else env.ENGINE_ARGS.raw()
 
 
 def check_args(args: argparse.Namespace) -> Path:

@@ -187,9 +187,6 @@ class PoolLayout:
     def mismatch(self, other: PoolLayout) -> str | None:
         """Why blocks cannot be copied piece for piece between pools of these two layouts
         (``None``: they can; strides, bases, planes and the engine may differ)."""
-        split = self.ranks if self.ranks > 1 else other.ranks
-        if split > 1:
-            return f"a pool split across {split} processes (tensor parallel): kvmesh moves no KV in or out of one yet"
         shape = self.shape_mismatch(other)
         if shape is not None:
             return shape
@@ -198,7 +195,11 @@ class PoolLayout:
         return None
 
     def shape_mismatch(self, other: PoolLayout) -> str | None:
-        """How the two pools' blocks differ in size or element (``mismatch`` less the order)."""
+        """How the two pools' blocks differ in size or element (``mismatch`` less the order),
+        or that one lies in several processes."""
+        split = self.ranks if self.ranks > 1 else other.ranks
+        if split > 1:
+            return f"a pool split across {split} processes (tensor parallel): kvmesh moves no KV in or out of one yet"
         for name in ("block_size", "dtype", "num_layers", "num_kv_heads", "head_dim"):
             mine, theirs = getattr(self, name), getattr(other, name)
             if mine != theirs:

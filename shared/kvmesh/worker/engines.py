@@ -57,6 +57,8 @@ def tensor_parallel(size: int | None, engine_args: str | None) -> int:
     """The worker processes vLLM splits the model across: ``--tensor-parallel-size``, or
     ``--engine-args``' ``tensor_parallel_size`` (a JSON object, checked before), applied last."""
     extra = json.loads(engine_args) if engine_args else {}
+    if not isinstance(extra, dict):
+        raise ValueError("--engine-args: must be a JSON object of EngineArgs fields")
     value = extra.get("tensor_parallel_size", size or 1)
     if not isinstance(value, int) or isinstance(value, bool) or value < 1:
         raise ValueError(f"--engine-args: tensor_parallel_size must be a positive whole number, not {value!r}")

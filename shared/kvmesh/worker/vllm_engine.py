@@ -102,7 +102,8 @@ class VllmEngine(AsyncEngine):
         stats.keep_only_ours(engine)
         block_size = engine.vllm_config.cache_config.block_size
         layout = pool_layout(engine, s.dtype, block_size)
-        core = VllmCore(engine, name, layout, None if lending else len(cores), EXCHANGES[exchange])
+        # no connector with tensor parallel (``engine_args``): nothing to exchange with
+        core = VllmCore(engine, name, layout, None if lending else len(cores), None if layout.ranks > 1 else EXCHANGES[exchange])
         core.stats = stats
         if layout.ranks > 1:
             logger.info(
@@ -162,10 +163,13 @@ def bind_cores(cpu_bind: str | None, num_threads: int | None) -> list[int]:
 
 def rank_cores(cores: list[int], ranks: int) -> str:
     """VLLM_CPU_OMP_THREADS_BIND for ``ranks`` worker processes on ``cores``: each its own
-    share (``"0|1"``), or, fewer cores than ranks, one core each, shared round the cores."""
-    share = max(1, len(cores) // ranks)
-    groups = [cores[r * share : (r + 1) * share] or [cores[r % len(cores)]] for r in range(ranks)]
-    return "|".join(",".join(map(str, group)) for group in groups)
+    share, the first ones a core more where they do not divide (``"0,1|2"``), or, fewer cores
+    than ranks, one core each, shared round the cores (``"0|1|0"``)."""
+    if len(cores) < ranks:
+        return "|".join(str(cores[r % len(cores)]) for r in range(ranks))
+    share, extra = divmod(len(cores), ranks)
+    bounds = [r * share + min(r, extra) for r in range(ranks + 1)]
+    return "|".join(",".join(map(str, cores[bounds[r] : bounds[r + 1]])) for r in range(ranks))
 
 
 def parse_cores(text: str) -> list[int]:

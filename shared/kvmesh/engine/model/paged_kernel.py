@@ -21,13 +21,12 @@ import logging
 import os
 import shutil
 import sys
-import tempfile
 from pathlib import Path
 
 import torch
 
 from kvmesh.machine import cpu_has_amx
-from kvmesh.native_build import build_shared_library, compile_objects
+from kvmesh.native_build import build_from_sources
 
 logger = logging.getLogger(__name__)
 
@@ -83,29 +82,16 @@ def build(cache: Path | None = None, march: str = "native", csrc: Path = CSRC) -
     libdirs = cpp_extension.library_paths()
     abi = int(torch._C._GLIBCXX_USE_CXX11_ABI)
     compile_flags = [flag for flag in FLAGS if flag != "-shared"]
-    sources = [csrc / name for name in SOURCES if (csrc / name).exists()]
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        folder = tempfile.mkdtemp(prefix=".paged_decode-objects-", dir=path.parent)
-    except OSError as exc:
-        last_failure = f"building {path} failed: {exc}"
-        return None
-    try:
-        objects, last_failure = compile_objects(
-            lambda source, target: [cxx, *compile_flags, f"-march={march}", f"-D_GLIBCXX_USE_CXX11_ABI={abi}", *includes, "-c", str(source), "-o", str(target)],
-            sources, Path(folder), timeout=600,
-        )  # fmt: skip
-        if not last_failure:
-            last_failure = build_shared_library(
-                path,
-                lambda output: [
-                    cxx, "-shared", "-fopenmp", *map(str, objects), "-o", output,
-                    *[f"-L{d}" for d in libdirs], *[f"-Wl,-rpath,{d}" for d in libdirs], "-lc10", "-ltorch_cpu", "-lmvec",
-                ],  # fmt: skip
-                timeout=600,
-            )
-    finally:
-        shutil.rmtree(folder, ignore_errors=True)
+    last_failure = build_from_sources(
+        path,
+        lambda source, target: [cxx, *compile_flags, f"-march={march}", f"-D_GLIBCXX_USE_CXX11_ABI={abi}", *includes, "-c", str(source), "-o", str(target)],
+        lambda objects, output: [
+            cxx, "-shared", "-fopenmp", *map(str, objects), "-o", output,
+            *[f"-L{d}" for d in libdirs], *[f"-Wl,-rpath,{d}" for d in libdirs], "-lc10", "-ltorch_cpu", "-lmvec",
+        ],
+        [csrc / name for name in SOURCES if (csrc / name).exists()],
+        timeout=600,
+    )  # fmt: skip
     if last_failure:
         return None
     return path
