@@ -321,6 +321,21 @@ def test_workers_get_longer_to_stop_than_they_drain():
         assert pod["terminationGracePeriodSeconds"] >= float(env["KVMESH_DRAIN_TIMEOUT"]) + 20, name
 
 
+def test_workers_have_room_in_dev_shm_in_compose_as_in_kubernetes():
+    """vLLM's tensor-parallel ranks talk through /dev/shm: docker's default 64 MB is too
+    little, so the compose workers get 1 GiB, as the Kubernetes workers' memory emptyDir."""
+    docs = by_kind_and_name()
+    for name in ("prefill-worker", "decode-worker"):
+        pod = docs[("StatefulSet", name)]["spec"]["template"]["spec"]
+        [shm] = [m["name"] for m in pod["containers"][0]["volumeMounts"] if m["mountPath"] == "/dev/shm"]
+        [volume] = [v for v in pod["volumes"] if v["name"] == shm]
+        assert volume["emptyDir"] == {"medium": "Memory", "sizeLimit": "1Gi"}, name
+    for profile in PROFILES:
+        config = compose_config(profile) if profile != "cpu" else compose_config()
+        workers = {name: s for name, s in config["services"].items() if "_worker" in " ".join(s.get("command") or [])}
+        assert {name: s.get("shm_size") for name, s in workers.items()} == dict.fromkeys(workers, "1073741824"), profile
+
+
 def test_the_model_comes_from_a_volume_converted_by_an_init_container():
     docs = by_kind_and_name()
     config = docs[("ConfigMap", "kvmesh-config")]["data"]
