@@ -259,6 +259,8 @@ def test_up_bad_arguments_fail_at_once_on_one_line(tmp_path, args, message):
         ({"KVMESH_TENSOR_PARALLEL_SIZE": "2"}, "kvmesh up: error: --tensor-parallel-size 2: a decode worker only: "),
         ({"KVMESH_ENGINE_ARGS": '{"tensor_parallel_size": 2}'}, "kvmesh up: error: --tensor-parallel-size 2: a decode worker only: "),
         ({"KVMESH_TENSOR_PARALLEL_SIZE": "two"}, "kvmesh up: error: KVMESH_TENSOR_PARALLEL_SIZE='two': "),
+        # as the worker says it (0 was taken as 1 here, and refused by the worker only after the servers had started)
+        ({"KVMESH_TENSOR_PARALLEL_SIZE": "0"}, "kvmesh up: error: KVMESH_TENSOR_PARALLEL_SIZE='0': must be a positive integer, got '0'"),
         ({"KVMESH_ENGINE_ARGS": "[1]"}, "kvmesh up: error: --engine-args: must be a JSON object of EngineArgs fields"),  # was a traceback
     ],
 )

@@ -424,7 +424,7 @@ def _given_tensor_parallel(args: argparse.Namespace) -> int:
     given = getattr(args, "tensor_parallel_size", None)
     if given is not None:
         return int(given)
-    return env.TENSOR_PARALLEL_SIZE.read(int, 1)  # as the workers will: they inherit the environment
+    return env.TENSOR_PARALLEL_SIZE.read(positive_int, 1)  # as the workers will: they inherit the environment
 
 
 def _given_engine_args(args: argparse.Namespace) -> str | None:
