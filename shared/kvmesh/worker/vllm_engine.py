@@ -91,7 +91,9 @@ class VllmEngine(AsyncEngine):
 
         model_dir = resolve_model(s.model)
         name = s.served_model_name or served_model_name(s.model, model_dir)
-        exchange = new_exchange()  # what the kvmesh KV connector vLLM loads shares with VllmCore
+        # what the kvmesh KV connector vLLM loads shares with VllmCore; none with tensor parallel,
+        # whose KV lies in vLLM's ranks, where the connector's worker side cannot share it from
+        exchange = new_exchange() if ranks == 1 else None
         args = engine_args(s, model_dir, name, exchange)
         logger.info("vLLM engine args: %s", ", ".join(f"{k}={v}" for k, v in args.items()))
         engine_args_ = EngineArgs(**args)
@@ -102,8 +104,7 @@ class VllmEngine(AsyncEngine):
         stats.keep_only_ours(engine)
         block_size = engine.vllm_config.cache_config.block_size
         layout = pool_layout(engine, s.dtype, block_size)
-        # no connector with tensor parallel (``engine_args``): nothing to exchange with
-        core = VllmCore(engine, name, layout, None if lending else len(cores), None if layout.ranks > 1 else EXCHANGES[exchange])
+        core = VllmCore(engine, name, layout, None if lending else len(cores), EXCHANGES[exchange] if exchange else None)
         core.stats = stats
         if layout.ranks > 1:
             logger.info(
@@ -180,11 +181,9 @@ def parse_cores(text: str) -> list[int]:
     return sorted(set(cores))
 
 
-def engine_args(s: EngineSettings, model_dir: Path, name: str, exchange: str) -> dict[str, Any]:
+def engine_args(s: EngineSettings, model_dir: Path, name: str, exchange: str | None) -> dict[str, Any]:
     """vLLM's ``EngineArgs`` from a worker's settings, with kvmesh's KV connector sharing
-    ``exchange`` (one process: with tensor parallel, vLLM's KV lies in its worker processes,
-    which the connector's worker side cannot share it from, and there is none);
-    ``--engine-args`` last, so it wins."""
+    ``exchange`` (None: no connector); ``--engine-args`` last, so it wins."""
     args: dict[str, Any] = {
         "model": str(model_dir),
         "served_model_name": name,
@@ -201,22 +200,20 @@ def engine_args(s: EngineSettings, model_dir: Path, name: str, exchange: str) ->
         "tensor_parallel_size": s.tensor_parallel_size,
         # KV events into this process (``VllmCore`` replaces the null publisher with its queue)
         "kv_events_config": {"enable_kv_cache_events": True, "publisher": "null"},
-        # prefill for export and decode from imports (``kvmesh.worker.vllm_connector``)
-        "kv_transfer_config": {
-            "kv_connector": "KvmeshConnector",
-            "kv_connector_module_path": "kvmesh.worker.vllm_connector",
-            "kv_role": "kv_both",
-            "kv_connector_extra_config": {"kvmesh_exchange": exchange},
-        },
         # structured output with llguidance, as kvmesh's engine; a guided import's first token
         # output again, forced (``kvmesh.worker.vllm_forced``, ``vllm_outputs``)
         "structured_outputs_config": {"backend": GUIDANCE},
         "logits_processors": [FORCED_TOKENS],
     }
+    if exchange is not None:  # prefill for export and decode from imports (``kvmesh.worker.vllm_connector``)
+        args["kv_transfer_config"] = {
+            "kv_connector": "KvmeshConnector",
+            "kv_connector_module_path": "kvmesh.worker.vllm_connector",
+            "kv_role": "kv_both",
+            "kv_connector_extra_config": {"kvmesh_exchange": exchange},
+        }
     if s.engine_args:
         args.update(json.loads(s.engine_args))
-    if int(args["tensor_parallel_size"]) > 1:
-        del args["kv_transfer_config"]
     if isinstance(args["kv_events_config"], dict):
         from vllm.config import KVEventsConfig  # type: ignore[import-not-found]
 
