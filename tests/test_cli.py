@@ -218,12 +218,12 @@ def test_up_on_a_busy_port_fails_at_once_on_one_line(tmp_path):
         (["--host", "bad host!"], "kvmesh up: error: argument --host: must be an IP address or a host name, got 'bad host!'"),
         # vLLM refused it only once its worker had loaded the model
         (["--engine", "vllm", "--block-size", "48"], "kvmesh up: error: --block-size 48: vLLM on CPU takes a multiple of 32"),
-        # tensor parallel: a vLLM decode worker's KV stays in vLLM's worker processes
-        (
-            ["--engine", "vllm", "--tensor-parallel-size", "2", "--prefill", "1"],
-            "kvmesh up: error: --tensor-parallel-size 2: a decode worker only: vLLM keeps the KV in its 2 worker processes",
-        ),
+        # tensor parallel: vLLM's workers only, bound to their cores
         (["--tensor-parallel-size", "2"], "kvmesh up: error: --tensor-parallel-size 2: vLLM's workers only (--engine vllm)"),
+        (
+            ["--engine", "vllm", "--tensor-parallel-size", "2", "--device", "cuda"],
+            "kvmesh up: error: --tensor-parallel-size 2 on cuda: kvmesh shares vLLM's ranks' KV pools on the CPU only yet",
+        ),
         (
             ["--engine", "vllm", "--tensor-parallel-size", "2", "--lend-cores"],
             "kvmesh up: error: --tensor-parallel-size 2: its processes are bound to their cores; not with --lend-cores",
@@ -256,8 +256,8 @@ def test_up_bad_arguments_fail_at_once_on_one_line(tmp_path, args, message):
 @pytest.mark.parametrize(
     "variables, message",
     [
-        ({"KVMESH_TENSOR_PARALLEL_SIZE": "2"}, "kvmesh up: error: --tensor-parallel-size 2: a decode worker only: "),
-        ({"KVMESH_ENGINE_ARGS": '{"tensor_parallel_size": 2}'}, "kvmesh up: error: --tensor-parallel-size 2: a decode worker only: "),
+        ({"KVMESH_TENSOR_PARALLEL_SIZE": "2"}, "kvmesh up: error: --tensor-parallel-size 2: its processes are bound to their cores; "),
+        ({"KVMESH_ENGINE_ARGS": '{"tensor_parallel_size": 2}'}, "kvmesh up: error: --tensor-parallel-size 2: its processes are bound to their cores; "),
         ({"KVMESH_TENSOR_PARALLEL_SIZE": "two"}, "kvmesh up: error: KVMESH_TENSOR_PARALLEL_SIZE='two': "),
         # as the worker says it (0 was taken as 1 here, and refused by the worker only after the servers had started)
         ({"KVMESH_TENSOR_PARALLEL_SIZE": "0"}, "kvmesh up: error: KVMESH_TENSOR_PARALLEL_SIZE='0': must be a positive integer, got '0'"),
@@ -266,9 +266,9 @@ def test_up_bad_arguments_fail_at_once_on_one_line(tmp_path, args, message):
 )
 def test_up_judges_the_workers_parallel_variables_before_it_starts_anything(tmp_path, variables, message):
     """The workers inherit ``kvmesh up``'s environment: a tensor parallel size there is
-    judged as a flag would be (here with a prefill worker asked for), before anything starts."""
+    judged as a flag would be (here with cores lent, which tensor parallel refuses), before anything starts."""
     done = kvmesh(
-        "up", "--port", "0", "--workdir", str(tmp_path / "w"), "--engine", "vllm", "--prefill", "1",
+        "up", "--port", "0", "--workdir", str(tmp_path / "w"), "--engine", "vllm", "--lend-cores",
         env={**variables, "KVMESH_VLLM_PYTHON": "/nonexistent/python"},
     )  # fmt: skip
     assert done.returncode == 2 and done.stdout == "", done.stderr

@@ -93,8 +93,8 @@ def build_parser() -> argparse.ArgumentParser:
     )  # fmt: skip
     up.add_argument("--version", action="version", version=f"kvmesh {__version__}")
     up.add_argument(
-        "--prefill", type=non_negative_int,
-        help="prefill workers (0: decode workers prefill themselves; default 1, 0 with --tensor-parallel-size above 1)",
+        "--prefill", type=non_negative_int, default=1,
+        help="prefill workers (0: decode workers prefill themselves)",
     )  # fmt: skip
     up.add_argument("--decode", type=positive_int, default=1, help="decode workers")
     up.add_argument("--host", type=host_address, default="127.0.0.1", help="the router's address")

@@ -280,7 +280,8 @@ class KVLayoutSpec(Message):
     kv_split: bool = Field(default=False, exclude_if=_is_zero)
     kv_stride: int = Field(default=0, ge=0, exclude_if=_is_zero)
     planes: tuple[int, ...] = Field(default=(), max_length=MAX_PLANES, exclude_if=_is_zero)  # separately allocated layers
-    ranks: int = Field(default=1, ge=1, exclude_if=_is_one)  # tensor parallel: rank 0's pool of ranks, pulled by none
+    ranks: int = Field(default=1, ge=1, exclude_if=_is_one)  # tensor parallel: rank 0's pool of ranks
+    rank_stride: int = Field(default=0, ge=0, exclude_if=_is_zero)  # tensor parallel: from one rank's pool to the next's
 
     @model_validator(mode="after")
     def _a_layout(self) -> KVLayoutSpec:
@@ -323,6 +324,7 @@ def _pool_layout(spec: KVLayoutSpec, default_base: int) -> PoolLayout:
         kv_stride=spec.kv_stride,
         planes=spec.planes,
         ranks=spec.ranks,
+        rank_stride=spec.rank_stride,
     )
 
 

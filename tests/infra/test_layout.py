@@ -158,14 +158,42 @@ def test_pools_whose_pieces_are_ordered_differently_are_refused_with_the_reason(
         dataclasses.replace(kvmesh_pool(0), kv_stride=PIECE)
 
 
-def test_a_pool_split_across_processes_matches_none_and_no_byte_range_reaches_it():
-    """Tensor parallel: rank 0's pool of two is published marked split; it matches no pool,
-    not even its own shape, and a pull's byte ranges are refused, either way."""
-    split = dataclasses.replace(layer_major_pool(0), ranks=2)
-    why = "a pool split across 2 processes (tensor parallel): kvmesh moves no KV in or out of one yet"
-    assert split.mismatch(layer_major_pool(0)) == layer_major_pool(0).mismatch(split) == split.mismatch(split) == why
-    for src, dst in ((split, layer_major_pool(0)), (layer_major_pool(0), split)):
+def split_pool(base: int, ranks: int = 2, gap: int = 4096) -> PoolLayout:
+    """A tensor-parallel vLLM pool as its worker maps it: each rank's pool (heads split
+    between them) one after another, ``gap`` bytes apart past each."""
+    one = layer_major_pool(base)
+    return dataclasses.replace(one, num_kv_heads=1, ranks=ranks, rank_stride=one.pool_bytes + gap)
+
+
+def test_pools_split_alike_across_processes_move_rank_to_rank():
+    """Tensor parallel: block b of rank r lies r * rank_stride past rank 0's block b; a pull
+    between pools split alike moves each rank's ranges into the same rank's pool."""
+    src, dst = split_pool(10**6), split_pool(10**8, gap=64)
+    assert src.mismatch(dst) is None
+    assert src.regions() == [(10**6, src.pool_bytes), (10**6 + src.rank_stride, src.pool_bytes)]
+    piece = src.piece_bytes  # one head: half a block apart (the test pool's strides are a two-head pool's)
+    got = layout_byte_ranges([BlockRun(1, 3, 2)], src=src, dst=dst)
+    expected = [
+        (10**6 + rank * src.rank_stride + layer * src.layer_stride + (1 + i) * src.block_stride,
+         10**8 + rank * dst.rank_stride + layer * dst.layer_stride + (3 + i) * dst.block_stride, piece)
+        for rank in range(2) for layer in range(3) for i in range(2)
+    ]  # fmt: skip
+    assert list(zip(*got)) == expected
+
+
+def test_pools_split_differently_match_not_and_no_byte_range_reaches_them():
+    """A pool split across 2 processes and one in one process (or split across 3) do not
+    match, either way, and a pull's byte ranges between them are refused."""
+    split, whole = split_pool(0), dataclasses.replace(layer_major_pool(0), num_kv_heads=1)
+    assert split.mismatch(whole) == "tensor parallel 2 vs 1 (kvmesh moves KV only between pools split alike)"
+    assert whole.mismatch(split) == "tensor parallel 1 vs 2 (kvmesh moves KV only between pools split alike)"
+    assert split.mismatch(split_pool(0, ranks=3)) is not None
+    for src, dst in ((split, whole), (whole, split)):
         with pytest.raises(ValueError, match="tensor parallel"):
             layout_byte_ranges([BlockRun(0, 0, 1)], src=src, dst=dst)
     with pytest.raises(ValueError, match="one process or more"):
         dataclasses.replace(layer_major_pool(0), ranks=0)
+    with pytest.raises(ValueError, match="rank stride"):
+        dataclasses.replace(layer_major_pool(0), ranks=2)  # where the other rank lies is not said
+    with pytest.raises(ValueError, match="rank stride"):
+        dataclasses.replace(layer_major_pool(0), ranks=2, rank_stride=64)  # ranks' pools overlap

@@ -111,18 +111,14 @@ def test_either_engines_workers_lend_by_default(monkeypatch, engine) -> None:
 
 
 @pytest.mark.parametrize("argv", [("--tensor-parallel-size", "2"), ("--engine-args", '{"tensor_parallel_size": 2}')])
-def test_tensor_parallel_decode_workers_prefill_themselves_on_their_own_cores(monkeypatch, argv) -> None:
-    """With tensor parallel 2 there are no prefill workers by default (kvmesh moves no KV out
-    of vLLM's worker processes yet), said in one line, and no cores are lent: each of the
-    decode worker's processes is bound to its share of them."""
+def test_tensor_parallel_workers_lend_no_cores(monkeypatch, argv) -> None:
+    """With tensor parallel 2 the mesh is 1 + 1 as without it, and no cores are lent: each
+    of a worker's processes is bound to its share of the worker's."""
     monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1})
     args = up_args("--dtype", "float32", "--engine", "vllm", *argv)
     said = choose_machine_defaults(args)
-    assert (args.prefill, args.decode, args.lend_cores, args.num_threads) == (0, 1, False, 2)
-    assert said[0] == (
-        "no prefill workers: with tensor parallel 2 vLLM keeps the KV in its worker processes, which kvmesh moves "
-        "no KV out of yet, so the decode workers prefill their own prompts"
-    )
+    assert (args.prefill, args.decode, args.lend_cores, args.num_threads) == (1, 1, False, 1)
+    assert not any(line.startswith("cores lent") for line in said)
     args = up_args("--dtype", "float32", "--engine", "vllm")
     choose_machine_defaults(args)
     assert (args.prefill, args.lend_cores) == (1, True)  # without it, as before

@@ -84,8 +84,7 @@ def test_help_shows_the_defaults_and_version() -> None:
     assert done.returncode == 0
     for line in (
         "--prefill PREFILL",
-        "prefill workers (0: decode workers prefill themselves;",
-        "default 1, 0 with --tensor-parallel-size above 1)",
+        "prefill workers (0: decode workers prefill themselves) (default: 1)",
         "--kv-cache-mib KV_CACHE_MIB",
         "KV pool per worker (default: 256)",
         "--dtype {float32,bfloat16,float16,auto}",

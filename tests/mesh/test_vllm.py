@@ -17,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import json
 import subprocess
+import time
 from pathlib import Path
 
 import nats
@@ -849,17 +850,20 @@ TP_PROMPTS = [
 ]
 
 
-def test_kvmesh_up_with_tensor_parallel_2_answers_as_one_tensor_parallel_vllm_process(tmp_path, vllm_python):
-    """``kvmesh up --engine vllm --tensor-parallel-size 2``: no prefill workers (said in one
-    line), one decode worker whose model and KV pool are split across two vLLM worker
-    processes, a core each; completions, streamed and not, equal one vLLM process's with
-    tensor parallel 2, a repeated prompt is served from its prefix cache, and its rank
-    processes end with it. The model is a tiny random Llama whose 4 heads split in two
-    (SmolLM2's 9 do not)."""
+def test_kvmesh_up_with_tensor_parallel_2_moves_kv_between_split_pools_as_one_tensor_parallel_vllm_process(tmp_path, vllm_python):
+    """``kvmesh up --engine vllm --tensor-parallel-size 2``: a prefill and a decode worker,
+    each with its model and KV pool split across two vLLM worker processes, each rank's pool
+    shared with its worker's process. The prompts' KV moves from the prefill worker's ranks
+    to the decode worker's, rank to rank, through Mooncake (counted on both sides, whole
+    blocks of both ranks); completions, streamed and not, equal one vLLM process's with
+    tensor parallel 2 (the decode worker computes from the pulled KV: every head of it is
+    used), a repeated prompt is served from a prefix cache, no block is left held, and the
+    rank processes end with their workers. The model is a tiny random Llama whose 4 heads
+    split in two (SmolLM2's 9 do not)."""
     import httpx
 
     from kvmesh.testing.tiny_model import build_tiny_model
-    from tests.mesh.test_up import Up, wait_all_gone
+    from tests.mesh.test_up import Up, scrape, wait_all_gone, worker_metrics
 
     if usable_cores() < 2:
         pytest.skip("tensor parallel 2 here puts a rank on each of two cores")
@@ -880,13 +884,16 @@ def test_kvmesh_up_with_tensor_parallel_2_answers_as_one_tensor_parallel_vllm_pr
     _one_mesh_at_a_time()
     (tmp_path / "up").mkdir()
     up = Up(tmp_path / "up", tmp_path, "--engine", "vllm", "--tensor-parallel-size", "2", "--model", str(model), "--dtype", "float32", kv_cache_mib=64)
+    workers = ["prefill-1", "decode-2"]
     try:
-        assert any(line.startswith("kvmesh up: no prefill workers: with tensor parallel 2") for line in up.lines), up.lines
-        assert sorted(up.info["processes"]) == ["decode-1", "etcd", "kv-metadata", "nats-server", "router"], up.info
-        worker = up.pid("decode-1")
-        ranks = [int(pid) for pid in Path(f"/proc/{worker}/task/{worker}/children").read_text().split()]
-        names = [Path(f"/proc/{pid}/comm").read_text().strip() for pid in ranks]
-        assert names.count("VLLM::Worker_TP") == 2, names  # VLLM::Worker_TP0 and 1, cut to 15 characters
+        assert sorted(up.info["processes"]) == ["decode-2", "etcd", "kv-metadata", "nats-server", "prefill-1", "router"], up.info
+        ranks = []
+        for name in workers:
+            pid = up.pid(name)
+            children = [int(child) for child in Path(f"/proc/{pid}/task/{pid}/children").read_text().split()]
+            names = [Path(f"/proc/{child}/comm").read_text().strip() for child in children]
+            assert names.count("VLLM::Worker_TP") == 2, names  # VLLM::Worker_TP0 and 1, cut to 15 characters
+            ranks += children
         with httpx.Client(base_url=up.base_url, timeout=120) as client:
             [served] = [m["id"] for m in client.get("/v1/models").json()["data"]]
             body = {"model": served, "max_tokens": 8, "temperature": 0, "ignore_eos": True}
@@ -900,11 +907,22 @@ def test_kvmesh_up_with_tensor_parallel_2_answers_as_one_tensor_parallel_vllm_pr
         assert [answer["choices"][0]["text"] for answer in got] == reference
         assert streamed == again["choices"][0]["text"] == reference[1]
         assert got[1]["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
-        assert again["usage"]["prompt_tokens_details"]["cached_tokens"] >= BLOCK  # the prefix cache of a rank-split pool
-        log = (tmp_path / "up" / "logs" / "decode-1.log").read_text()
-        assert "vLLM KV pool: " in log and "in each of 2 worker processes (tensor parallel" in log
+        assert again["usage"]["prompt_tokens_details"]["cached_tokens"] >= BLOCK  # a prefix cache of a rank-split pool
+        moved_in = worker_metrics(asyncio.run(scrape(up, "decode-2")), "kvmesh:kv_transfer_bytes_total", "direction")["in"]
+        moved_out = worker_metrics(asyncio.run(scrape(up, "prefill-1")), "kvmesh:kv_transfer_bytes_total", "direction")["out"]
+        rank_block = 2 * 2 * BLOCK * 1 * 64 * 4  # layers, K and V, tokens, one head a rank, head dim, float32
+        assert moved_in == moved_out > 0 and moved_in % (2 * rank_block) == 0, (moved_in, moved_out)  # both ranks' share
+        for name in workers:
+            for _ in range(50):  # nothing in use: no request's, no export's, no import's (held ones count as used)
+                blocks = worker_metrics(asyncio.run(scrape(up, name)), "kvmesh:kv_blocks", "state")
+                if blocks.get("used") == 0.0:
+                    break
+                time.sleep(0.2)
+            assert blocks.get("used") == 0.0 and blocks.get("cached", 0.0) > 0, (name, blocks)
+            log = (tmp_path / "up" / "logs" / f"{name}.log").read_text()
+            assert "in each of 2 worker processes (tensor parallel), mapped here" in log
         code, _ = up.stop()
         assert code == 0
-        assert wait_all_gone(ranks, timeout=15) == []  # vLLM's rank processes went with their worker
+        assert wait_all_gone(ranks, timeout=15) == []  # vLLM's rank processes went with their workers
     finally:
         up.cleanup()

@@ -132,18 +132,19 @@ def test_prefill_workers_are_paired_only_with_decode_workers_that_can_pull_their
     assert layout_mismatch(worker("p", "prefill", same_shape), worker("d2", "decode", same_shape)) is None
 
 
-def test_a_decode_worker_whose_pool_is_split_across_processes_is_paired_with_no_prefill_worker():
-    """A vLLM decode worker with tensor parallel 2 publishes rank 0's pool, marked split: no
-    prefill worker is paired with it, not even one of the same shape, and the reason says why
-    (the router then has it prefill its own prompts)."""
-    split = spec(engine="vllm", num_kv_heads=1, ranks=2)
+def test_workers_whose_pools_are_split_differently_across_processes_are_not_paired():
+    """A vLLM worker with tensor parallel 2 publishes rank 0's pool, marked split, and where
+    the others lie: it is paired with a worker split alike, not with a one-process pool of
+    the same heads in all, and the reason says why (the decode worker then prefills itself)."""
+    split = spec(engine="vllm", num_kv_heads=1, ranks=2, rank_stride=10**9)
     assert KVLayoutSpec.model_validate_json(split.model_dump_json()) == split  # the record carries it
-    assert "ranks" not in spec().model_dump()  # and a one-process pool's record is as before
-    reason = "a pool split across 2 processes (tensor parallel): kvmesh moves no KV in or out of one yet"
+    assert "ranks" not in spec().model_dump() and "rank_stride" not in spec().model_dump()  # a one-process pool's record is as before
     decode = worker("d-tp", "decode", split)
-    assert layout_mismatch(worker("p", "prefill", spec()), decode) == f"p's KV layout does not match d-tp's ({reason})"
-    assert layout_mismatch(worker("p", "prefill", split), decode) == f"p's KV layout does not match d-tp's ({reason})"
-    assert layout_mismatch(worker("p", "prefill", split), worker("d", "decode", spec())) == f"p's KV layout does not match d's ({reason})"
+    assert layout_mismatch(worker("p", "prefill", split), decode) is None
+    whole = spec(engine="vllm", num_kv_heads=1)
+    why = "p's KV layout does not match d-tp's (tensor parallel 1 vs 2 (kvmesh moves KV only between pools split alike))"
+    assert layout_mismatch(worker("p", "prefill", whole), decode) == why
+    assert "tensor parallel 2 vs 1" in (layout_mismatch(worker("p", "prefill", split), worker("d", "decode", whole)) or "")
 
 
 

@@ -95,13 +95,16 @@ def test_a_layout_this_worker_cannot_copy_is_refused():
         check(request(), local=other)
 
 
-def test_a_handle_into_or_out_of_a_pool_split_across_processes_is_a_bad_request():
-    """A tensor-parallel vLLM worker's pool lies in vLLM's processes: a handle naming one as
-    its producer, or sent to one, is refused before anything is allocated."""
+def test_a_handle_between_pools_split_differently_across_processes_is_a_bad_request():
+    """A tensor-parallel vLLM worker's pool is split across vLLM's processes: a handle
+    naming one as its producer, sent to a worker whose pool is not split alike (or the other
+    way round), is refused before anything is allocated; between pools split alike it passes."""
     import dataclasses
 
-    split = dataclasses.replace(LAYOUT, ranks=2)
-    for producer, local, kv in ((record(), split, {}), (record(kv_layout=KVLayoutSpec.from_layout(split)), LAYOUT, {"layout": KVLayoutSpec.from_layout(split)})):
-        with pytest.raises(MeshError, match=r"split across 2 processes \(tensor parallel\)") as err:
+    split = dataclasses.replace(LAYOUT, ranks=2, rank_stride=LAYOUT.pool_bytes)
+    split_spec = KVLayoutSpec.from_layout(split)
+    for producer, local, kv in ((record(), split, {}), (record(kv_layout=split_spec), LAYOUT, {"layout": split_spec})):
+        with pytest.raises(MeshError, match=r"tensor parallel \d vs \d") as err:
             check(request(**kv), producer, local)
         assert err.value.code is ErrorCode.BAD_REQUEST
+    check(request(layout=split_spec), record(kv_layout=split_spec), split)

@@ -239,37 +239,35 @@ def test_a_worker_flag_out_of_range_is_one_error_line(capsys: pytest.CaptureFixt
 
 
 @pytest.mark.parametrize(
-    ("role", "fields", "error"),
+    ("fields", "error"),
     [
-        ("decode", {"name": "vllm", "tensor_parallel_size": 2}, None),
-        ("decode", {"name": "vllm", "engine_args": '{"tensor_parallel_size": 2}'}, None),  # --engine-args' wins, as in vLLM
-        ("decode", {"name": "vllm", "tensor_parallel_size": 2, "engine_args": '{"tensor_parallel_size": 1}'}, None),
-        ("decode", {"name": "kvmesh", "tensor_parallel_size": 2}, "--tensor-parallel-size 2: vLLM's workers only (--engine vllm)"),
-        (
-            "prefill", {"name": "vllm", "tensor_parallel_size": 2},
-            "--tensor-parallel-size 2: a decode worker only: vLLM keeps the KV in its 2 worker processes, "
-            "which kvmesh pulls no prefill's KV from yet (such decode workers prefill their own prompts)",
-        ),
-        (
-            "decode", {"name": "vllm", "tensor_parallel_size": 2, "lend_cores": "/tmp/board:0"},
+        ({"name": "vllm", "tensor_parallel_size": 2}, None),  # a prefill worker's as a decode worker's
+        ({"name": "vllm", "engine_args": '{"tensor_parallel_size": 2}'}, None),  # --engine-args' wins, as in vLLM
+        ({"name": "vllm", "tensor_parallel_size": 2, "engine_args": '{"tensor_parallel_size": 1}'}, None),
+        ({"name": "kvmesh", "tensor_parallel_size": 2}, "--tensor-parallel-size 2: vLLM's workers only (--engine vllm)"),
+        ({"name": "vllm", "tensor_parallel_size": 2, "lend_cores": "/tmp/board:0"},
             "--tensor-parallel-size 2: its processes are bound to their cores; not with --lend-cores",
         ),
-        (
-            "decode", {"name": "vllm", "engine_args": '{"pipeline_parallel_size": 2}'},
+        ({"name": "vllm", "engine_args": '{"pipeline_parallel_size": 2}'},
             "pipeline parallel: not run by kvmesh's workers yet (vLLM's CPU backend fails it); use --tensor-parallel-size",
         ),
-        (
-            "decode", {"name": "vllm", "engine_args": '{"tensor_parallel_size": "two"}'},
+        ({"name": "vllm", "engine_args": '{"tensor_parallel_size": "two"}'},
             "--engine-args: tensor_parallel_size must be a positive whole number, not 'two'",
         ),
-        ("decode", {"name": "vllm", "engine_args": "[2]"}, "--engine-args: must be a JSON object of EngineArgs fields"),
+        ({"name": "vllm", "engine_args": "[2]"}, "--engine-args: must be a JSON object of EngineArgs fields"),
+        (
+            {"name": "vllm", "tensor_parallel_size": 2, "device": "cuda"},
+            "--tensor-parallel-size 2 on cuda: kvmesh shares vLLM's ranks' KV pools on the CPU only yet",
+        ),
+        ({"name": "vllm", "tensor_parallel_size": 1, "device": "cuda"}, None),
     ],
 )  # fmt: skip
-def test_tensor_parallel_is_for_vllm_decode_workers_that_lend_no_cores(role: str, fields: dict, error: str | None) -> None:
+def test_tensor_parallel_is_for_vllm_workers_that_lend_no_cores(fields: dict, error: str | None) -> None:
+    """Either role: a tensor-parallel pool is shared with the worker's process, pulled from and into."""
     from kvmesh.settings.worker import EngineSettings
     from kvmesh.worker.engines import parallel_problem
 
-    assert parallel_problem(role, EngineSettings(**fields)) == error
+    assert parallel_problem(EngineSettings(**fields)) == error
 
 
 def test_a_kvmesh_worker_refuses_tensor_parallel_in_one_line(capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> None:

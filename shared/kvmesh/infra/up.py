@@ -104,8 +104,7 @@ SERVICE_OPTIONS = (
     ServiceOption("--max-num-batched-tokens", "workers", "tokens in one engine step at most (default: 1024)", POSITIVE_INT),
     ServiceOption(
         "--tensor-parallel-size", "workers",
-        "vllm: worker processes each decode worker's model (and KV pool) is split across; more than 1: "
-        "no prefill workers (the decode workers prefill their own prompts) (default: 1)",
+        "vllm: worker processes each worker's model (and KV pool) is split across (default: 1)",
         POSITIVE_INT,
     ),  # fmt: skip
     ServiceOption("--engine-args", "workers", 'vllm: more EngineArgs as a JSON object, e.g. \'{"enforce_eager": false}\'', {"metavar": "JSON"}),
@@ -323,14 +322,11 @@ def check_block_size(args: argparse.Namespace) -> None:
 
 
 def check_parallel(args: argparse.Namespace) -> None:
-    """Tensor parallel: vLLM decode workers only, lending no cores
+    """Tensor parallel: vLLM workers only, lending no cores
     (``kvmesh.worker.engines.parallel_problem``, as each worker would say it)."""
     problem = parallel_problem_of(args)
     if problem is not None:
         raise UpUsageError(problem)
-    problem = parallel_problem_of(args, "prefill") if args.prefill else None
-    if problem is not None:
-        raise UpUsageError(f"{problem}; leave --prefill out")
 
 
 def check_engine(engine: str) -> None:
@@ -350,14 +346,6 @@ def choose_machine_defaults(args: argparse.Namespace) -> list[str]:
     from kvmesh.machine import default_dtype, threads_per_worker, usable_cores
 
     said = []
-    if args.prefill is None:
-        ranks = tensor_parallel_of(args)
-        args.prefill = 0 if ranks > 1 else 1
-        if ranks > 1:
-            said.append(
-                f"no prefill workers: with tensor parallel {ranks} vLLM keeps the KV in its worker processes, which kvmesh moves "
-                "no KV out of yet, so the decode workers prefill their own prompts"
-            )
     if args.dtype == "auto":
         device = getattr(args, "device", None) or "cpu"
         args.dtype, why = default_dtype(device)
@@ -393,8 +381,8 @@ def lending_by_default(args: argparse.Namespace) -> bool:
     return device == "cpu" and workers > 1 and args.num_threads < usable_cores() and tensor_parallel_of(args) == 1
 
 
-def parallel_problem_of(args: argparse.Namespace, role: str = "decode") -> str | None:
-    """What a ``role`` worker would refuse of the tensor / pipeline parallel settings given
+def parallel_problem_of(args: argparse.Namespace) -> str | None:
+    """What a worker would refuse of the tensor / pipeline parallel settings given
     (flags, else the variables the workers would read)."""
     from kvmesh.settings.worker import EngineSettings
     from kvmesh.worker.engines import parallel_problem
@@ -405,9 +393,9 @@ def parallel_problem_of(args: argparse.Namespace, role: str = "decode") -> str |
         return str(exc)
     given = EngineSettings(
         name=args.engine, tensor_parallel_size=size, engine_args=_given_engine_args(args),
-        lend_cores="kvmesh up" if args.lend_cores else None,
+        lend_cores="kvmesh up" if args.lend_cores else None, device=getattr(args, "device", None) or "cpu",
     )  # fmt: skip
-    return parallel_problem(role, given)
+    return parallel_problem(given)
 
 
 def tensor_parallel_of(args: argparse.Namespace) -> int:

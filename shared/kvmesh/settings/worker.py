@@ -55,8 +55,7 @@ class EngineSettings:
     max_model_len: int | None = None
     cpu_bind: str | None = None
     engine_args: str | None = None
-    # vLLM only: its worker processes, the model's heads (and the KV pool) split between them;
-    # with more than one a worker prefills its own prompts (``parallel_problem``)
+    # vLLM only: its worker processes, the model's heads (and the KV pool) split between them
     tensor_parallel_size: int = 1
 
 
@@ -126,8 +125,8 @@ def worker_parser(role: Role) -> SettingsParser:
     )  # fmt: skip
     option(
         "--tensor-parallel-size", env=env.TENSOR_PARALLEL_SIZE, type=positive_int, default=1,
-        help="vllm: worker processes the model (and its KV pool) is split across, each on its share of --cpu-bind's cores; "
-        "more than 1: decode workers only, which prefill their own prompts (KVMESH_TENSOR_PARALLEL_SIZE)",
+        help="vllm: worker processes the model (and its KV pool) is split across, each on its share of --cpu-bind's cores "
+        "(KVMESH_TENSOR_PARALLEL_SIZE)",
     )  # fmt: skip
     option(
         "--engine-args", env=env.ENGINE_ARGS, metavar="JSON",
@@ -220,7 +219,7 @@ def worker_settings(role: Role, argv: list[str] | None = None) -> WorkerSettings
     except (EnvError, ValueError) as exc:
         parser.error(str(exc))
     problem = block_size_problem(engine.name, engine.device, engine.block_size)
-    problem = problem or parallel_problem(role, engine)
+    problem = problem or parallel_problem(engine)
     if problem is not None:
         parser.error(problem)
     return from_args(

@@ -32,8 +32,11 @@ The engines' pools:
 ``kvmesh.worker.kv_tensors`` reads these from the tensors.
 
 A vLLM worker with tensor parallel ``N`` keeps its pool split by heads across vLLM's ``N``
-worker processes (``ranks``): the layout it publishes is rank 0's, in that process, for the
-record; no pool of more than one rank is pulled from or into yet (``mismatch`` says so).
+worker processes (``ranks``), each rank's pool shared with the worker's process, which maps
+them one after another, ``rank_stride`` bytes apart: the layout describes rank 0's pool
+there, and rank ``r``'s lies ``r * rank_stride`` bytes further on. Blocks move between pools
+split alike, rank to rank (``mismatch`` refuses pools split differently: kvmesh converts
+none yet).
 
 A pool whose segment is ``kv,<rest>`` holds the same bytes as a split pool whose pieces are
 ``<rest>`` with V one piece after K, so kvmesh's pool and a ``token,head,dim`` split pool pull
@@ -71,11 +74,14 @@ class PoolLayout:
     kv_split: bool = False  # K and V of a segment are two pieces apart
     kv_stride: int = 0  # split and strided: bytes from a block's K to its V in the same layer
     planes: tuple[int, ...] = ()  # explicit plane addresses, layer by layer (K, V per layer when split)
-    ranks: int = 1  # processes the pool is split across (vLLM's tensor parallel); > 1: this is rank 0's, elsewhere
+    ranks: int = 1  # processes the pool is split across by heads (vLLM's tensor parallel); > 1: this is rank 0's
+    rank_stride: int = 0  # ranks > 1: bytes from rank r's pool to rank r + 1's, in the worker's process
 
     def __post_init__(self) -> None:
         if self.ranks < 1:
             raise ValueError(f"a KV pool lies in one process or more, not {self.ranks}")
+        if (self.ranks > 1) != (self.rank_stride > 0) or (self.ranks > 1 and self.rank_stride < self.pool_bytes):
+            raise ValueError(f"a pool split across {self.ranks} processes needs a rank stride of a pool or more, not {self.rank_stride}")
         if self.dtype not in ITEMSIZE:
             raise ValueError(f"KV dtype must be one of {sorted(ITEMSIZE)}, got {self.dtype!r}")
         if min(self.block_size, self.num_blocks, self.num_layers, self.num_kv_heads, self.head_dim) < 1:
@@ -156,9 +162,15 @@ class PoolLayout:
         """Where a block's segment (its K's piece, in a split pool) of a layer begins."""
         return self.piece_address(layer, block)
 
+    def rank_offsets(self) -> range:
+        """Bytes from rank 0's pool to each rank's (one pool: ``[0]``)."""
+        return range(0, self.ranks * self.rank_stride, self.rank_stride) if self.ranks > 1 else range(1)
+
     def regions(self) -> list[tuple[int, int]]:
         """(address, bytes) to register with a transfer engine: the pool, or each explicit
-        plane (overlapping and adjacent ones merged)."""
+        plane (overlapping and adjacent ones merged); every rank's, split across processes."""
+        if self.ranks > 1:
+            return [(self.base_address + offset, self.pool_bytes) for offset in self.rank_offsets()]
         if not self.planes:
             return [(self.base_address, self.pool_bytes)]
         merged: list[tuple[int, int]] = []
@@ -196,10 +208,9 @@ class PoolLayout:
 
     def shape_mismatch(self, other: PoolLayout) -> str | None:
         """How the two pools' blocks differ in size or element (``mismatch`` less the order),
-        or that one lies in several processes."""
-        split = self.ranks if self.ranks > 1 else other.ranks
-        if split > 1:
-            return f"a pool split across {split} processes (tensor parallel): kvmesh moves no KV in or out of one yet"
+        or in the processes they are split across (tensor parallel)."""
+        if self.ranks != other.ranks:
+            return f"tensor parallel {self.ranks} vs {other.ranks} (kvmesh moves KV only between pools split alike)"
         for name in ("block_size", "dtype", "num_layers", "num_kv_heads", "head_dim"):
             mine, theirs = getattr(self, name), getattr(other, name)
             if mine != theirs:

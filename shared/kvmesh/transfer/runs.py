@@ -4,7 +4,8 @@ A transfer costs tens of microseconds however small it is, so adjacent blocks th
 adjacent on both sides move as one range. ``layout_byte_ranges`` finds the ranges from the
 two pools' published layouts (``kvmesh.transfer.layout``): one per run for block-major
 pools, one per layer per run for layer-major ones, one per layer for K and one for V per run
-where a pool keeps them apart.
+where a pool keeps them apart; each of these for every rank of pools split across processes
+(tensor parallel), rank to rank.
 """
 
 from __future__ import annotations
@@ -64,21 +65,30 @@ def layout_byte_ranges(
         if run.src_block + run.num_blocks > src.num_blocks or run.dst_block + run.num_blocks > dst.num_blocks:
             raise ValueError(f"block run {run} reaches past a pool ({src.num_blocks} and {dst.num_blocks} blocks)")
     out = _Ranges()
+    for src_rank, dst_rank in zip(src.rank_offsets(), dst.rank_offsets()):  # as many on both sides (shape_mismatch)
+        _add_ranges(out, runs, src, dst, src_rank, dst_rank)
+    return out.src, out.dst, out.lengths
+
+
+def _add_ranges(out: _Ranges, runs: Sequence[BlockRun], src: PoolLayout, dst: PoolLayout, src_rank: int, dst_rank: int) -> None:
+    """The runs' ranges between one rank's pool on each side (``*_rank``: its offset)."""
     if src.block_contiguous and dst.block_contiguous:
         for run in runs:
-            out.add(src.segment_address(0, run.src_block), dst.segment_address(0, run.dst_block), run.num_blocks * src.block_bytes)
-        return out.src, out.dst, out.lengths
+            out.add(src_rank + src.segment_address(0, run.src_block), dst_rank + dst.segment_address(0, run.dst_block), run.num_blocks * src.block_bytes)
+        return
     piece = src.piece_bytes
     adjacent = src.block_stride == piece and dst.block_stride == piece  # a run is one range per plane
     for layer in range(src.num_layers):
         for part in range(src.parts):
             for run in runs:
                 if adjacent:
-                    out.add(src.piece_address(layer, run.src_block, part), dst.piece_address(layer, run.dst_block, part), run.num_blocks * piece)
+                    out.add(
+                        src_rank + src.piece_address(layer, run.src_block, part), dst_rank + dst.piece_address(layer, run.dst_block, part),
+                        run.num_blocks * piece,
+                    )  # fmt: skip
                     continue
                 for i in range(run.num_blocks):
-                    out.add(src.piece_address(layer, run.src_block + i, part), dst.piece_address(layer, run.dst_block + i, part), piece)
-    return out.src, out.dst, out.lengths
+                    out.add(src_rank + src.piece_address(layer, run.src_block + i, part), dst_rank + dst.piece_address(layer, run.dst_block + i, part), piece)
 
 
 @dataclass(slots=True)

@@ -65,13 +65,12 @@ def tensor_parallel(size: int | None, engine_args: str | None) -> int:
     return value
 
 
-def parallel_problem(role: str, s: EngineSettings) -> str | None:
-    """Why a ``role`` worker cannot host ``s``' parallel engine (``None``: it can). vLLM with
-    tensor parallel keeps its KV pool in its worker processes, split by heads, and kvmesh
-    moves no KV in or out of them yet: such a worker is a decode worker that prefills its own
-    prompts (the router pairs it with no prefill worker), and, its ranks bound to their cores,
-    lends none. Pipeline parallel is refused: vLLM 0.32's CPU backend fails it at start, so it
-    has not run here."""
+def parallel_problem(s: EngineSettings) -> str | None:
+    """Why a worker cannot host ``s``' parallel engine (``None``: it can). vLLM with
+    tensor parallel keeps its KV pool in its worker processes, split by heads, shared with
+    the worker's (``kvmesh.worker.shared_pool``): on the CPU only, so far; its ranks bound to
+    their cores, it lends none. Pipeline parallel is refused: vLLM 0.32's CPU backend fails it at start, so it has
+    not run here."""
     problem = engine_args_problem(s.engine_args) if s.engine_args is not None else None
     if problem is not None:
         return problem
@@ -85,11 +84,8 @@ def parallel_problem(role: str, s: EngineSettings) -> str | None:
         return None
     if s.name != "vllm":
         return f"--tensor-parallel-size {ranks}: vLLM's workers only (--engine vllm)"
-    if role != "decode":
-        return (
-            f"--tensor-parallel-size {ranks}: a decode worker only: vLLM keeps the KV in its {ranks} worker processes, "
-            "which kvmesh pulls no prefill's KV from yet (such decode workers prefill their own prompts)"
-        )
+    if s.device != "cpu":  # a GPU rank's pool is device memory: the transfer engine would have to run in each rank
+        return f"--tensor-parallel-size {ranks} on {s.device}: kvmesh shares vLLM's ranks' KV pools on the CPU only yet"
     if s.lend_cores is not None:
         return f"--tensor-parallel-size {ranks}: its processes are bound to their cores; not with --lend-cores"
     return None

@@ -90,11 +90,9 @@ class WorkerRuntime:
 
     def _register_pool(self, pool: PoolLayout) -> None:
         """Register the KV pool with the transfer engine: one range, or each separately
-        allocated layer's (blocks while it registers: run it off the event loop). A pool split
-        across vLLM's worker processes (tensor parallel) is not in this process: nothing is."""
-        if pool.ranks > 1:
-            logger.info("the KV pool lies in %d worker processes (tensor parallel): no KV moves in or out of it", pool.ranks)
-            return
+        allocated layer's, or each rank's of a pool split across vLLM's tensor-parallel
+        processes (mapped here: ``kvmesh.worker.shared_pool``). Blocks while it registers:
+        run it off the event loop."""
         for address, nbytes in pool.regions():
             self.agent.register(address, nbytes)
 

@@ -1,8 +1,10 @@
 """kvmesh's KV connector for vLLM (vLLM's KV connector V1 API), loaded by vLLM from
 ``kv_transfer_config={"kv_connector": "KvmeshConnector", "kv_connector_module_path":
-"kvmesh.worker.vllm_connector", ...}`` in the worker's process, where vLLM runs in-process
-(``kvmesh.worker.vllm_engine``): both of its roles (scheduler and worker) and ``VllmCore``
-share one ``Exchange``, named in ``kv_connector_extra_config["kvmesh_exchange"]``.
+"kvmesh.worker.vllm_connector", ...}``. Its scheduler side runs in the worker's process, where
+vLLM's engine core runs (``kvmesh.worker.vllm_engine``), and shares one ``Exchange`` with
+``VllmCore``, named in ``kv_connector_extra_config["kvmesh_exchange"]``; its worker side runs
+where the model does (that process too, or each of vLLM's tensor-parallel ranks) and learns
+from each step's metadata (``KvmeshMetadata``) which requests to report sent and received.
 
 - **Export** (a prefill worker): a request whose ``kv_transfer_params`` carry
   ``kvmesh_export`` keeps its blocks when it finishes normally (``request_finished``
@@ -24,11 +26,13 @@ share one ``Exchange``, named in ``kv_connector_extra_config["kvmesh_exchange"]`
   ``from_token``, nothing is claimed and vLLM computes the prompt itself.
 
 No bytes move here: the worker's Mooncake pulls (by the producer's published layout) fill
-blocks of this pool, as for kvmesh's engine.
+blocks of this pool, as for kvmesh's engine (a tensor-parallel pool is mapped in the worker's
+process: ``kvmesh.worker.shared_pool``).
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
 from typing import Any
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (  # type: ignore[import-not-found]
@@ -37,19 +41,36 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (  # type: ignore[
 )
 from vllm.v1.request import RequestStatus  # type: ignore[import-not-found]
 
-from kvmesh.worker.vllm_exchange import EXCHANGES, EXPORT, FROM_TOKEN, IMPORT, NUM_TOKENS, Import
+from kvmesh.worker.vllm_exchange import EXCHANGES, EXPORT, FROM_TOKEN, IMPORT, NUM_TOKENS, Exchange, Import
 
 
 CROSS_LAYER_LAYOUT = "BLHNC"  # vLLM's KVCacheLayout: [blocks, layers, heads, tokens, content]
 _EXPORTED = (RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH_CAPPED)  # an export's first token
 
 
+@dataclass
+class KvmeshMetadata(KVConnectorMetadata):  # type: ignore[misc]
+    """What the worker side reports from this step's ``get_finished``, by vLLM's request ids
+    (every rank the same: vLLM counts a request done once every rank has reported it)."""
+
+    sent: set[str] = field(default_factory=set)  # kept blocks vLLM may free now
+    received: set[str] = field(default_factory=set)  # imports filled: vLLM may go on with them
+
+
 class KvmeshConnector(KVConnectorBase_V1):  # type: ignore[misc]
     def __init__(self, vllm_config: Any, role: Any, kv_cache_config: Any = None) -> None:
         super().__init__(vllm_config, role, kv_cache_config)
         extra = vllm_config.kv_transfer_config.kv_connector_extra_config or {}
-        self.exchange = EXCHANGES[extra["kvmesh_exchange"]]
+        # the scheduler side's (the worker's process); None in a tensor-parallel rank's process,
+        # whose worker side needs only each step's metadata
+        self._exchange = EXCHANGES.get(extra["kvmesh_exchange"])
         self.block_size = vllm_config.cache_config.block_size
+
+    @property
+    def exchange(self) -> Exchange:
+        if self._exchange is None:
+            raise RuntimeError("kvmesh's connector has no exchange outside the worker's process")
+        return self._exchange
 
     @classmethod
     def get_required_kvcache_layout(cls, vllm_config: Any) -> str | None:
@@ -85,8 +106,19 @@ class KvmeshConnector(KVConnectorBase_V1):  # type: ignore[misc]
                 str(params[IMPORT]), list(blocks.get_block_ids()[0]), cached // self.block_size
             )
 
-    def build_connector_meta(self, scheduler_output: Any) -> Any:
-        return KVConnectorMetadata()
+    def build_connector_meta(self, scheduler_output: Any) -> KvmeshMetadata:
+        """The kept blocks whose release was asked for, once the worker side has been told
+        their request finished (this step's ``finished_req_ids`` at the latest), and the
+        imports filled since the last step."""
+        exchange = self.exchange
+        with exchange.lock:
+            kept = {vllm_id for vllm_id, _ in exchange.exports.values()} | exchange.to_release
+            exchange.finished_seen |= set(scheduler_output.finished_req_ids) & kept  # only exports wait to be sent
+            sent = {r for r in exchange.to_release if r in exchange.finished_seen}
+            exchange.to_release -= sent
+            exchange.finished_seen -= sent
+            received, exchange.loaded = exchange.loaded, set()
+        return KvmeshMetadata(sent, received)
 
     def request_finished(self, request: Any, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         params = request.kv_transfer_params or {}
@@ -118,11 +150,7 @@ class KvmeshConnector(KVConnectorBase_V1):  # type: ignore[misc]
         pass
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
-        with self.exchange.lock:
-            kept = {vllm_id for vllm_id, _ in self.exchange.exports.values()} | self.exchange.to_release
-            self.exchange.finished_seen |= set(finished_req_ids) & kept  # only exports wait to be sent
-            sent = {r for r in self.exchange.to_release if r in self.exchange.finished_seen}
-            self.exchange.to_release -= sent
-            self.exchange.finished_seen -= sent
-            received, self.exchange.loaded = self.exchange.loaded, set()
-        return sent or None, received or None
+        meta = self._get_connector_metadata() if self.has_connector_metadata() else None
+        if not isinstance(meta, KvmeshMetadata):
+            return None, None
+        return set(meta.sent) or None, set(meta.received) or None

@@ -63,7 +63,14 @@ class VllmCore:
     last_step_tokens = 1
 
     def __init__(
-        self, engine: Any, model_name: str, layout: PoolLayout, num_threads: int | None, exchange: Exchange | None = None
+        self,
+        engine: Any,
+        model_name: str,
+        layout: PoolLayout,
+        num_threads: int | None,
+        exchange: Exchange | None = None,
+        *,
+        kv_caches: list[Any] | None = None,
     ) -> None:
         from vllm.sampling_params import RequestOutputKind  # type: ignore[import-not-found]
 
@@ -72,9 +79,12 @@ class VllmCore:
         self.layout = layout
         self.block_size = layout.block_size
         self.exchange = exchange
-        # the KV tensors, where they are in this process (one rank; imports are copied into them)
+        # the KV tensors, in this process (imports are copied in them): vLLM's one worker's, or,
+        # given, every tensor-parallel rank's as mapped here (``kvmesh.worker.shared_pool``)
         driver = getattr(engine.model_executor, "driver_worker", None)
-        self.kv_caches = list(driver.worker.model_runner.kv_caches) if driver is not None else []
+        if kv_caches is None:
+            kv_caches = list(driver.worker.model_runner.kv_caches) if driver is not None else []
+        self.kv_caches = kv_caches
         self.tokenizer = engine.get_tokenizer()
         self._exports: set[str] = set()  # requests prefilled for export, until their last output
         self._staged: dict[str, list[Any]] = {}  # handle -> vLLM blocks a pull fills (allocate_import)

@@ -14,11 +14,11 @@ only between steps: vLLM's CPU attention fixes it in a step's metadata, so a bor
 cannot give cores back between layers as kvmesh's engine does.
 
 With tensor parallel (``--tensor-parallel-size``) the engine core stays here and vLLM's
-ranks are processes of its own, each bound to its share of the cores: the pool's layout is
-read in each (``collective_rpc``) and published as rank 0's, marked split, registered with
-no transfer engine; the KV connector is left out (its worker side would run in the ranks),
-so such a worker moves no KV in or out and prefills its own prompts
-(``kvmesh.worker.engines.parallel_problem``).
+ranks are processes of its own, each bound to its share of the cores and holding its share
+of the pool (its heads): each rank moves its pool onto memory this process maps too
+(``kvmesh.worker.shared_pool``), rank after rank, so that the pool is published as one
+layout of ``ranks`` (registered with the transfer engine, pulled from and into rank by rank)
+and imports are copied here as for one process.
 
 Prefill for export and decode from imported KV go through kvmesh's KV connector
 (``kvmesh.worker.vllm_connector``, vLLM's connector V1 API) in this process, and so does a
@@ -44,6 +44,7 @@ from kvmesh.hashing import hash_token_blocks
 from kvmesh.transfer.layout import ITEMSIZE, PoolLayout
 from kvmesh.errors import EngineConfigError
 from kvmesh.worker.kv_tensors import pool_layout_of
+from kvmesh.worker.shared_pool import RankPool, map_rank_pools, share_rank_pool
 from kvmesh.worker.engine_api import Engine
 from kvmesh.settings.worker import EngineSettings
 from kvmesh.worker.engines import tensor_parallel
@@ -91,9 +92,7 @@ class VllmEngine(AsyncEngine):
 
         model_dir = resolve_model(s.model)
         name = s.served_model_name or served_model_name(s.model, model_dir)
-        # what the kvmesh KV connector vLLM loads shares with VllmCore; none with tensor parallel,
-        # whose KV lies in vLLM's ranks, where the connector's worker side cannot share it from
-        exchange = new_exchange() if ranks == 1 else None
+        exchange = new_exchange()  # what the kvmesh KV connector vLLM loads shares with VllmCore
         args = engine_args(s, model_dir, name, exchange)
         logger.info("vLLM engine args: %s", ", ".join(f"{k}={v}" for k, v in args.items()))
         engine_args_ = EngineArgs(**args)
@@ -103,13 +102,16 @@ class VllmEngine(AsyncEngine):
         engine = VllmLLMEngine.from_engine_args(engine_args_, stat_loggers=[stats.stat_logger_class()])
         stats.keep_only_ours(engine)
         block_size = engine.vllm_config.cache_config.block_size
-        layout = pool_layout(engine, s.dtype, block_size)
-        core = VllmCore(engine, name, layout, None if lending else len(cores), EXCHANGES[exchange] if exchange else None)
+        if ranks > 1:
+            layout, caches = shared_pool_layout(engine, s.dtype, block_size)
+        else:
+            layout, caches = pool_layout(engine, s.dtype, block_size), None
+        core = VllmCore(engine, name, layout, None if lending else len(cores), EXCHANGES[exchange], kv_caches=caches)
         core.stats = stats
         if layout.ranks > 1:
             logger.info(
-                "vLLM KV pool: %d blocks of %d tokens in each of %d worker processes (tensor parallel; this worker prefills its own prompts)",
-                layout.num_blocks, block_size, layout.ranks,
+                "vLLM KV pool: %d blocks of %d tokens in each of %d worker processes (tensor parallel), mapped here %d bytes apart from %#x",
+                layout.num_blocks, block_size, layout.ranks, layout.rank_stride, layout.base_address,
             )  # fmt: skip
         else:
             logger.info("vLLM KV pool: %d blocks of %d tokens, %d bytes at %#x", layout.num_blocks, block_size, layout.pool_bytes, layout.base_address)
@@ -183,7 +185,7 @@ def parse_cores(text: str) -> list[int]:
 
 def engine_args(s: EngineSettings, model_dir: Path, name: str, exchange: str | None) -> dict[str, Any]:
     """vLLM's ``EngineArgs`` from a worker's settings, with kvmesh's KV connector sharing
-    ``exchange`` (None: no connector); ``--engine-args`` last, so it wins."""
+    ``exchange`` (None: no connector, for a benchmark's engine); ``--engine-args`` last, so it wins."""
     args: dict[str, Any] = {
         "model": str(model_dir),
         "served_model_name": name,
@@ -240,17 +242,44 @@ def default_max_model_len(model_dir: Path, dtype: str, block_size: int, kv_cache
 
 
 def pool_layout(engine: Any, dtype: str, block_size: int) -> PoolLayout:
-    """The pool from the model runner's KV tensors, read as they are
-    (``kvmesh.worker.kv_tensors``): on CPU one tensor per layer ``[blocks, kv_heads, tokens,
-    2 * head_dim]``, all views of one storage. With tensor parallel, rank 0's, read in its
-    process, marked as split across the ranks."""
-    layouts = engine.model_executor.collective_rpc(rank_pool_layout, args=(dtype, block_size))
-    return dataclasses.replace(layouts[0], ranks=len(layouts)) if len(layouts) > 1 else layouts[0]
+    """The pool from the model runner's KV tensors (vLLM's one worker, in this process), read
+    as they are (``kvmesh.worker.kv_tensors``): on CPU one tensor per layer ``[blocks,
+    kv_heads, tokens, 2 * head_dim]``, all views of one storage."""
+    [layout] = engine.model_executor.collective_rpc(rank_pool_layout, args=(dtype, block_size))
+    return cast(PoolLayout, layout)
 
 
 def rank_pool_layout(worker: Any, dtype: str, block_size: int) -> PoolLayout:
     """Run by each of vLLM's workers (``collective_rpc``): its pool, from its model runner."""
     return pool_layout_of(list(worker.worker.model_runner.kv_caches), dtype=dtype, block_size=block_size)
+
+
+def shared_pool_layout(engine: Any, dtype: str, block_size: int) -> tuple[PoolLayout, list[Any]]:
+    """A tensor-parallel pool: each rank's moved onto shared memory and mapped here, rank
+    after rank (``kvmesh.worker.shared_pool``); its layout (rank 0's, read from the tensors
+    here, with where the others lie) and every rank's layer tensors here, for copies."""
+    mapped = map_rank_pools(engine.model_executor.collective_rpc(rank_share_pool))
+    layouts = [pool_layout_of(caches, dtype=dtype, block_size=block_size) for caches in mapped.caches]
+    first = layouts[0]
+    for rank, layout in enumerate(layouts):
+        if dataclasses.replace(layout, base_address=first.base_address) != first or layout.base_address != first.base_address + rank * mapped.stride:
+            raise EngineConfigError(f"vLLM's tensor-parallel rank {rank} lays its KV pool out unlike rank 0")
+    layout = dataclasses.replace(first, ranks=len(layouts), rank_stride=mapped.stride)
+    return layout, [t for caches in mapped.caches for t in caches]
+
+
+def rank_share_pool(worker: Any) -> RankPool:
+    """Run by each of vLLM's tensor-parallel workers (``collective_rpc``) before any request:
+    its pool moved onto memory the worker's process maps, under the model runner's tensors
+    and the attention layers' views of them alike."""
+    import torch
+
+    runner = worker.worker.model_runner
+    bound: list[Any] = []
+    for layer in runner.compilation_config.static_forward_context.values():
+        cache = getattr(layer, "kv_cache", None)
+        bound.extend(t for t in (cache if isinstance(cache, (list, tuple)) else [cache]) if isinstance(t, torch.Tensor))
+    return share_rank_pool(list(runner.kv_caches), also=bound)
 
 
 def _is_an_engine(engine: VllmEngine) -> Engine:
