@@ -144,7 +144,7 @@ class PrefillWorker:
                 return
             layout = rt.engine.kv_layout
             with rt.tracer.start_as_current_span("pin") as pin_span:
-                pin = self.pins.pin(rid, rt.worker_id.encode(), len(export.block_ids) * layout.block_bytes)
+                pin = self.pins.pin(rid, rt.worker_id.encode(), len(export.block_ids) * layout.moved_block_bytes)
                 pin_span.set_attribute("kvmesh.blocks", len(export.block_ids))
             handle = KVHandle(
                 prefill_worker_id=rt.worker_id,
@@ -240,7 +240,7 @@ class PrefillWorker:
         if not block_ids:
             await rt.engine.release_export(loan_id)  # an empty hold
             return [], loan_id, "", None
-        num_bytes = len(block_ids) * rt.engine.kv_layout.block_bytes
+        num_bytes = len(block_ids) * rt.engine.kv_layout.moved_block_bytes
         pin = self.pins.pin(loan_id, rt.worker_id.encode(), num_bytes, borrower=borrower, num_blocks=len(block_ids))
         return block_ids, loan_id, pin.token, None
 

@@ -51,7 +51,7 @@ async def borrow_prefix(rt: WorkerRuntime, cost: CostModel, request_id: str, pro
     engine = rt.engine
     layout = engine.kv_layout
     block_size = layout.block_size
-    block_bytes = layout.block_bytes
+    block_bytes = layout.moved_block_bytes  # every rank's share, as the pulls it learns its rate from
     hashes = engine.block_hashes(prompt)
     usable = min(peer.num_blocks, (len(prompt) - 1) // block_size, len(hashes))
     local = await engine.cached_prefix_length(hashes[:usable])

@@ -179,6 +179,14 @@ def test_pools_split_alike_across_processes_move_rank_to_rank():
         for rank in range(2) for layer in range(3) for i in range(2)
     ]  # fmt: skip
     assert list(zip(*got)) == expected
+    # ranks' pools back to back (no gap): a rank's last range and the next rank's first are
+    # adjacent on both sides, yet not merged (each rank's pool is registered on its own)
+    one = kvmesh_pool(0)
+    tight = dataclasses.replace(one, ranks=2, rank_stride=one.pool_bytes)
+    last = one.num_blocks - 1
+    got = layout_byte_ranges([BlockRun(0, 0, 1), BlockRun(last, last, 1)], src=tight, dst=tight)
+    assert got[0] == [0, last * one.block_bytes, one.pool_bytes, one.pool_bytes + last * one.block_bytes]
+    assert got[2] == [one.block_bytes] * 4 and tight.moved_block_bytes == 2 * one.block_bytes
 
 
 def test_pools_split_differently_match_not_and_no_byte_range_reaches_them():

@@ -1,14 +1,18 @@
 """A pool split across processes, shared with the worker's (``kvmesh.worker.shared_pool``):
 each "rank" (a child process here, as vLLM's ranks are the worker's children) moves its
 layer views onto a memfd; the worker maps every rank's, rank after rank, and each side sees
-what the other writes, through the views the rank's code already holds."""
+what the other writes, through the views the rank's code already holds; the rank's old
+storage is freed."""
 
 from __future__ import annotations
 
+import gc
 import multiprocessing
 
 import pytest
 import torch
+
+from torch.multiprocessing.reductions import StorageWeakRef
 
 from kvmesh.transfer.layout import VLLM_CPU_ARRANGEMENT
 from kvmesh.worker.kv_tensors import pool_layout_of
@@ -23,9 +27,14 @@ def _rank(rank: int, conn) -> None:
     worker wrote into block 4 of layer 0."""
     buffer = torch.zeros(LAYERS * BLOCKS * HEADS * TOKENS * CONTENT, dtype=torch.float32)
     views = [buffer.view(LAYERS, BLOCKS, HEADS, TOKENS, CONTENT)[layer] for layer in range(LAYERS)]
-    conn.send(share_rank_pool(views))
+    bound = [v.view(BLOCKS, HEADS, TOKENS, CONTENT) for v in views]  # other views of it, as vLLM's layers hold
+    old = StorageWeakRef(buffer.untyped_storage())
+    conn.send(share_rank_pool(views, also=[*bound, torch.zeros(1)]))
     del buffer
+    gc.collect()
+    conn.send(old.expired() and len({t.untyped_storage().data_ptr() for t in [*views, *bound]}) == 1)
     conn.recv()
+    bound[0][0].fill_(0.5)  # through a view given as ``also``: the worker sees it too
     views[1][2].fill_(10.0 + rank)
     conn.send("written")
     conn.recv()
@@ -40,6 +49,7 @@ def test_each_ranks_pool_is_shared_with_the_worker_rank_after_rank():
         p.start()
     try:
         pools = [parent.recv() for parent, _ in pipes]
+        assert [parent.recv() for parent, _ in pipes] == [True, True]  # the old storage freed, every view moved
         mapped = map_rank_pools(pools)
         assert mapped.stride >= pools[0].nbytes and mapped.stride % 4096 == 0
         layouts = [pool_layout_of(caches, dtype="float32", block_size=TOKENS) for caches in mapped.caches]
@@ -50,12 +60,12 @@ def test_each_ranks_pool_is_shared_with_the_worker_rank_after_rank():
         assert [parent.recv() for parent, _ in pipes] == ["written", "written"]
         for rank, caches in enumerate(mapped.caches):
             assert bool((caches[1][2] == 10.0 + rank).all()) and float(caches[1][3].sum()) == 0.0
+            assert bool((caches[0][0] == 0.5).all())
             caches[0][4].fill_(1.0 + rank)
         for parent, _ in pipes:
             parent.send("read")
         per_block = HEADS * TOKENS * CONTENT
         assert [parent.recv() for parent, _ in pipes] == [1.0 * per_block, 2.0 * per_block]
-        mapped.close()
     finally:
         for p in ranks:
             p.join(timeout=30)

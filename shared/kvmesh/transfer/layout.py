@@ -123,8 +123,13 @@ class PoolLayout:
 
     @property
     def block_bytes(self) -> int:
-        """One block's KV over every layer (what a pull of one block moves)."""
+        """One block's KV over every layer, in one rank's pool."""
         return self.num_layers * self.segment_bytes
+
+    @property
+    def moved_block_bytes(self) -> int:
+        """What a pull of one block moves: its KV over every layer, every rank's share."""
+        return self.ranks * self.block_bytes
 
     @property
     def plane_bytes(self) -> int:

@@ -66,7 +66,11 @@ def layout_byte_ranges(
             raise ValueError(f"block run {run} reaches past a pool ({src.num_blocks} and {dst.num_blocks} blocks)")
     out = _Ranges()
     for src_rank, dst_rank in zip(src.rank_offsets(), dst.rank_offsets()):  # as many on both sides (shape_mismatch)
-        _add_ranges(out, runs, src, dst, src_rank, dst_rank)
+        ranges = _Ranges()  # none merged across ranks: each rank's pool is registered on its own
+        _add_ranges(ranges, runs, src, dst, src_rank, dst_rank)
+        out.src += ranges.src
+        out.dst += ranges.dst
+        out.lengths += ranges.lengths
     return out.src, out.dst, out.lengths
 
 

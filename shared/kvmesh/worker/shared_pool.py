@@ -49,8 +49,9 @@ class RankPool:
 def share_rank_pool(caches: Sequence[Any], also: Sequence[Any] = ()) -> RankPool:
     """Move a rank's pool (``caches``: each layer's tensor, all views of one storage) onto a
     memfd, and with it those of ``also`` that are views of that storage too (other views
-    of the pool its code holds); returns where the worker finds it. The pool's contents are
-    not kept: run it before any request."""
+    of the pool its code holds), and the tensors they are views of, so that nothing keeps
+    the old storage (freed then); returns where the worker finds it. The pool's contents
+    are not kept: run it before any request."""
     import torch
 
     storages = {t.untyped_storage().data_ptr() for t in caches}
@@ -65,27 +66,24 @@ def share_rank_pool(caches: Sequence[Any], also: Sequence[Any] = ()) -> RankPool
     except BaseException:
         os.close(fd)
         raise
-    for t in [*caches, *(t for t in also if t.untyped_storage().data_ptr() == old)]:
+    views = [*caches, *(t for t in also if t.untyped_storage().data_ptr() == old)]
+    bases = {id(t._base): t._base for t in views if t._base is not None}  # a view keeps its base, and the base its storage
+    for t in [*views, *bases.values()]:
         t.set_(shared, t.storage_offset(), t.size(), t.stride())
     _kept.append(fd)
-    views = tuple((t.storage_offset(), tuple(t.size()), tuple(t.stride())) for t in caches)
-    return RankPool(os.getpid(), fd, nbytes, str(caches[0].dtype).removeprefix("torch."), views)
+    layers = tuple((t.storage_offset(), tuple(t.size()), tuple(t.stride())) for t in caches)
+    return RankPool(os.getpid(), fd, nbytes, str(caches[0].dtype).removeprefix("torch."), layers)
 
 
 @dataclass(slots=True)
 class MappedPools:
     """Every rank's pool mapped in this process: rank ``r``'s storage at
-    ``base + r * stride``, and each rank's layer tensors over it."""
+    ``base + r * stride``, and each rank's layer tensors over it. Never unmapped: the
+    transfer engine has them registered, and a peer may read them, until the process ends."""
 
     base: int
     stride: int
     caches: list[list[Any]]  # per rank, each layer's tensor (the rank's shapes and strides)
-
-    def close(self) -> None:
-        """Unmap them (nothing may use the tensors after)."""
-        ranks, self.caches = len(self.caches), []
-        if ranks:
-            _libc.munmap(self.base, self.stride * ranks)
 
 
 def map_rank_pools(pools: Sequence[RankPool]) -> MappedPools:
