@@ -41,15 +41,21 @@ def _rank(rank: int, conn) -> None:
     conn.send(float(views[0][4].sum()))
 
 
+def _recv(conn):
+    """The rank's next message, or a failure (never a wait without end for a rank that died)."""
+    assert conn.poll(120), "a rank process sent nothing in 120 s"
+    return conn.recv()
+
+
 def test_each_ranks_pool_is_shared_with_the_worker_rank_after_rank():
-    ctx = multiprocessing.get_context("fork")
+    ctx = multiprocessing.get_context("spawn")  # as vLLM starts its ranks: a fork of pytest's threads may abort
     pipes = [ctx.Pipe() for _ in range(2)]
     ranks = [ctx.Process(target=_rank, args=(r, child)) for r, (_, child) in enumerate(pipes)]
     for p in ranks:
         p.start()
     try:
-        pools = [parent.recv() for parent, _ in pipes]
-        assert [parent.recv() for parent, _ in pipes] == [True, True]  # the old storage freed, every view moved
+        pools = [_recv(parent) for parent, _ in pipes]
+        assert [_recv(parent) for parent, _ in pipes] == [True, True]  # the old storage freed, every view moved
         mapped = map_rank_pools(pools)
         assert mapped.stride >= pools[0].nbytes and mapped.stride % 4096 == 0
         layouts = [pool_layout_of(caches, dtype="float32", block_size=TOKENS) for caches in mapped.caches]
@@ -57,7 +63,7 @@ def test_each_ranks_pool_is_shared_with_the_worker_rank_after_rank():
         assert layouts[1].base_address == layouts[0].base_address + mapped.stride  # rank after rank
         for parent, _ in pipes:
             parent.send("go")
-        assert [parent.recv() for parent, _ in pipes] == ["written", "written"]
+        assert [_recv(parent) for parent, _ in pipes] == ["written", "written"]
         for rank, caches in enumerate(mapped.caches):
             assert bool((caches[1][2] == 10.0 + rank).all()) and float(caches[1][3].sum()) == 0.0
             assert bool((caches[0][0] == 0.5).all())
@@ -65,7 +71,7 @@ def test_each_ranks_pool_is_shared_with_the_worker_rank_after_rank():
         for parent, _ in pipes:
             parent.send("read")
         per_block = HEADS * TOKENS * CONTENT
-        assert [parent.recv() for parent, _ in pipes] == [1.0 * per_block, 2.0 * per_block]
+        assert [_recv(parent) for parent, _ in pipes] == [1.0 * per_block, 2.0 * per_block]
     finally:
         for p in ranks:
             p.join(timeout=30)
