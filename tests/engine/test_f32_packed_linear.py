@@ -111,6 +111,7 @@ def test_the_plan_gives_float32_the_packed_kernel(monkeypatch) -> None:
     first. (The kernels are pretended, so that this runs on any CPU that builds the library.)"""
     monkeypatch.setattr(torch.ops.kvmesh, "small_linear_available", lambda name: True, raising=False)
     monkeypatch.setattr(small_batch, "f32_packed_available", lambda: True)
+    monkeypatch.setattr(small_batch, "f32_packed_lanes", lambda: 16)  # built for AVX-512
     small, most = small_batch.SMALL_ROWS[torch.float32], small_batch.F32_PACKED_ROWS
     for amx in (False, True):
         monkeypatch.setattr(small_batch, "cpu_has_amx", lambda amx=amx: amx)
@@ -123,6 +124,32 @@ def test_the_plan_gives_float32_the_packed_kernel(monkeypatch) -> None:
     monkeypatch.setattr(small_batch, "f32_packed_available", lambda: False)
     plan = small_batch.plan(_weights(), torch.float32, compiled=True, prepacked=True)
     assert plan.tile_rows == 0 and plan.tile_kernel == ""
+
+
+@pytest.mark.skipif(paged_kernel.compiler() is None or not paged_kernel.available(), reason="no compiled kernels")
+def test_the_plan_gives_float32_every_row_to_the_packed_kernel_built_for_avx2(monkeypatch) -> None:
+    """Built for AVX2 (8-float vectors), the packed kernel takes float32 from one row and no
+    plain copies are kept; where its copy does not fit, the small-batch kernel's rows again."""
+    monkeypatch.setattr(torch.ops.kvmesh, "small_linear_available", lambda name: True, raising=False)
+    monkeypatch.setattr(small_batch, "f32_packed_available", lambda: True)
+    monkeypatch.setattr(small_batch, "f32_packed_lanes", lambda: 8)
+    most = small_batch.F32_PACKED_ROWS
+    plan = small_batch.plan(_weights(), torch.float32, compiled=True, prepacked=True)
+    assert (plan.layer_rows, plan.lm_head_rows, plan.tile_rows, plan.tile_kernel) == (0, 0, most, "f32")
+    assert plan.why == f"on: packed weights for float32 fused multiply-adds for 1-{most} rows (0 MiB)"
+    monkeypatch.setattr(small_batch, "PLAIN_COPY_LIMIT", 6000)  # the packed copy (6,720 bytes) does not fit; plain (5,120) does
+    plan = small_batch.plan(_weights(), torch.float32, compiled=True, prepacked=True)
+    small = small_batch.SMALL_ROWS[torch.float32]
+    assert (plan.layer_rows, plan.lm_head_rows, plan.tile_rows, plan.tile_kernel) == (small, small, 0, "")
+    assert plan.why.startswith(f"on: small-batch kernel for up to {small} rows (keeping 0 MiB of plain weights")
+
+
+@packed
+def test_the_packed_kernel_built_here_takes_what_the_plan_gives_it() -> None:
+    """The lanes the library reports are the CPU's widest vectors it was built for."""
+    from kvmesh.machine import cpu_flags
+
+    assert small_batch.f32_packed_lanes() == (16 if "avx512f" in cpu_flags().split() else 8)
 
 
 @packed

@@ -26,6 +26,12 @@ step's linears"). On a CPU without AMX that has AVX512-BF16, bfloat16 inputs of 
 the same tiles with vector dot products (docs/benchmarks.md, "A packed bfloat16 linear kernel
 for CPUs without AMX"). The tiles come first where both copies do not fit the limit: they
 serve every row count up to their kernel's last.
+
+float32 on a CPU with AVX2 and no AVX-512 (the packed kernel in 8-float vectors) goes to the
+packed kernel from one row: there, on an AMD EPYC Zen 3, it was as fast as the small-batch
+kernel at one row and 1.02-1.16x it at two to six (whose sixteen 4 x 4 sums do not fit AVX2's
+sixteen registers), and 1.3-1.6x oneDNN at 16 to 48 (docs/benchmarks.md, "The packed float32
+kernel's sums kept in registers"); so no plain copies are kept there.
 """
 
 from __future__ import annotations
@@ -57,6 +63,8 @@ VNNI_ROWS = 32
 # kernel (csrc/f32_packed_linear.cpp), on any CPU it is built for: on an AMD Zen 4, 1.2-1.9x
 # oneDNN at 5-16 rows, 1.1-1.3x at 32, 1.07-1.4x at 48, 1.05-1.07x at 64 and 96.
 F32_PACKED_ROWS = 48
+# float32 where the packed kernel runs AVX2's 8-float vectors: it takes every row from one.
+SMALL_ROWS_F32_WITH_AVX2_PACKED = 0
 PLAIN_COPY_LIMIT = 2**30  # bytes of weight copies (plain, tiles) kept beside the prepacked ones, at most
 
 
@@ -104,12 +112,20 @@ def f32_packed_available() -> bool:
     return bool(torch.ops.kvmesh.f32_packed_linear_available())
 
 
-def small_rows(dtype: torch.dtype, amx: bool) -> int:
+def f32_packed_lanes() -> int:
+    """The float32 lanes of the packed kernel's vectors as built here: 16 (AVX-512), 8 (AVX2), 0."""
+    return int(torch.ops.kvmesh.f32_packed_linear_lanes())
+
+
+def small_rows(dtype: torch.dtype, amx: bool, f32_packed_lanes: int = 0) -> int:
     """The most rows an input of ``dtype`` may have for the kernel; ``amx``: this CPU has AMX
     (``cpu_has_amx``: oneDNN's tiles, even where kvmesh's tile kernel was not built), where
-    bfloat16 keeps the two rows measured there."""
+    bfloat16 keeps the two rows measured there; ``f32_packed_lanes``: the packed float32 kernel
+    is there, in vectors of so many lanes (0: it is not), which with AVX2's 8 takes every row."""
     if dtype == torch.bfloat16 and not amx:
         return SMALL_ROWS_BF16_WITHOUT_AMX
+    if dtype == torch.float32 and f32_packed_lanes == 8:
+        return SMALL_ROWS_F32_WITH_AVX2_PACKED
     return SMALL_ROWS[dtype]
 
 
@@ -135,7 +151,8 @@ def plan(weights: ModelWeights, dtype: torch.dtype, compiled: bool, prepacked: b
         need = "AVX512-BF16" if dtype == torch.bfloat16 else "AVX-512 or AVX2 with FMA"
         return SmallBatchPlan(0, 0, f"off: {name} needs {need}, which this CPU lacks")
     # the tile kernel loaded is AMX too, whatever /proc/cpuinfo says (or fails to)
-    rows = small_rows(dtype, tile_kernel == "amx" or amx_cpu) if small else 0
+    f32_lanes = f32_packed_lanes() if tile_kernel == "f32" else 0
+    rows = small_rows(dtype, tile_kernel == "amx" or amx_cpu, f32_lanes) if small else 0
     tile_limit = TILE_KERNELS[tile_kernel].rows if tiles else 0
     label = TILE_KERNELS[tile_kernel].label if tiles else ""
     layers = sum(
@@ -146,9 +163,9 @@ def plan(weights: ModelWeights, dtype: torch.dtype, compiled: bool, prepacked: b
     # The output layer keeps its plain weight anyway (the embedding's, when tied): no copy.
     plain = layers if prepacked and rows else 0
     tile_copies = layers + weights.lm_head.numel() * weights.lm_head.element_size() if tiles else 0
-    kept = f"keeping {plain / 2**20:.0f} MiB of plain weights beside the prepacked ones" if prepacked else "no copies"
 
     def small_words(rows: int) -> str:
+        kept = f"keeping {plain / 2**20:.0f} MiB of plain weights beside the prepacked ones" if prepacked else "no copies"
         return f"small-batch kernel for {'one row' if rows == 1 else f'up to {rows} rows'} ({kept})"
 
     if plain + tile_copies <= PLAIN_COPY_LIMIT:
@@ -169,6 +186,9 @@ def plan(weights: ModelWeights, dtype: torch.dtype, compiled: bool, prepacked: b
     too_big = f"{label} of the weights would take {tile_copies / 2**20:.0f} MiB, more than {PLAIN_COPY_LIMIT // 2**20} MiB"
     if tile_kernel == "vnni" and rows:  # no packed copy: the rows the small-batch kernel beat oneDNN at
         rows = SMALL_ROWS_BF16_UNPACKED
+    if tile_kernel == "f32" and small and not rows:  # no packed copy: the small-batch kernel's rows again
+        rows = SMALL_ROWS[dtype]
+        plain = layers if prepacked else 0
     if rows and plain <= PLAIN_COPY_LIMIT:
         return SmallBatchPlan(rows, rows, f"on: {small_words(rows)}; no {too_big}")
     if not rows:
