@@ -1377,8 +1377,8 @@ ABLATIONS = (  # (name, the LlamaModel attribute that turns it on)
     ("paged decode kernel (K/V read in place)", "paged_kernel"),
     ("fused rotary + K/V store", "fused_rope"),
     ("fused residual add + RMSNorm, silu-and-mul", "fused_elementwise"),
-    ("small-batch linear kernel (bfloat16: 1-2 rows, 1 without AMX; float32: 1-4)", "small_batch_linear"),
-    ("tile linear kernel (bfloat16: AMX 3-64 rows; without AMX, AVX512-BF16 on the tiles 2-32; float32: packed, 5-48)", "tile_linear"),
+    ("small-batch linear kernel (bfloat16: 1-2 rows, 1 without AMX; float32: 1-4, none where the packed kernel is built for AVX2)", "small_batch_linear"),
+    ("tile linear kernel (bfloat16: AMX 3-64 rows; without AMX, AVX512-BF16 on the tiles 2-32; float32: packed, 5-48; built for AVX2, 1-256)", "tile_linear"),
     ("prefill attention kernel (no AMX)", "prefill_kernel"),
 )
 PREFILL_ABLATIONS = {"prefill_kernel"}  # measured on prefills (_prefill_workloads), not on decode

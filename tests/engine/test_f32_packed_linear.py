@@ -128,12 +128,13 @@ def test_the_plan_gives_float32_the_packed_kernel(monkeypatch) -> None:
 
 @pytest.mark.skipif(paged_kernel.compiler() is None or not paged_kernel.available(), reason="no compiled kernels")
 def test_the_plan_gives_float32_every_row_to_the_packed_kernel_built_for_avx2(monkeypatch) -> None:
-    """Built for AVX2 (8-float vectors), the packed kernel takes float32 from one row and no
-    plain copies are kept; where its copy does not fit, the small-batch kernel's rows again."""
+    """Built for AVX2 (8-float vectors), the packed kernel takes float32 from one row to
+    F32_PACKED_ROWS_AVX2 and no plain copies are kept; where its copy does not fit, the
+    small-batch kernel's rows again."""
     monkeypatch.setattr(torch.ops.kvmesh, "small_linear_available", lambda name: True, raising=False)
     monkeypatch.setattr(small_batch, "f32_packed_available", lambda: True)
     monkeypatch.setattr(small_batch, "f32_packed_lanes", lambda: 8)
-    most = small_batch.F32_PACKED_ROWS
+    most = small_batch.F32_PACKED_ROWS_AVX2
     plan = small_batch.plan(_weights(), torch.float32, compiled=True, prepacked=True)
     assert (plan.layer_rows, plan.lm_head_rows, plan.tile_rows, plan.tile_kernel) == (0, 0, most, "f32")
     assert plan.why == f"on: packed weights for float32 fused multiply-adds for 1-{most} rows (0 MiB)"
@@ -161,7 +162,8 @@ def test_float32_greedy_tokens_with_the_packed_kernel_on_and_off(tiny_model_dir)
 
     engine = LLMEngine(EngineConfig(model=str(tiny_model_dir), dtype="float32", block_size=4, num_blocks=256))
     assert engine.model.tile_linear
-    assert all(linear.tile_rows == small_batch.F32_PACKED_ROWS and linear.tiles is not None for linear in engine.model.linears())
+    most = small_batch.f32_packed_rows(small_batch.f32_packed_lanes())
+    assert all(linear.tile_rows == most and linear.tiles is not None for linear in engine.model.linears())
     params = SamplingParams(max_tokens=8, ignore_eos=True)
     prompts = [[5 + i, 17 + 2 * i, 40 + i] for i in range(12)]
     runs = []

@@ -463,7 +463,7 @@ def test_the_services_options_reach_the_services(tmp_path, default_model_dir):
                 words = f"packed weights for AVX512-BF16 dot products for {rows + 1}-{small_batch.VNNI_ROWS} rows"
                 assert words in worker_log, worker_log[-3000:]
             if dtype == "float32" and small_batch.f32_packed_available():
-                words = f"packed weights for float32 fused multiply-adds for {rows + 1}-{small_batch.F32_PACKED_ROWS} rows"
+                words = f"packed weights for float32 fused multiply-adds for {rows + 1}-{small_batch.f32_packed_rows(lanes)} rows"
                 assert words in worker_log, worker_log[-3000:]
         if dtype == "bfloat16" and paged_kernel.available() and small_batch.amx_available():  # an AMX CPU: the tiles too
             assert f"AMX tiles for 3-{small_batch.TILE_ROWS} rows" in worker_log, worker_log[-3000:]

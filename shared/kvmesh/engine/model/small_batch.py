@@ -30,8 +30,9 @@ serve every row count up to their kernel's last.
 float32 on a CPU with AVX2 and no AVX-512 (the packed kernel in 8-float vectors) goes to the
 packed kernel from one row: there, on an AMD EPYC Zen 3, it was as fast as the small-batch
 kernel at one row and 1.02-1.16x it at two to six (whose sixteen 4 x 4 sums do not fit AVX2's
-sixteen registers), and 1.3-1.6x oneDNN at 16 to 48 (docs/benchmarks.md, "The packed float32
-kernel's sums kept in registers"); so no plain copies are kept there.
+sixteen registers), 1.2-1.5x oneDNN at 1 to 48 rows and 1.08-1.19x at 64 to 256
+(``F32_PACKED_ROWS_AVX2``; docs/benchmarks.md, "The packed float32 kernel's sums kept in
+registers"); so no plain copies are kept there.
 """
 
 from __future__ import annotations
@@ -63,8 +64,12 @@ VNNI_ROWS = 32
 # kernel (csrc/f32_packed_linear.cpp), on any CPU it is built for: on an AMD Zen 4, 1.2-1.9x
 # oneDNN at 5-16 rows, 1.1-1.3x at 32, 1.07-1.4x at 48, 1.05-1.07x at 64 and 96.
 F32_PACKED_ROWS = 48
-# float32 where the packed kernel runs AVX2's 8-float vectors: it takes every row from one.
+# float32 where the packed kernel runs AVX2's 8-float vectors: it takes every row from one, up
+# to F32_PACKED_ROWS_AVX2 (on an AMD EPYC Zen 3, 1.24x oneDNN at 48 rows, 1.13-1.19x at 64-128,
+# 1.08x at 256; in the engine's decode step 1.18x at 64 sequences, 1.05x at 128). Past it, prefill
+# chunks go to oneDNN as elsewhere.
 SMALL_ROWS_F32_WITH_AVX2_PACKED = 0
+F32_PACKED_ROWS_AVX2 = 256
 PLAIN_COPY_LIMIT = 2**30  # bytes of weight copies (plain, tiles) kept beside the prepacked ones, at most
 
 
@@ -117,6 +122,11 @@ def f32_packed_lanes() -> int:
     return int(torch.ops.kvmesh.f32_packed_linear_lanes())
 
 
+def f32_packed_rows(lanes: int) -> int:
+    """The most rows a float32 input may have for the packed kernel built in vectors of ``lanes``."""
+    return F32_PACKED_ROWS_AVX2 if lanes == 8 else F32_PACKED_ROWS
+
+
 def small_rows(dtype: torch.dtype, amx: bool, f32_packed_lanes: int = 0) -> int:
     """The most rows an input of ``dtype`` may have for the kernel; ``amx``: this CPU has AMX
     (``cpu_has_amx``: oneDNN's tiles, even where kvmesh's tile kernel was not built), where
@@ -153,7 +163,7 @@ def plan(weights: ModelWeights, dtype: torch.dtype, compiled: bool, prepacked: b
     # the tile kernel loaded is AMX too, whatever /proc/cpuinfo says (or fails to)
     f32_lanes = f32_packed_lanes() if tile_kernel == "f32" else 0
     rows = small_rows(dtype, tile_kernel == "amx" or amx_cpu, f32_lanes) if small else 0
-    tile_limit = TILE_KERNELS[tile_kernel].rows if tiles else 0
+    tile_limit = (f32_packed_rows(f32_lanes) if tile_kernel == "f32" else TILE_KERNELS[tile_kernel].rows) if tiles else 0
     label = TILE_KERNELS[tile_kernel].label if tiles else ""
     layers = sum(
         tensor.numel() * tensor.element_size()
