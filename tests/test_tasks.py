@@ -1,5 +1,6 @@
 """``kvmesh.tasks.cancel_and_wait``: the task ends, its failure is logged, and the caller's own
-cancellation is not swallowed."""
+cancellation is not swallowed; a task that lost its own cancellation is cancelled again, and
+one that never stops is given up on."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ import logging
 
 import pytest
 
-from kvmesh.tasks import cancel_and_wait
+from kvmesh.tasks import cancel_and_wait, cancel_requested
 
 
 async def test_the_task_has_ended_when_it_returns() -> None:
@@ -46,3 +47,62 @@ async def test_the_callers_own_cancellation_propagates() -> None:
     with pytest.raises(asyncio.CancelledError):
         await outer
     await asyncio.wait([inner])
+
+
+async def test_a_task_that_lost_its_cancellation_is_cancelled_again() -> None:
+    """A task that swallowed the cancellation (as ``asyncio.wait_for`` does on Python 3.11 when its
+    call ends at that moment) and went back to waiting is cancelled again, and ends. (Once the
+    wait had no end: a worker's stop, and a CI run, hung on such a keep-alive task.)"""
+
+    async def loses_it() -> None:
+        try:
+            await asyncio.sleep(60)
+        except asyncio.CancelledError:
+            pass
+        await asyncio.sleep(60)
+
+    task = asyncio.create_task(loses_it())
+    await asyncio.sleep(0)
+    async with asyncio.timeout(5):
+        await cancel_and_wait(task, recancel_after=0.2)
+    assert task.cancelled()
+
+
+async def test_a_task_that_will_not_stop_is_given_up_on(caplog: pytest.LogCaptureFixture) -> None:
+    release = asyncio.Event()
+
+    async def will_not_stop() -> None:
+        while not release.is_set():
+            try:
+                await asyncio.sleep(60)
+            except asyncio.CancelledError:
+                continue
+
+    task = asyncio.create_task(will_not_stop(), name="deaf")
+    await asyncio.sleep(0)
+    with caplog.at_level(logging.WARNING, logger="kvmesh.tasks"):
+        async with asyncio.timeout(5):
+            await cancel_and_wait(task, recancel_after=0.1, give_up_after=0.3)
+    assert not task.done()
+    assert "deaf did not stop within" in caplog.text
+    release.set()
+    task.cancel()
+    await asyncio.wait([task])
+
+
+async def test_cancel_requested_sees_a_swallowed_cancellation() -> None:
+    seen = []
+
+    async def swallows() -> None:
+        try:
+            await asyncio.sleep(60)
+        except asyncio.CancelledError:
+            pass
+        seen.append(cancel_requested())
+
+    assert not cancel_requested()
+    task = asyncio.create_task(swallows())
+    await asyncio.sleep(0)
+    task.cancel()
+    await asyncio.wait([task])
+    assert seen == [True]

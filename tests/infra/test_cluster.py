@@ -166,3 +166,44 @@ def test_advertise_host_auto_resolves_this_hosts_address():
 
     assert resolve_advertise_host("auto") == socket.gethostbyname(socket.gethostname())
     assert resolve_advertise_host("10.1.2.3") == "10.1.2.3"
+
+
+class _SwallowingStore:
+    """An etcd store whose lease refresh returns a TTL even when its caller is cancelled in the
+    middle of it, as ``asyncio.wait_for`` does on Python 3.11 when the call ends at that moment."""
+
+    def __init__(self) -> None:
+        self.refreshing = asyncio.Event()
+        self.revoked: list[int] = []
+
+    async def grant(self, ttl: int) -> int:
+        return 7
+
+    async def put(self, key: str, value: bytes, *, lease: int = 0) -> None:
+        pass
+
+    async def revoke(self, lease_id: int) -> None:
+        self.revoked.append(lease_id)
+
+    async def refresh(self, lease_id: int) -> int:
+        self.refreshing.set()
+        try:
+            await asyncio.sleep(0.5)
+        except asyncio.CancelledError:
+            pass
+        return 3
+
+
+async def test_a_keep_alive_stops_even_when_a_refresh_swallowed_the_stop():
+    """A worker's record stops being refreshed and is revoked at once, even when the stop came
+    while a refresh ended (once its keep-alive went back to sleep for good, and the stop, and a
+    CI run with it, hung)."""
+    store = _SwallowingStore()
+    key = LeasedKey(store, KEYS.worker("prefill", "d"), b"record", ttl=1)  # type: ignore[arg-type]
+    await key.start()
+    await store.refreshing.wait()
+    started = time.monotonic()
+    async with asyncio.timeout(5):
+        await key.stop()
+    assert store.revoked == [7] and key.lease_id is None
+    assert time.monotonic() - started < 2  # the loop saw the stop itself, no second cancel needed

@@ -21,7 +21,7 @@ from pydantic import ValidationError
 
 from kvmesh.cluster.etcd_store import ClusterError, EtcdStore
 from kvmesh.protocol import Keys, WorkerRecord
-from kvmesh.tasks import cancel_and_wait
+from kvmesh.tasks import cancel_and_wait, cancel_requested
 
 logger = logging.getLogger(__name__)
 
@@ -74,6 +74,8 @@ class WorkerDirectory:
 
     async def _follow(self, revision: int) -> None:
         while True:
+            if cancel_requested():  # a stop that a reload's wait_for swallowed (Python 3.11)
+                raise asyncio.CancelledError
             try:
                 async for event in self.store.watch_prefix(self.prefix, start_revision=revision + 1):
                     worker_id = event.key.rsplit("/", 1)[-1]
@@ -90,6 +92,8 @@ class WorkerDirectory:
             except (ClusterError, OSError) as exc:
                 logger.warning("worker watch broke (%s); reloading", exc)
                 while True:
+                    if cancel_requested():
+                        raise asyncio.CancelledError from exc
                     await asyncio.sleep(0.5)
                     try:
                         revision = await self._load()

@@ -15,7 +15,7 @@ import logging
 import time
 
 from kvmesh.cluster.etcd_store import ClusterError, EtcdStore
-from kvmesh.tasks import cancel_and_wait
+from kvmesh.tasks import cancel_and_wait, cancel_requested
 
 logger = logging.getLogger(__name__)
 
@@ -65,6 +65,8 @@ class LeasedKey:
     async def _keep_alive(self) -> None:
         interval = max(self.ttl / 3, 0.2)
         while True:
+            if cancel_requested():  # a stop that a refresh's wait_for swallowed (Python 3.11)
+                raise asyncio.CancelledError
             await asyncio.sleep(interval)
             try:
                 if not self.lease_id or await self.store.refresh(self.lease_id) <= 0:
