@@ -13,6 +13,7 @@ from collections.abc import Callable
 from kvmesh.cluster.etcd_store import ClusterError, EtcdStore
 from kvmesh.hashing import BlockHash, hash_from_hex
 from kvmesh.protocol import Keys
+from kvmesh.tasks import cancel_requested
 
 logger = logging.getLogger(__name__)
 
@@ -90,6 +91,8 @@ class EtcdMirror:
 
     async def run(self, interval: float) -> None:
         while True:
+            if cancel_requested():  # a stop that a flush's wait_for swallowed (Python 3.11)
+                raise asyncio.CancelledError
             await asyncio.sleep(interval)
             await self.flush()
 

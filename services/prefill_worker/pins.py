@@ -31,6 +31,7 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
 from kvmesh.cluster.etcd_store import ClusterError, EtcdStore
+from kvmesh.tasks import cancel_requested
 
 logger = logging.getLogger(__name__)
 
@@ -156,6 +157,8 @@ class PinTable:
                         await self.release(event.key[len(self.prefix) :], reason="lease expired")
             except ClusterError as exc:
                 logger.warning("pin watch broke (%s); retrying", exc)
+            if cancel_requested():  # a stop that a release's wait_for swallowed (Python 3.11)
+                raise asyncio.CancelledError
             await asyncio.sleep(0.5)
 
     async def _local_deadlines(self) -> None:

@@ -157,3 +157,33 @@ async def test_a_restarted_service_rebuilds_the_same_index_from_etcd(servers):
 
 async def _matches(nc, chain, want) -> bool:
     return await query(nc, chain) == want
+
+
+class _SwallowingStore:
+    """An etcd store whose batch write returns normally when its caller is cancelled in the
+    middle of it, as ``asyncio.wait_for`` does on Python 3.11 when the call ends at that moment."""
+
+    def __init__(self) -> None:
+        self.writing = asyncio.Event()
+
+    async def write_batch(self, puts: list, deletes: list) -> None:
+        self.writing.set()
+        try:
+            await asyncio.sleep(0.3)
+        except asyncio.CancelledError:
+            pass
+
+
+async def test_the_etcd_mirror_stops_even_when_a_write_swallowed_the_stop():
+    """The mirror's loop ends at its stop even when the stop came while a flush's write ended
+    (it went on flushing beside the service's own last flush, after the store closed)."""
+    from kvmesh.services.kv_metadata.mirror import EtcdMirror
+
+    store = _SwallowingStore()
+    mirror = EtcdMirror(store, Keys("default"), lambda worker_id: 7)  # type: ignore[arg-type]
+    mirror.stored("prefill-1", ["ab"], "device")
+    task = asyncio.create_task(mirror.run(0.01))
+    await store.writing.wait()
+    task.cancel()
+    done, _ = await asyncio.wait([task], timeout=2)
+    assert done and task.cancelled()

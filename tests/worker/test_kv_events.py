@@ -89,3 +89,37 @@ async def test_events_pending_at_a_snapshot_go_out_first_as_the_batch_it_is_as_o
     taken = await ask(publisher, 1)
     assert engine.snapshots_taken == 3 and [b.seq for b in nc.published] == [0, 1, 2]
     assert taken[0].seq == 2 and len(taken[0].block_hashes) == 5
+
+
+class SwallowingNats(FakeNats):
+    """A publish that swallows a cancellation, as nats-py's forced flush of a full buffer does."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.publishing = asyncio.Event()
+
+    async def subscribe(self, subject: str, cb) -> None:  # noqa: ANN001 - the fake's signature
+        pass
+
+    async def publish(self, subject: str, data: bytes) -> None:
+        self.publishing.set()
+        try:
+            await asyncio.sleep(0.3)
+        except asyncio.CancelledError:
+            pass
+        await super().publish(subject, data)
+
+
+async def test_the_publisher_stops_even_when_a_publish_swallowed_the_stop():
+    """Stopped while a batch is going out through a publish that swallows the cancellation, the
+    publishing loop ends anyway (it went on publishing every 0.1 s after the worker's stop)."""
+    engine, nc = FakeEngine(), SwallowingNats()
+    publisher = KVEventPublisher(engine, nc, Subjects("default"), "prefill-1", interval=0.01)  # type: ignore[arg-type]
+    await publisher.start()
+    engine.pending = [stored(21)]
+    await nc.publishing.wait()
+    task = publisher._task
+    assert task is not None
+    await publisher.stop()
+    done, _ = await asyncio.wait([task], timeout=2)
+    assert done and task.cancelled()

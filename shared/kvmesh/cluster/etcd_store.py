@@ -21,6 +21,7 @@ from etcd3aio.watch import WatchService
 
 from kvmesh.errors import KvmeshError
 from kvmesh.security.credentials import UserPassword
+from kvmesh.tasks import cancel_requested
 
 logger = logging.getLogger(__name__)
 
@@ -129,6 +130,8 @@ class EtcdStore:
 
     async def _refresh_token(self) -> None:
         while True:
+            if cancel_requested():  # a stop that an authentication's wait_for swallowed (Python 3.11)
+                raise asyncio.CancelledError
             await asyncio.sleep(self.token_refresh)
             try:
                 await self._authenticate(self._token_generation)

@@ -16,6 +16,7 @@ from types import TracebackType
 import nats
 
 from kvmesh.protocol import Progress, Stage
+from kvmesh.tasks import cancel_and_wait, cancel_requested
 
 logger = logging.getLogger(__name__)
 
@@ -53,16 +54,16 @@ class Heartbeat:
     async def __aexit__(
         self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
     ) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            try:
-                await self._task
-            except asyncio.CancelledError:
-                pass
+        # bounded, and the request's own cancellation (a client gone) still propagates: a bare
+        # ``await`` under ``except CancelledError`` swallowed it, and waited forever on a beat
+        # whose publish had swallowed the stop (nats-py's flush of a full buffer does)
+        await cancel_and_wait(self._task)
 
     async def _beat(self) -> None:
         assert self.subject is not None
         while True:
+            if cancel_requested():  # a stop that the publish swallowed
+                raise asyncio.CancelledError
             await asyncio.sleep(self.interval)
             if not self.engine_stepping():
                 continue  # a stalled engine goes quiet, and the router gives up on it

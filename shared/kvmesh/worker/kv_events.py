@@ -19,6 +19,7 @@ from nats.aio.msg import Msg
 from kvmesh.hashing import hash_to_hex
 from kvmesh.protocol import KVEventBatch, KVEventSpec, KVSnapshot, Subjects
 from kvmesh.worker.engine_api import AllBlocksCleared, BlockRemoved, BlockStored, Engine, KVCacheEvent
+from kvmesh.tasks import cancel_requested
 
 logger = logging.getLogger(__name__)
 
@@ -74,6 +75,8 @@ class KVEventPublisher:
 
     async def _run(self) -> None:
         while True:
+            if cancel_requested():  # a stop that the publish swallowed (nats-py's flush can)
+                raise asyncio.CancelledError
             await asyncio.sleep(self.interval)
             try:
                 await self.flush()
