@@ -191,7 +191,7 @@ def test_up_on_a_busy_port_fails_at_once_on_one_line(tmp_path):
         done = kvmesh("up", "--port", str(port), "--workdir", str(tmp_path / "w"))
         took = time.monotonic() - began
     assert (done.returncode, done.stderr, done.stdout) == (2, f"kvmesh up: error: port {port} on 127.0.0.1 is in use\n", "")
-    assert took < 1.0, took
+    assert took < 5.0, took  # a guard against a wait; "at once" is the missing logs folder below
     assert not (tmp_path / "w" / "logs").exists()  # nothing was started
 
 
@@ -249,7 +249,9 @@ def test_up_bad_arguments_fail_at_once_on_one_line(tmp_path, args, message):
     assert done.returncode == 2, done.stderr
     assert done.stderr.startswith(message.replace("{empty_dir}", str(tmp_path / "empty"))), done.stderr
     assert done.stderr.count("\n") == 1 and done.stdout == ""
-    assert took < 1.0, took
+    # "at once" is that nothing started (no logs folder); the time only guards against a wait
+    # (1 s was too tight for a loaded 2-core machine: 1.006 s in one CI run, the process start alone)
+    assert took < 5.0, took
     assert not (tmp_path / "w" / "logs").exists()
 
 
