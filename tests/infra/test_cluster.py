@@ -13,6 +13,7 @@ from kvmesh.cluster.etcd_store import ClusterError, EtcdStore
 from kvmesh.cluster.registration import LeasedKey
 from kvmesh.infra.servers import start_etcd
 from kvmesh.protocol import Keys, WorkerRecord
+from tests.cancellation import sleep_swallowing_cancellation
 
 KEYS = Keys("test")
 
@@ -187,10 +188,7 @@ class _SwallowingStore:
 
     async def refresh(self, lease_id: int) -> int:
         self.refreshing.set()
-        try:
-            await asyncio.sleep(0.5)
-        except asyncio.CancelledError:
-            pass
+        await sleep_swallowing_cancellation(0.5)
         return 3
 
 

@@ -17,6 +17,7 @@ from kvmesh.infra.servers import start_etcd, start_nats
 from kvmesh.protocol import KVEventBatch, KVEventSpec, KVIndexStats, KVQuery, KVQueryReply, KVSnapshot, Keys, Subjects, WorkerRecord
 from kvmesh.services.kv_metadata.main import KVMetadataService
 from kvmesh.settings.mesh import MeshSettings
+from tests.cancellation import sleep_swallowing_cancellation
 
 NS = "kvtest"
 SUBJECTS, KEYS = Subjects(NS), Keys(NS)
@@ -168,10 +169,7 @@ class _SwallowingStore:
 
     async def write_batch(self, puts: list, deletes: list) -> None:
         self.writing.set()
-        try:
-            await asyncio.sleep(0.3)
-        except asyncio.CancelledError:
-            pass
+        await sleep_swallowing_cancellation(0.3)
 
 
 async def test_the_etcd_mirror_stops_even_when_a_write_swallowed_the_stop():

@@ -8,6 +8,7 @@ import asyncio
 import pytest
 
 from kvmesh.worker.heartbeat import Heartbeat
+from tests.cancellation import sleep_swallowing_cancellation
 
 
 class _SwallowingNats:
@@ -20,10 +21,7 @@ class _SwallowingNats:
 
     async def publish(self, subject: str, payload: bytes) -> None:
         self.publishing.set()
-        try:
-            await asyncio.sleep(0.3)
-        except asyncio.CancelledError:
-            pass
+        await sleep_swallowing_cancellation(0.3)
         self.published += 1
 
 

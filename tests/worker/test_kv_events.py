@@ -11,6 +11,7 @@ from types import SimpleNamespace
 from kvmesh.protocol import KVEventBatch, KVSnapshot, Subjects
 from kvmesh.worker.engine_api import BlockStored
 from kvmesh.worker.kv_events import KVEventPublisher
+from tests.cancellation import sleep_swallowing_cancellation
 
 
 @dataclass
@@ -103,10 +104,7 @@ class SwallowingNats(FakeNats):
 
     async def publish(self, subject: str, data: bytes) -> None:
         self.publishing.set()
-        try:
-            await asyncio.sleep(0.3)
-        except asyncio.CancelledError:
-            pass
+        await sleep_swallowing_cancellation(0.3)
         await super().publish(subject, data)
 
 
