@@ -91,7 +91,7 @@ class EtcdMirror:
 
     async def run(self, interval: float) -> None:
         while True:
-            if cancel_requested():  # a stop that a flush's wait_for swallowed (Python 3.11)
+            if cancel_requested():  # a stop that a flush swallowed (a client library's retry, or 3.11's wait_for)
                 raise asyncio.CancelledError
             await asyncio.sleep(interval)
             await self.flush()

@@ -157,7 +157,7 @@ class PinTable:
                         await self.release(event.key[len(self.prefix) :], reason="lease expired")
             except ClusterError as exc:
                 logger.warning("pin watch broke (%s); retrying", exc)
-            if cancel_requested():  # a stop that a release's wait_for swallowed (Python 3.11)
+            if cancel_requested():  # a stop that a release swallowed (the engine's or the store's calls)
                 raise asyncio.CancelledError
             await asyncio.sleep(0.5)
 

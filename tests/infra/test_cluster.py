@@ -205,3 +205,43 @@ async def test_a_keep_alive_stops_even_when_a_refresh_swallowed_the_stop():
         await key.stop()
     assert store.revoked == [7] and key.lease_id is None
     assert time.monotonic() - started < 2  # the loop saw the stop itself, no second cancel needed
+
+
+class _KVAnsweringAsItsCallerIsCancelled:
+    """An etcd KV service whose ``get`` answers in the same loop turn as its caller's task is
+    cancelled: the race in which ``asyncio.wait_for`` on Python 3.11 returns the answer and
+    drops the cancellation."""
+
+    def __init__(self, caller: list[asyncio.Task]) -> None:
+        self.caller = caller
+
+    async def get(self, key: str, range_end: str | None = None, *, timeout: float | None = None):
+        loop = asyncio.get_running_loop()
+        answer: asyncio.Future = loop.create_future()
+
+        def answer_and_cancel() -> None:
+            answer.set_result(_Response())
+            self.caller[0].cancel()
+
+        loop.call_soon(answer_and_cancel)
+        return await answer
+
+
+class _Response:
+    kvs: list = []
+
+
+async def test_a_store_call_keeps_its_callers_cancellation():
+    """A task cancelled as its etcd call answers ends cancelled, not with the answer (with the
+    answer, a loop around such a call went on after its stop)."""
+    store = EtcdStore(["127.0.0.1:9"], timeout=5)  # never connected: the KV service is the fake
+    caller: list[asyncio.Task] = []
+    store._client.kv = _KVAnsweringAsItsCallerIsCancelled(caller)  # type: ignore[assignment]
+
+    async def get_then_record() -> str:
+        await store.get("/k")
+        return "went on after its cancellation"
+
+    caller.append(asyncio.create_task(get_then_record()))
+    with pytest.raises(asyncio.CancelledError):
+        await caller[0]

@@ -74,7 +74,7 @@ class WorkerDirectory:
 
     async def _follow(self, revision: int) -> None:
         while True:
-            if cancel_requested():  # a stop that a reload's wait_for swallowed (Python 3.11)
+            if cancel_requested():  # a stop that a call below swallowed (a client library's retry, or 3.11's wait_for)
                 raise asyncio.CancelledError
             try:
                 async for event in self.store.watch_prefix(self.prefix, start_revision=revision + 1):

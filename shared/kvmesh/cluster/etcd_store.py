@@ -21,7 +21,6 @@ from etcd3aio.watch import WatchService
 
 from kvmesh.errors import KvmeshError
 from kvmesh.security.credentials import UserPassword
-from kvmesh.tasks import cancel_requested
 
 logger = logging.getLogger(__name__)
 
@@ -120,9 +119,8 @@ class EtcdStore:
             if self._client.auth is None:
                 raise ClusterError("etcd is not connected")
             try:
-                response = await asyncio.wait_for(
-                    self._client.auth.authenticate(self.credentials.user, self.credentials.password), self.timeout
-                )
+                async with asyncio.timeout(self.timeout):
+                    response = await self._client.auth.authenticate(self.credentials.user, self.credentials.password)
             except _TRANSPORT_ERRORS as exc:
                 raise ClusterError(f"etcd authentication as {self.credentials.user} failed: {exc!r}") from exc
             self._client.set_token(response.token)
@@ -130,8 +128,6 @@ class EtcdStore:
 
     async def _refresh_token(self) -> None:
         while True:
-            if cancel_requested():  # a stop that an authentication's wait_for swallowed (Python 3.11)
-                raise asyncio.CancelledError
             await asyncio.sleep(self.token_refresh)
             try:
                 await self._authenticate(self._token_generation)
@@ -168,7 +164,7 @@ class EtcdStore:
         token was refused (it expired, or etcd restarted and forgot it)."""
         generation = self._token_generation
         try:
-            return await asyncio.wait_for(make(), self.timeout)
+            return await self._timed(make)
         except EtcdUnauthenticatedError as exc:
             if self.credentials is None:
                 raise ClusterError(f"etcd {what} failed: {exc!r}") from exc
@@ -177,9 +173,17 @@ class EtcdStore:
             raise ClusterError(f"etcd {what} failed: {exc!r}") from exc
         await self._authenticate(generation)
         try:
-            return await asyncio.wait_for(make(), self.timeout)
+            return await self._timed(make)
         except _TRANSPORT_ERRORS as exc:
             raise ClusterError(f"etcd {what} failed: {exc!r}") from exc
+
+    async def _timed(self, make: Callable[[], Awaitable]):
+        """``make()`` awaited in this task under the timeout. Not ``asyncio.wait_for``: on
+        Python 3.11 it runs the call in a task of its own and, when the caller is cancelled as
+        that call ends, returns the result and drops the cancellation, so a loop around the
+        call never stops."""
+        async with asyncio.timeout(self.timeout):
+            return await make()
 
     # -- keys ----------------------------------------------------------------------------
     async def put(self, key: str, value: bytes, *, lease: int = 0) -> None:

@@ -128,7 +128,7 @@ class IdentitySlot:
 
     async def _keep_alive(self, on_lost: Callable[[], None]) -> None:
         while True:
-            if cancel_requested():  # a stop that a refresh's wait_for swallowed (Python 3.11)
+            if cancel_requested():  # a stop that a call below swallowed (a client library's retry, or 3.11's wait_for)
                 raise asyncio.CancelledError
             await asyncio.sleep(max(self.ttl / 3, 0.2))
             try:

@@ -65,7 +65,7 @@ class LeasedKey:
     async def _keep_alive(self) -> None:
         interval = max(self.ttl / 3, 0.2)
         while True:
-            if cancel_requested():  # a stop that a refresh's wait_for swallowed (Python 3.11)
+            if cancel_requested():  # a stop that a call below swallowed (a client library's retry, or 3.11's wait_for)
                 raise asyncio.CancelledError
             await asyncio.sleep(interval)
             try:
