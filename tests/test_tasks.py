@@ -1,6 +1,6 @@
-"""``kvmesh.tasks.cancel_and_wait``: the task ends, its failure is logged, and the caller's own
-cancellation is not swallowed; a task that lost its own cancellation is cancelled again, and
-one that never stops is given up on."""
+"""``kvmesh.tasks``: ``cancel_and_wait`` ends the task, logs its failure and keeps the caller's own
+cancellation; a task that lost its own cancellation is cancelled again, and one that never stops
+is given up on; a loop's ``pause`` ends a loop whose round swallowed its stop."""
 
 from __future__ import annotations
 
@@ -9,7 +9,8 @@ import logging
 
 import pytest
 
-from kvmesh.tasks import cancel_and_wait, cancel_requested
+from kvmesh.tasks import cancel_and_wait, cancel_requested, pause
+from tests.cancellation import sleep_swallowing_cancellation
 
 
 async def test_the_task_has_ended_when_it_returns() -> None:
@@ -106,3 +107,29 @@ async def test_cancel_requested_sees_a_swallowed_cancellation() -> None:
     task.cancel()
     await asyncio.wait([task])
     assert seen == [True]
+
+
+async def test_a_loops_pause_ends_the_loop_whose_stop_a_call_swallowed() -> None:
+    """A loop whose round swallowed its stop ends at its next pause, not a pause later (nor
+    never: the keep-alive that hung a CI run slept on after such a round)."""
+    rounds = []
+
+    async def loop() -> None:
+        while True:
+            rounds.append(len(rounds))
+            await sleep_swallowing_cancellation(60)  # the round's call, which swallows the stop
+            await pause(60)
+
+    task = asyncio.create_task(loop())
+    await asyncio.sleep(0)
+    task.cancel()
+    async with asyncio.timeout(5):
+        await asyncio.wait([task])
+    assert task.cancelled() and rounds == [0]
+
+
+async def test_a_pause_is_a_sleep_for_a_task_not_asked_to_stop() -> None:
+    loop = asyncio.get_running_loop()
+    started = loop.time()
+    await pause(0.05)
+    assert loop.time() - started >= 0.05

@@ -6,14 +6,13 @@ worker dies its blocks leave etcd by themselves; a restarted kv-metadata reads t
 
 from __future__ import annotations
 
-import asyncio
 import logging
 from collections.abc import Callable
 
 from kvmesh.cluster.etcd_store import ClusterError, EtcdStore
 from kvmesh.hashing import BlockHash, hash_from_hex
 from kvmesh.protocol import Keys
-from kvmesh.tasks import cancel_requested
+from kvmesh.tasks import pause
 
 logger = logging.getLogger(__name__)
 
@@ -91,9 +90,7 @@ class EtcdMirror:
 
     async def run(self, interval: float) -> None:
         while True:
-            if cancel_requested():  # a stop that a flush swallowed (a client library's retry, or 3.11's wait_for)
-                raise asyncio.CancelledError
-            await asyncio.sleep(interval)
+            await pause(interval)
             await self.flush()
 
 

@@ -31,7 +31,7 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
 from kvmesh.cluster.etcd_store import ClusterError, EtcdStore
-from kvmesh.tasks import cancel_requested
+from kvmesh.tasks import pause
 
 logger = logging.getLogger(__name__)
 
@@ -157,9 +157,7 @@ class PinTable:
                         await self.release(event.key[len(self.prefix) :], reason="lease expired")
             except ClusterError as exc:
                 logger.warning("pin watch broke (%s); retrying", exc)
-            if cancel_requested():  # a stop that a release swallowed (the engine's or the store's calls)
-                raise asyncio.CancelledError
-            await asyncio.sleep(0.5)
+            await pause(0.5)
 
     async def _local_deadlines(self) -> None:
         while True:

@@ -6,7 +6,7 @@ from __future__ import annotations
 import asyncio
 import logging
 
-__all__ = ["cancel_and_wait", "cancel_requested"]
+__all__ = ["cancel_and_wait", "cancel_requested", "pause"]
 
 logger = logging.getLogger(__name__)
 
@@ -22,6 +22,16 @@ def cancel_requested() -> bool:
     result instead), so a loop that goes on after such a call checks this before waiting again."""
     task = asyncio.current_task()
     return task is not None and task.cancelling() > 0
+
+
+async def pause(seconds: float) -> None:
+    """A background loop's wait between rounds: ``asyncio.sleep``, but a task that was asked to
+    stop during the round (and lost the cancellation in a call that swallowed it: nats-py's
+    forced flush, ``asyncio.wait_for`` on 3.11) raises ``CancelledError`` here instead of
+    sleeping on, so its loop ends."""
+    if cancel_requested():
+        raise asyncio.CancelledError
+    await asyncio.sleep(seconds)
 
 
 async def cancel_and_wait(task: asyncio.Task | None, *, recancel_after: float = RECANCEL_AFTER,

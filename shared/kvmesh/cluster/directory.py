@@ -21,7 +21,7 @@ from pydantic import ValidationError
 
 from kvmesh.cluster.etcd_store import ClusterError, EtcdStore
 from kvmesh.protocol import Keys, WorkerRecord
-from kvmesh.tasks import cancel_and_wait, cancel_requested
+from kvmesh.tasks import cancel_and_wait, cancel_requested, pause
 
 logger = logging.getLogger(__name__)
 
@@ -74,7 +74,7 @@ class WorkerDirectory:
 
     async def _follow(self, revision: int) -> None:
         while True:
-            if cancel_requested():  # a stop that a call below swallowed (a client library's retry, or 3.11's wait_for)
+            if cancel_requested():  # a stop swallowed during the last reload: the watch would not end
                 raise asyncio.CancelledError
             try:
                 async for event in self.store.watch_prefix(self.prefix, start_revision=revision + 1):
@@ -92,9 +92,7 @@ class WorkerDirectory:
             except (ClusterError, OSError) as exc:
                 logger.warning("worker watch broke (%s); reloading", exc)
                 while True:
-                    if cancel_requested():
-                        raise asyncio.CancelledError from exc
-                    await asyncio.sleep(0.5)
+                    await pause(0.5)
                     try:
                         revision = await self._load()
                         break

@@ -37,7 +37,7 @@ from kvmesh.errors import KvmeshError
 from kvmesh.protocol import Keys
 from kvmesh.security.credentials import CredentialsError, load_credentials
 from kvmesh.settings.worker import WorkerSettings
-from kvmesh.tasks import cancel_and_wait, cancel_requested
+from kvmesh.tasks import cancel_and_wait, pause
 
 logger = logging.getLogger(__name__)
 
@@ -128,9 +128,7 @@ class IdentitySlot:
 
     async def _keep_alive(self, on_lost: Callable[[], None]) -> None:
         while True:
-            if cancel_requested():  # a stop that a call below swallowed (a client library's retry, or 3.11's wait_for)
-                raise asyncio.CancelledError
-            await asyncio.sleep(max(self.ttl / 3, 0.2))
+            await pause(max(self.ttl / 3, 0.2))
             try:
                 if await self.store.refresh(self.lease_id) > 0:
                     continue

@@ -15,7 +15,7 @@ import logging
 import time
 
 from kvmesh.cluster.etcd_store import ClusterError, EtcdStore
-from kvmesh.tasks import cancel_and_wait, cancel_requested
+from kvmesh.tasks import cancel_and_wait, pause
 
 logger = logging.getLogger(__name__)
 
@@ -65,9 +65,7 @@ class LeasedKey:
     async def _keep_alive(self) -> None:
         interval = max(self.ttl / 3, 0.2)
         while True:
-            if cancel_requested():  # a stop that a call below swallowed (a client library's retry, or 3.11's wait_for)
-                raise asyncio.CancelledError
-            await asyncio.sleep(interval)
+            await pause(interval)
             try:
                 if not self.lease_id or await self.store.refresh(self.lease_id) <= 0:
                     logger.warning("lease of %s was lost; registering again", self.key)

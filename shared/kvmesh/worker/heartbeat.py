@@ -16,7 +16,7 @@ from types import TracebackType
 import nats
 
 from kvmesh.protocol import Progress, Stage
-from kvmesh.tasks import cancel_and_wait, cancel_requested
+from kvmesh.tasks import cancel_and_wait, pause
 
 logger = logging.getLogger(__name__)
 
@@ -62,9 +62,7 @@ class Heartbeat:
     async def _beat(self) -> None:
         assert self.subject is not None
         while True:
-            if cancel_requested():  # a stop that the publish swallowed
-                raise asyncio.CancelledError
-            await asyncio.sleep(self.interval)
+            await pause(self.interval)
             if not self.engine_stepping():
                 continue  # a stalled engine goes quiet, and the router gives up on it
             message = Progress(request_id=self.request_id, worker_id=self.worker_id, stage=self.stage)

@@ -19,7 +19,7 @@ from nats.aio.msg import Msg
 from kvmesh.hashing import hash_to_hex
 from kvmesh.protocol import KVEventBatch, KVEventSpec, KVSnapshot, Subjects
 from kvmesh.worker.engine_api import AllBlocksCleared, BlockRemoved, BlockStored, Engine, KVCacheEvent
-from kvmesh.tasks import cancel_requested
+from kvmesh.tasks import pause
 
 logger = logging.getLogger(__name__)
 
@@ -75,9 +75,7 @@ class KVEventPublisher:
 
     async def _run(self) -> None:
         while True:
-            if cancel_requested():  # a stop that the publish swallowed (nats-py's flush can)
-                raise asyncio.CancelledError
-            await asyncio.sleep(self.interval)
+            await pause(self.interval)
             try:
                 await self.flush()
             except Exception as exc:  # noqa: BLE001 - a receiver that misses a batch resyncs

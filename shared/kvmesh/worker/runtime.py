@@ -36,7 +36,7 @@ from kvmesh.worker.engines import create_engine, preload, unavailable
 from kvmesh.worker.health import HealthServer, HealthStatus
 from kvmesh.worker.heartbeat import Heartbeat
 from kvmesh.worker.kv_events import KVEventPublisher
-from kvmesh.tasks import cancel_requested
+from kvmesh.tasks import pause
 
 logger = logging.getLogger(__name__)
 
@@ -295,9 +295,7 @@ class WorkerRuntime:
                 await self.nc.publish(self.subjects.load_from(self.worker_id), self.load_report().encode())
             except Exception as exc:  # noqa: BLE001 - a missed report is not fatal
                 logger.debug("load report failed: %s", exc)
-            if cancel_requested():  # a stop that the publish swallowed (nats-py's flush can)
-                raise asyncio.CancelledError
-            await asyncio.sleep(self.settings.load_interval)
+            await pause(self.settings.load_interval)
 
     # -- stop ----------------------------------------------------------------------------
     async def drain(self) -> None:
