@@ -12,7 +12,12 @@
    noisy). With ``--baseline-tree DIR`` a second mesh, `kvmesh up` from another checkout
    (the code before a change; it needs `.venv` and `shared/kvmesh/services` linked as
    `vllm_interleaved_bench.py --baseline-tree` says), is up at the same time and takes
-   every prompt too, the order of the three sides turning from prompt to prompt.
+   every prompt too, the order of the three sides turning from prompt to prompt. Each
+   mesh request is also split in two: the prefill worker's own time to first token (its
+   engine, from the request's arrival at the engine to the step that made the token: its
+   ``kvmesh:time_to_first_token_seconds`` read from its ``/metrics`` before and after) and
+   the path around it (the mesh's TTFT less that: HTTP, the router, NATS both ways, the
+   worker's hand-offs to and from its engine thread, which the in-process engine pays too).
 
     .venv/bin/python benchmarks/mesh_bench.py --markdown docs/benchmarks-mesh.md
     .venv/bin/python benchmarks/mesh_bench.py --sizes-mib 1 --transfer-rounds 1 --requests 20 \
@@ -28,6 +33,7 @@ import json
 import logging
 import os
 import platform
+import re
 import socket
 import statistics
 import sys
@@ -44,7 +50,7 @@ from kvmesh.engine.async_engine import AsyncEngine
 from kvmesh.engine.llm_engine import EngineConfig
 from kvmesh.engine.own_thread import call_in_own_thread
 from kvmesh.engine.request import SamplingParams
-from kvmesh.machine import cpu_model
+from kvmesh.machine import cpu_flags, cpu_model
 from kvmesh.transfer.mooncake_agent import MooncakeAgent
 from kvmesh.transfer.runs import BlockRun
 
@@ -151,6 +157,27 @@ async def through_mesh(client: httpx.AsyncClient, prompt: list[int], new_tokens:
     return times[0] - started, [b - a for a, b in zip(times, times[1:])]
 
 
+WORKER_HEALTH = re.compile(r"health checks on (http://[^/\s]+)/health/live")
+WORKER_TTFT_SUM = re.compile(r"^kvmesh:time_to_first_token_seconds_sum(?:\{[^}]*\})? (\S+)$", re.M)
+
+
+def worker_metrics_url(mesh_workdir: Path, worker_id: str = "prefill-1") -> str | None:
+    """A worker's ``/metrics`` URL under `kvmesh up` (it binds its health port at random and
+    says where in its log)."""
+    try:
+        found = WORKER_HEALTH.search((mesh_workdir / "logs" / f"{worker_id}.log").read_text())
+    except OSError:
+        return None
+    return f"{found.group(1)}/metrics" if found else None
+
+
+async def worker_ttft_total(client: httpx.AsyncClient, url: str) -> float:
+    """The worker's summed time to first token so far, seconds (all its requests)."""
+    response = await client.get(url)
+    response.raise_for_status()
+    return sum(float(value) for value in WORKER_TTFT_SUM.findall(response.text))
+
+
 def cpu_seconds(pids_path: Path) -> dict[str, float]:
     """CPU seconds (user + system) each process of a mesh has used so far, by name, from
     the mesh's ``pids.json`` (`LocalMesh` writes it; `kvmesh up` is one)."""
@@ -187,10 +214,13 @@ async def latency_bench(args: argparse.Namespace) -> dict:
     engine = await AsyncEngine.create(EngineConfig(dtype=args.dtype, kv_cache_bytes=256 * 2**20, num_threads=args.threads))
     prompts = prompts_for(engine.engine.tokenizer, args.requests * args.rounds + 2, args.prompt_tokens)
     sides = ["in_process", "mesh", *(["baseline"] if baseline else [])]
-    results: dict[str, dict[str, list[float]]] = {side: {"ttft": [], "itl": []} for side in sides}
+    results: dict[str, dict[str, list[float]]] = {side: {"ttft": [], "itl": [], "worker_ttft": []} for side in sides}
+    servers = {"mesh": mesh, **({"baseline": baseline} if baseline else {})}
+    metrics_urls = {side: worker_metrics_url(server.workdir / "mesh") for side, server in servers.items()}
     try:
         async with contextlib.AsyncExitStack() as stack:
             clients = {"mesh": await stack.enter_async_context(httpx.AsyncClient(base_url=mesh.base_url, timeout=120))}
+            scraper = await stack.enter_async_context(httpx.AsyncClient(timeout=10))
             if baseline:
                 clients["baseline"] = await stack.enter_async_context(httpx.AsyncClient(base_url=baseline.base_url, timeout=120))
 
@@ -210,9 +240,13 @@ async def latency_bench(args: argparse.Namespace) -> dict:
                     index += 1
                     turn = index % len(sides)
                     for side in sides[turn:] + sides[:turn]:
+                        url = metrics_urls.get(side)
+                        before = await worker_ttft_total(scraper, url) if url else 0.0
                         ttft, itl = await one(side, prompt, args.new_tokens, f"r{index}")
                         results[side]["ttft"].append(ttft)
                         results[side]["itl"].extend(itl)
+                        if url:  # the worker observed its first token before the router had it
+                            results[side]["worker_ttft"].append(await worker_ttft_total(scraper, url) - before)
                 logger.info("latency round %d done", round_number)
             cpu_after = {side: cpu_seconds(path) for side, path in pids.items()}
     finally:
@@ -238,6 +272,16 @@ async def latency_bench(args: argparse.Namespace) -> dict:
         if side != "in_process":  # each prompt's TTFT here less its TTFT in-process
             paired = [m - p for m, p in zip(values["ttft"], results["in_process"]["ttft"], strict=True)]
             summary[side]["ttft_added_paired_p50_ms"] = statistics.median(paired) * 1e3
+            worker = values["worker_ttft"]
+            if len(worker) == len(values["ttft"]):
+                summary[side]["worker_ttft_p50_ms"] = pct(worker, 0.5)
+                summary[side]["worker_ttft_ms"] = [round(t * 1e3, 3) for t in worker]
+                # the prefill worker's engine against the in-process engine, the same prompt
+                summary[side]["worker_engine_added_paired_p50_ms"] = statistics.median(
+                    w - p for w, p in zip(worker, results["in_process"]["ttft"], strict=True)
+                ) * 1e3
+                # around the worker's engine: HTTP, the router, NATS, the worker's hand-offs
+                summary[side]["path_p50_ms"] = statistics.median(m - w for m, w in zip(values["ttft"], worker, strict=True)) * 1e3
             # each service's CPU per request over the measured rounds
             summary[side]["cpu_ms_per_request"] = {
                 name: round((cpu_after[side][name] - start) * 1e3 / len(values["ttft"]), 2)
@@ -249,7 +293,7 @@ async def latency_bench(args: argparse.Namespace) -> dict:
 
 # ----------------------------------------------------------------------------- report
 def machine() -> dict:
-    return {"cpu": cpu_model(), "cores": os.cpu_count(), "python": platform.python_version(), "torch": torch.__version__}
+    return {"cpu": cpu_model(), "cpu_flags": cpu_flags(), "cores": os.cpu_count(), "python": platform.python_version(), "torch": torch.__version__}
 
 
 def markdown(args: argparse.Namespace, transfer: list[dict], latency: dict | None) -> str:
@@ -258,7 +302,7 @@ def markdown(args: argparse.Namespace, transfer: list[dict], latency: dict | Non
         f"## Mesh benchmarks ({datetime.now(UTC):%Y-%m-%d %H:%M} UTC)",
         "",
         f"Command: `{' '.join(sys.argv)}`  ",
-        f"Machine: {meta['cpu']}, {meta['cores']} cores, Python {meta['python']}, torch {meta['torch']}",
+        f"Machine: {meta['cpu']} ({meta['cpu_flags'] or 'no AVX'}), {meta['cores']} cores, Python {meta['python']}, torch {meta['torch']}",
         "",
         "### KV transfer, loopback (median of rounds)",
         "",
@@ -285,6 +329,11 @@ def markdown(args: argparse.Namespace, transfer: list[dict], latency: dict | Non
             f"| inter-token p50 (ms) | {local['itl_p50_ms']:.2f} | {mesh['itl_p50_ms']:.2f} | {100 * (mesh['itl_p50_ms'] / local['itl_p50_ms'] - 1):+.1f} % |",
             f"| inter-token mean (ms) | {local['itl_mean_ms']:.2f} | {mesh['itl_mean_ms']:.2f} | {100 * (mesh['itl_mean_ms'] / local['itl_mean_ms'] - 1):+.1f} % |",
         ]
+        if "path_p50_ms" in mesh:
+            lines += [
+                f"| the prefill worker's own TTFT (its engine) p50, and its added over in-process, paired (ms) | | {mesh['worker_ttft_p50_ms']:.1f} | {mesh['worker_engine_added_paired_p50_ms']:+.1f} ms |",
+                f"| the path around the worker's engine (TTFT less the worker's own), median (ms) | | {mesh['path_p50_ms']:.1f} | |",
+            ]
         base = latency.get("baseline")
         if base:
             lines += [
@@ -298,6 +347,14 @@ def markdown(args: argparse.Namespace, transfer: list[dict], latency: dict | Non
                 f"| TTFT p90 (ms) | {mesh['ttft_p90_ms']:.1f} | {base['ttft_p90_ms']:.1f} |",
                 f"| inter-token p50 (ms) | {mesh['itl_p50_ms']:.2f} | {base['itl_p50_ms']:.2f} |",
                 f"| inter-token mean (ms) | {mesh['itl_mean_ms']:.2f} | {base['itl_mean_ms']:.2f} |",
+                *(
+                    [
+                        f"| the prefill worker's own TTFT added over in-process, paired (ms) | {mesh['worker_engine_added_paired_p50_ms']:+.1f} | {base['worker_engine_added_paired_p50_ms']:+.1f} |",
+                        f"| the path around the worker's engine, median (ms) | {mesh['path_p50_ms']:.1f} | {base['path_p50_ms']:.1f} |",
+                    ]
+                    if "path_p50_ms" in mesh and "path_p50_ms" in base
+                    else []
+                ),
                 *(
                     f"| CPU over the rounds a request, idle work included: {name} (ms) | {mesh['cpu_ms_per_request'].get(name, 0):.2f} | {base['cpu_ms_per_request'].get(name, 0):.2f} |"
                     for name in mesh["cpu_ms_per_request"]
