@@ -4,7 +4,6 @@
 from __future__ import annotations
 
 import asyncio
-import os
 
 import pytest
 
@@ -213,25 +212,3 @@ async def test_kv_events_are_taken_without_a_trip_to_an_idle_engine(engine, prom
     events = await engine.take_kv_events()  # the prompt's full blocks, cached
     assert events and len(commands) == 1
     assert await engine.take_kv_events() == [] and len(commands) == 1
-
-
-def _threads() -> int:
-    return len(os.listdir("/proc/self/task"))
-
-
-@pytest.mark.skipif(DEVICE != "cpu" or not os.path.isdir("/proc/self/task"), reason="OpenMP helpers of a CPU engine, counted on Linux")
-async def test_an_idle_engine_keeps_no_openmp_helpers(default_model_dir):
-    """Its last step done, the engine thread's OpenMP helpers end at once (``openmp_pool``),
-    not spin on a core for milliseconds (8 ms on an AMD Zen 3) and then sleep on: once the
-    request has finished the process has the threads it had before it."""
-    cfg = EngineConfig(model=str(default_model_dir), num_threads=2, kv_cache_bytes=32 * 2**20, device="cpu")
-    async with await AsyncEngine.create(cfg) as engine:
-        await asyncio.sleep(0.5)  # the thread that loaded the model ends
-        before = _threads()
-        params = SamplingParams(max_tokens=2, ignore_eos=True)
-        outs = await collect(engine.generate("r", list(range(100, 164)), params))
-        assert outs[-1].finished
-        deadline = asyncio.get_running_loop().time() + 5
-        while _threads() > before and asyncio.get_running_loop().time() < deadline:
-            await asyncio.sleep(0.05)
-        assert _threads() == before

@@ -6,8 +6,7 @@ thread between steps, and outputs come back to the event loop. Model steps never
 the loop. A request the engine fails ends with ``FinishReason.ERROR``; when the engine
 itself cannot go on, its thread ends: ``is_alive``, ``wait_dead`` and ``heartbeat_age`` say
 so, and ``load_now`` reads the load without waiting for the thread. With ``lending``
-(``core_lending``) each step runs on the threads the board allows. When the engine runs out
-of work its thread's OpenMP helpers end at once instead of spinning on (``openmp_pool``).
+(``core_lending``) each step runs on the threads the board allows.
 """
 
 from __future__ import annotations
@@ -23,7 +22,6 @@ from typing import Any, TypeVar
 
 import torch
 
-from kvmesh.engine import openmp_pool
 from kvmesh.engine.core_lending import CoreLending, LendingCounts
 from kvmesh.engine.kv_cache_manager import PoolStats
 from kvmesh.engine.llm_engine import EngineConfig, LLMEngine
@@ -40,15 +38,10 @@ __all__ = ["AsyncEngine", "EngineDeadError", "StepObserver"]
 
 
 class AsyncEngine:
-    # End the engine thread's OpenMP helpers when it runs out of work (``openmp_pool``); not
-    # for an engine that has bound its helpers to cores (vLLM's: new ones would not be).
-    release_idle_helpers = True
-
     def __init__(self, engine: LLMEngine, lending: CoreLending | None = None) -> None:
         self.engine = engine
         self._lending = lending
         self._threads = 0  # the engine thread's OpenMP threads, while lending changes them
-        self._stepped_since_idle = False  # a step ran since the thread last ran out of work
         self._commands: queue.SimpleQueue[tuple[Callable[[], Any], concurrent.futures.Future | None]] = (
             queue.SimpleQueue()
         )
@@ -81,7 +74,6 @@ class AsyncEngine:
                 self._beat = time.monotonic()
                 idle = not self.engine.has_unfinished()
                 if idle:
-                    self._went_idle()
                     self._lend()
                 self._run_commands(wait=idle)
                 self._load = self.engine.load()
@@ -89,7 +81,6 @@ class AsyncEngine:
                     self._borrow()
                     started = time.perf_counter()
                     outputs = self.engine.step()
-                    self._stepped_since_idle = True
                     self._load = self.engine.load()
                     if self.engine.last_step_tokens and self._observer is not None:
                         self._stepped(outputs, time.perf_counter() - started)
@@ -111,13 +102,6 @@ class AsyncEngine:
                 self._lending.close()
             self._fail_everything()
             self._wake_dead_waiters()
-
-    def _went_idle(self) -> None:
-        """Out of work after a step: its OpenMP helpers end now, not after their spin (~8 ms
-        of a core on an AMD Zen 3) while the step's tokens are on their way."""
-        if self._stepped_since_idle and self.release_idle_helpers:
-            openmp_pool.release_helpers()
-        self._stepped_since_idle = False
 
     def _borrow(self) -> None:
         """Before a step: the threads the lending board allows now."""

@@ -61,8 +61,6 @@ logger = logging.getLogger(__name__)
 class VllmEngine(AsyncEngine):
     """vLLM in this process as an ``Engine``."""
 
-    release_idle_helpers = False  # vLLM binds its OpenMP threads to cores; new ones would not be
-
     def __init__(
         self, core: VllmCore, layout: PoolLayout, max_model_len: int, vocab_size: int, lending: CoreLending | None = None
     ) -> None:
