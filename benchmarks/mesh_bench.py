@@ -45,6 +45,7 @@ from pathlib import Path
 
 import httpx
 import torch
+from prometheus_client.parser import text_string_to_metric_families
 
 from kvmesh.engine.async_engine import AsyncEngine
 from kvmesh.engine.llm_engine import EngineConfig
@@ -158,7 +159,6 @@ async def through_mesh(client: httpx.AsyncClient, prompt: list[int], new_tokens:
 
 
 WORKER_HEALTH = re.compile(r"health checks on (http://[^/\s]+)/health/live")
-WORKER_TTFT_SUM = re.compile(r"^kvmesh:time_to_first_token_seconds_sum(?:\{[^}]*\})? (\S+)$", re.M)
 
 
 def worker_metrics_url(mesh_workdir: Path, worker_id: str = "prefill-1") -> str | None:
@@ -175,7 +175,17 @@ async def worker_ttft_total(client: httpx.AsyncClient, url: str) -> float:
     """The worker's summed time to first token so far, seconds (all its requests)."""
     response = await client.get(url)
     response.raise_for_status()
-    return sum(float(value) for value in WORKER_TTFT_SUM.findall(response.text))
+    return ttft_total(response.text)
+
+
+def ttft_total(metrics_text: str) -> float:
+    """``kvmesh:time_to_first_token_seconds``'s sum over its series, from Prometheus text."""
+    return sum(
+        sample.value
+        for family in text_string_to_metric_families(metrics_text)
+        for sample in family.samples
+        if sample.name == "kvmesh:time_to_first_token_seconds_sum"
+    )
 
 
 def cpu_seconds(pids_path: Path) -> dict[str, float]:
