@@ -77,7 +77,7 @@ VLLM_VENV := .venv-vllm
 VLLM_BIN := $(VLLM_VENV)/bin
 VLLM_STAMP := $(VLLM_VENV)/.kvmesh-vllm-installed
 VLLM_WORKER_DEPS := nats-py etcd3aio mooncake-transfer-engine-non-cuda opentelemetry-sdk \
-	opentelemetry-exporter-otlp-proto-http opentelemetry-instrumentation-fastapi cryptography \
+	opentelemetry-exporter-otlp-proto-http cryptography \
 	gguf tokenizers jinja2 safetensors pyyaml httpx prometheus-client pydantic numpy
 
 $(VLLM_STAMP): pyproject.toml constraints.txt setup.py

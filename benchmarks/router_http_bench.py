@@ -10,9 +10,9 @@ streamed). Side by side in one run, rounds interleaved:
 
 - ``floor``: a bare ASGI app under the same server that reads the body and writes a canned
   answer: what uvicorn and the socket cost;
-- ``router``: the router's app as ``kvmesh up`` serves it (OpenTelemetry's FastAPI
-  instrumentation on, as the router installs it, with no exporter);
-- ``router-no-otel``: the same without the instrumentation;
+- ``router``: the router's app as ``kvmesh up`` serves it (its spans recorded, as the router
+  records them, with no exporter);
+- ``router-no-otel``: the same with no tracer provider (spans not recorded);
 - ``router-off-loop``: the router with every prompt tokenized in its thread pool (as before
   small bodies were tokenized on the event loop).
 
@@ -115,9 +115,9 @@ def _serve(kind: str, port_out: Any) -> None:
         inline = {"router-off-loop": -1}.get(kind)
         app = create_app(InstantBackend(), limits=limits, **({} if inline is None else {"inline_tokenize_bytes": inline}))  # type: ignore[arg-type]
         if kind in ("router", "router-off-loop"):
-            from opentelemetry.instrumentation.fastapi import FastAPIInstrumentor
+            from kvmesh.telemetry import setup_tracing
 
-            FastAPIInstrumentor.instrument_app(app, excluded_urls="health,metrics", exclude_spans=["send", "receive"])
+            setup_tracing("kvmesh-router")  # as the router: spans recorded (exported only with an OTLP endpoint set)
     sock = bind("127.0.0.1", 0)
     port_out.send(sock.getsockname()[1])
     asyncio.run(serve(RouterServer(app, limits), sock))

@@ -23,6 +23,8 @@ from typing import Any, TypeVar
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
+from fastapi.telemetry import TelemetryConfig
+from opentelemetry.trace import TracerProvider
 from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.datastructures import Headers
 from starlette.middleware.cors import CORSMiddleware
@@ -43,6 +45,7 @@ from kvmesh.services.router.auth import BearerAuth
 from kvmesh.services.router.backend import GenerationBackend, HealthReport
 from kvmesh.services.router.generation import CHAT_COMPLETIONS, COMPLETIONS, SESSION_HEADER, Generation
 from kvmesh.services.router.generation_defaults import GenerationDefaults
+from kvmesh.services.router.http_spans import HttpSpans
 from kvmesh.services.router.internal_errors import InternalErrors
 from kvmesh.services.router.limits import BodyLimit, Limits
 from kvmesh.services.router.metrics import RouterMetrics
@@ -80,6 +83,8 @@ TOKENIZER_THREADS = 2
 # threads and back cost more than tokenizing it there (about 0.3 ms for 500 characters of chat).
 INLINE_TOKENIZE_BYTES = 2048
 
+# FastAPI 0.165+ traces, meters and logs requests itself once a provider is set: all off
+NO_FASTAPI_TELEMETRY: TelemetryConfig = {"tracing": False, "metrics": False, "logs": False, "operation_spans": False}
 T = TypeVar("T")
 
 
@@ -163,6 +168,7 @@ def create_app(
     cors_allow_origins: Sequence[str] = (),
     generation_defaults: GenerationDefaults | None = None,
     inline_tokenize_bytes: int = INLINE_TOKENIZE_BYTES,
+    tracer_provider: TracerProvider | None = None,
 ) -> FastAPI:
     """The router's FastAPI app serving ``backend``'s model.
 
@@ -175,7 +181,8 @@ def create_app(
     on: preflights answered, responses to those origins readable by browsers; off without any.
     ``generation_defaults`` (the model's ``generation_config.json``) fill what a request omits.
     A request whose body declares at most ``inline_tokenize_bytes`` is tokenized on the event
-    loop, a larger one in a small thread pool.
+    loop, a larger one in a small thread pool. Each request's span (``HttpSpans``) goes to
+    ``tracer_provider``, by default the process's.
     """
     if api_key is not None:
         if api_keys is not None:
@@ -202,7 +209,8 @@ def create_app(
         finally:
             tokenizing.shutdown(wait=False, cancel_futures=True)
 
-    app = FastAPI(title="kvmesh router", lifespan=lifespan)
+    # the router makes its own HTTP spans (``HttpSpans``): FastAPI's would be a second set
+    app = FastAPI(title="kvmesh router", lifespan=lifespan, telemetry=NO_FASTAPI_TELEMETRY)
     app.state.backend = backend
     app.state.metrics = metrics
     app.state.shutdown = shutdown
@@ -223,6 +231,7 @@ def create_app(
     app.add_middleware(BodyLimit, limits=limits, metrics=metrics, counted_paths=GENERATION_PATHS)
     if cors_allow_origins:  # outside even that: every answer, errors too, carries its CORS headers
         app.add_middleware(Cors, origins=cors_allow_origins)
+    app.add_middleware(HttpSpans, tracer_provider=tracer_provider)  # around all of it: a request's span sees every answer
 
     async def tokenized(request: Request, work: Callable[..., T], *args: Any) -> T:
         """Tokenizing and templating: on the loop for a small body, else in the app's small

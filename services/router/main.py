@@ -66,14 +66,6 @@ async def main(argv: list[str] | None = None) -> None:
         generation_defaults=defaults,
     )
     try:
-        from opentelemetry.instrumentation.fastapi import FastAPIInstrumentor
-
-        # One server span per request: no ``http send`` span per SSE chunk, no ``receive`` span.
-        FastAPIInstrumentor.instrument_app(app, excluded_urls="health,metrics", exclude_spans=["send", "receive"])
-    except ImportError:
-        logger.info("opentelemetry-instrumentation-fastapi not installed: no HTTP spans")
-
-    try:
         await serve(RouterServer(app, settings.limits), sock)
     finally:
         await backend.close()
