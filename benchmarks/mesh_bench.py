@@ -18,6 +18,9 @@
    ``kvmesh:time_to_first_token_seconds`` read from its ``/metrics`` before and after) and
    the path around it (the mesh's TTFT less that: HTTP, the router, NATS both ways, the
    worker's hand-offs to and from its engine thread, which the in-process engine pays too).
+   Every mesh takes every prompt twice: through httpx's ``AsyncClient`` (as Python clients
+   send) and through a plain socket (``SocketClient``), whose own cost is small: the two
+   differ by what a client library spends on its side, which is not the mesh's.
 
     .venv/bin/python benchmarks/mesh_bench.py --markdown docs/benchmarks-mesh.md
     .venv/bin/python benchmarks/mesh_bench.py --sizes-mib 1 --transfer-rounds 1 --requests 20 \
@@ -158,6 +161,62 @@ async def through_mesh(client: httpx.AsyncClient, prompt: list[int], new_tokens:
     return times[0] - started, [b - a for a, b in zip(times, times[1:])]
 
 
+class SocketClient:
+    """Streamed completions over one kept-alive HTTP/1.1 connection with no HTTP library: the
+    request's bytes are built before its clock starts, the answer is de-chunked and split into
+    SSE events by hand. Its own cost is small (httpx's ``AsyncClient`` costs about 1.7 ms a
+    request on the client's side: docs/benchmarks.md, "The router's HTTP edge"), so its time to
+    first token is what the mesh adds, not what a Python HTTP library does with the answer."""
+
+    def __init__(self, base_url: str) -> None:
+        host, _, port = base_url.removeprefix("http://").rstrip("/").partition(":")
+        self.host, self.port = host, int(port)
+        self._reader: asyncio.StreamReader | None = None
+        self._writer: asyncio.StreamWriter | None = None
+
+    async def close(self) -> None:
+        if self._writer is not None:
+            self._writer.close()
+            with contextlib.suppress(OSError):
+                await self._writer.wait_closed()
+            self._reader = self._writer = None
+
+    def request_bytes(self, prompt: list[int], new_tokens: int) -> bytes:
+        body = json.dumps({"model": MODEL, "prompt": prompt, "max_tokens": new_tokens, "temperature": 0, "ignore_eos": True, "stream": True}).encode()
+        head = f"POST /v1/completions HTTP/1.1\r\nHost: {self.host}:{self.port}\r\nContent-Type: application/json\r\nContent-Length: {len(body)}\r\n\r\n"
+        return head.encode() + body
+
+    async def completion(self, prompt: list[int], new_tokens: int) -> tuple[float, list[float]]:
+        """The time to the first event with text, and the gaps between events with text."""
+        request = self.request_bytes(prompt, new_tokens)
+        if self._writer is None:
+            self._reader, self._writer = await asyncio.open_connection(self.host, self.port)
+            self._writer.get_extra_info("socket").setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        reader, writer = self._reader, self._writer
+        assert reader is not None
+        started = time.perf_counter()
+        writer.write(request)
+        head = await reader.readuntil(b"\r\n\r\n")
+        if not head.startswith(b"HTTP/1.1 200") or b"chunked" not in head.lower():
+            await self.close()
+            raise RuntimeError(f"the mesh answered {head[:300]!r}")
+        times: list[float] = []
+        pending = b""
+        while True:
+            size = int((await reader.readline()).split(b";")[0], 16)
+            data = await reader.readexactly(size + 2)  # the chunk and its CRLF
+            if size == 0:
+                break
+            pending += data[:-2]
+            while b"\n\n" in pending:
+                event, pending = pending.split(b"\n\n", 1)
+                if event.startswith(b"data: {"):
+                    choices = json.loads(event[6:])["choices"]
+                    if choices and choices[0]["text"]:
+                        times.append(time.perf_counter())
+        return times[0] - started, [b - a for a, b in zip(times, times[1:])]
+
+
 WORKER_HEALTH = re.compile(r"health checks on (http://[^/\s]+)/health/live")
 
 
@@ -223,10 +282,15 @@ async def latency_bench(args: argparse.Namespace) -> dict:
     baseline = await asyncio.to_thread(start_up, args, workdir, "mesh-base", args.baseline_tree) if args.baseline_tree else None
     engine = await AsyncEngine.create(EngineConfig(dtype=args.dtype, kv_cache_bytes=256 * 2**20, num_threads=args.threads))
     prompts = prompts_for(engine.engine.tokenizer, args.requests * args.rounds + 2, args.prompt_tokens)
-    sides = ["in_process", "mesh", *(["baseline"] if baseline else [])]
+    # each mesh twice: through httpx (as Python clients send) and through a plain socket
+    # (``SocketClient``: what the mesh adds without a client library's own cost)
+    meshes = ["mesh", *(["baseline"] if baseline else [])]
+    sides = ["in_process", *meshes, *(f"{name}_socket" for name in meshes)]
     results: dict[str, dict[str, list[float]]] = {side: {"ttft": [], "itl": [], "worker_ttft": []} for side in sides}
     servers = {"mesh": mesh, **({"baseline": baseline} if baseline else {})}
-    metrics_urls = {side: worker_metrics_url(server.workdir / "mesh") for side, server in servers.items()}
+    urls = {name: worker_metrics_url(server.workdir / "mesh") for name, server in servers.items()}
+    metrics_urls = {side: urls[side.removesuffix("_socket")] for side in sides if side != "in_process"}
+    sockets = {f"{name}_socket": SocketClient(server.base_url) for name, server in servers.items()}
     try:
         async with contextlib.AsyncExitStack() as stack:
             clients = {"mesh": await stack.enter_async_context(httpx.AsyncClient(base_url=mesh.base_url, timeout=120))}
@@ -237,6 +301,8 @@ async def latency_bench(args: argparse.Namespace) -> dict:
             async def one(side: str, prompt: list[int], new_tokens: int, rid: str) -> tuple[float, list[float]]:
                 if side == "in_process":
                     return await in_process(engine, prompt, new_tokens, rid)
+                if side in sockets:
+                    return await sockets[side].completion(prompt, new_tokens)
                 return await through_mesh(clients[side], prompt, new_tokens)
 
             for side in sides:  # warm-up
@@ -260,6 +326,8 @@ async def latency_bench(args: argparse.Namespace) -> dict:
                 logger.info("latency round %d done", round_number)
             cpu_after = {side: cpu_seconds(path) for side, path in pids.items()}
     finally:
+        for connection in sockets.values():
+            await connection.close()
         await engine.shutdown()
         if baseline is not None:
             await asyncio.to_thread(baseline.stop)
@@ -293,11 +361,12 @@ async def latency_bench(args: argparse.Namespace) -> dict:
                 # around the worker's engine: HTTP, the router, NATS, the worker's hand-offs
                 summary[side]["path_p50_ms"] = statistics.median(m - w for m, w in zip(values["ttft"], worker, strict=True)) * 1e3
             # each service's CPU per request over the measured rounds
-            summary[side]["cpu_ms_per_request"] = {
-                name: round((cpu_after[side][name] - start) * 1e3 / len(values["ttft"]), 2)
-                for name, start in cpu_before[side].items()
-                if name in cpu_after[side]
-            }
+            if side in cpu_before:  # both clients' requests, over the httpx side's count
+                summary[side]["cpu_ms_per_request"] = {
+                    name: round((cpu_after[side][name] - start) * 1e3 / len(values["ttft"]) / 2, 2)
+                    for name, start in cpu_before[side].items()
+                    if name in cpu_after[side]
+                }
     return summary
 
 
@@ -344,11 +413,22 @@ def markdown(args: argparse.Namespace, transfer: list[dict], latency: dict | Non
                 f"| the prefill worker's own TTFT (its engine) p50, and its added over in-process, paired (ms) | | {mesh['worker_ttft_p50_ms']:.1f} | {mesh['worker_engine_added_paired_p50_ms']:+.1f} ms |",
                 f"| the path around the worker's engine (TTFT less the worker's own), median (ms) | | {mesh['path_p50_ms']:.1f} | |",
             ]
-        base = latency.get("baseline")
+        plain = latency.get("mesh_socket")
+        if plain:
+            lines += [
+                f"| TTFT p50, plain-socket client (ms) | {local['ttft_p50_ms']:.1f} | {plain['ttft_p50_ms']:.1f} | {plain['ttft_p50_ms'] - local['ttft_p50_ms']:+.1f} ms |",
+                f"| TTFT added, plain-socket client, median of paired differences (ms) | | | {plain['ttft_added_paired_p50_ms']:+.1f} ms |",
+                *(
+                    [f"| the path around the worker's engine, plain-socket client, median (ms) | | {plain['path_p50_ms']:.1f} | |"]
+                    if "path_p50_ms" in plain
+                    else []
+                ),
+            ]
+        base, plain_base = latency.get("baseline"), latency.get("baseline_socket")
         if base:
             lines += [
                 "",
-                f"The mesh from `{args.baseline_tree}` (the code before), up at the same time, every prompt sent to all three:",
+                f"The mesh from `{args.baseline_tree}` (the code before), up at the same time, every prompt sent to every side:",
                 "",
                 "| metric | this tree's mesh | the baseline's mesh |",
                 "|---|---:|---:|",
@@ -363,6 +443,14 @@ def markdown(args: argparse.Namespace, transfer: list[dict], latency: dict | Non
                         f"| the path around the worker's engine, median (ms) | {mesh['path_p50_ms']:.1f} | {base['path_p50_ms']:.1f} |",
                     ]
                     if "path_p50_ms" in mesh and "path_p50_ms" in base
+                    else []
+                ),
+                *(
+                    [
+                        f"| TTFT added, plain-socket client, paired (ms) | {plain['ttft_added_paired_p50_ms']:+.1f} | {plain_base['ttft_added_paired_p50_ms']:+.1f} |",
+                        f"| the path around the worker's engine, plain-socket client, median (ms) | {plain['path_p50_ms']:.1f} | {plain_base['path_p50_ms']:.1f} |",
+                    ]
+                    if plain and plain_base and "path_p50_ms" in plain and "path_p50_ms" in plain_base
                     else []
                 ),
                 *(
