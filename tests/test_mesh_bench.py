@@ -4,6 +4,7 @@ and its plain-socket client against the router's real HTTP server."""
 
 from __future__ import annotations
 
+import asyncio
 import sys
 from pathlib import Path
 
@@ -51,6 +52,12 @@ async def test_the_socket_client_reads_a_stream_and_keeps_its_connection(tiny_mo
                 assert 0.05 <= ttft < 1.0
                 assert len(gaps) == 1 and 0.1 <= gaps[0] < 1.0
             assert len(router.server.server_state.connections) == 1
+            # the router closes a connection idle for its keep-alive timeout: a new one, then
+            for connection in list(router.server.server_state.connections):
+                connection.transport.close()
+            await asyncio.sleep(0.1)
+            ttft, _ = await client.completion([1, 2, 3], 3)
+            assert 0.05 <= ttft < 1.0
             backend.model_name = "another-model"  # a 404 is an error, not a hang
             with pytest.raises(RuntimeError, match="404"):
                 await client.completion([1, 2, 3], 3)
