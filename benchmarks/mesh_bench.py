@@ -294,7 +294,10 @@ async def latency_bench(args: argparse.Namespace) -> dict:
     mesh = await asyncio.to_thread(start_up, args, workdir, "mesh")
     baseline = await asyncio.to_thread(start_up, args, workdir, "mesh-base", args.baseline_tree) if args.baseline_tree else None
     engine = await AsyncEngine.create(EngineConfig(dtype=args.dtype, kv_cache_bytes=256 * 2**20, num_threads=args.threads))
-    prompts = prompts_for(engine.engine.tokenizer, args.requests * args.rounds + 2, args.prompt_tokens)
+    total = args.requests * args.rounds
+    # a prompt for each request and one more for each request's socket-client twin (a mesh
+    # would answer the same prompt twice from its prefix cache), and two to warm up with
+    prompts = prompts_for(engine.engine.tokenizer, 2 * total + 2, args.prompt_tokens)
     # each mesh twice: through httpx (as Python clients send) and through a plain socket
     # (``SocketClient``: what the mesh adds without a client library's own cost)
     meshes = ["mesh", *(["baseline"] if baseline else [])]
@@ -325,13 +328,15 @@ async def latency_bench(args: argparse.Namespace) -> dict:
             index = 0
             for round_number in range(args.rounds):
                 for _ in range(args.requests):
-                    prompt = prompts[index]  # a fresh prompt each time: no prefix-cache help
+                    # a fresh prompt each time: no prefix-cache help; the socket sides' are others
+                    # of the same length (paired with the in-process time of this one)
+                    prompt, twin = prompts[index], prompts[total + index]
                     index += 1
                     turn = index % len(sides)
                     for side in sides[turn:] + sides[:turn]:
                         url = metrics_urls.get(side)
                         before = await worker_ttft_total(scraper, url) if url else 0.0
-                        ttft, itl = await one(side, prompt, args.new_tokens, f"r{index}")
+                        ttft, itl = await one(side, twin if side in sockets else prompt, args.new_tokens, f"r{index}")
                         results[side]["ttft"].append(ttft)
                         results[side]["itl"].extend(itl)
                         if url:  # the worker observed its first token before the router had it
