@@ -15,8 +15,6 @@ request attributes, a wrapper per ``send``), all of it on the path to a stream's
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-
 from opentelemetry import context, propagate, trace
 from opentelemetry.trace import SpanKind, Status, StatusCode, TracerProvider
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
@@ -31,15 +29,12 @@ _PROPAGATED = frozenset({b"traceparent", b"tracestate", b"baggage"})
 class HttpSpans:
     """ASGI middleware, outside the others: a server span around each HTTP request."""
 
-    def __init__(
-        self, app: ASGIApp, tracer_provider: TracerProvider | None = None, untraced: Sequence[str] = UNTRACED_PATHS
-    ) -> None:
+    def __init__(self, app: ASGIApp, tracer_provider: TracerProvider | None = None) -> None:
         self.app = app
-        self.untraced = tuple(untraced)
         self._tracer = trace.get_tracer(__name__, tracer_provider=tracer_provider)  # None: the process's
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http" or scope["path"].startswith(self.untraced):
+        if scope["type"] != "http" or scope["path"].startswith(UNTRACED_PATHS):
             await self.app(scope, receive, send)
             return
         carrier = {name.decode("latin-1"): value.decode("latin-1") for name, value in scope["headers"] if name in _PROPAGATED}

@@ -162,6 +162,9 @@ async def test_one_trace_spans_all_three_services(mesh, sink):
     spans = by_trace[complete[0]]
     roots = [s for s in spans if not s.parent_span_id]
     assert [(s.service, s.name) for s in roots] == [("kvmesh-router", "POST /v1/completions")]
+    # one HTTP span (the router's own, not FastAPI's beside it): the mesh's work directly under it
+    (request,) = [s for s in spans if s.name == "mesh_request"]
+    assert request.parent_span_id == roots[0].span_id
     route = next(s for s in spans if s.name == "route")
     assert route.attributes["kvmesh.route.worker"] == "prefill-1"
     # which workers hold the prompt's prefix: the router's own copy of the index, no kv-metadata round trip
