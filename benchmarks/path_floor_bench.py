@@ -15,6 +15,9 @@ run, interleaved request by request, that path three ways:
   answer a ``StreamingResponse``), as kvmesh's router is written.
 - ``kvmesh``: `kvmesh up` from this tree (1 prefill + 1 decode worker), everything it does.
 
+``--http h11,httptools`` adds both floors on uvicorn's httptools parser (``asgi-httptools``,
+``fastapi-httptools``), where httptools is installed (it is not a dependency).
+
 Each side's path is its client's TTFT (a plain socket, ``mesh_bench.SocketClient``) less its
 worker's engine time for that request: every worker times its engine alike, from the request's
 arrival at the engine to the end of the step that made its first token (kvmesh's worker as its
@@ -186,9 +189,9 @@ def sse_chunk(token: int) -> str:
     return f"data: {json.dumps({'object': 'text_completion', 'choices': [{'index': 0, 'text': str(token)}]})}\n\n"
 
 
-def floor_router(kind: str, subject: str, nats_url: str, ca: str, port: int, ready: Any) -> None:
-    """uvicorn (h11, as the router is served) serving a floor's app, its first token asked of
-    its worker over NATS (TLS)."""
+def floor_router(kind: str, subject: str, nats_url: str, ca: str, port: int, http: str, ready: Any) -> None:
+    """uvicorn serving a floor's app with the HTTP implementation ``http`` (``h11``, as the
+    router is served, or ``httptools``), its first token asked of its worker over NATS (TLS)."""
     import nats
     import uvicorn
 
@@ -207,7 +210,7 @@ def floor_router(kind: str, subject: str, nats_url: str, ca: str, port: int, rea
         return sse_chunk(answer["token"])
 
     app = floor_apps(first_token, lambda: state["engine_s"], connect)[kind]
-    uvicorn.run(app, host="127.0.0.1", port=port, log_level="warning", http="h11", loop="asyncio")
+    uvicorn.run(app, host="127.0.0.1", port=port, log_level="warning", http=http, loop="asyncio")
 
 
 # ----------------------------------------------------------------------------- the apps alone
@@ -259,27 +262,29 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
     processes: list[Any] = []
     mesh = None
     urls: dict[str, str] = {}
+    # a floor per app and HTTP implementation: "asgi", "fastapi" on h11, "asgi-httptools", ...
+    floors = {kind if http == "h11" else f"{kind}-{http}": (kind, http) for http in args.http for kind in FLOORS}
     try:
-        for kind in FLOORS:
+        for name, (kind, http) in floors.items():
             worker_ready, router_ready = ctx.Event(), ctx.Event()
             port = free_port()
             ca = str(nats_server.tls_ca)
-            subject = f"floor.{kind}"  # each floor its own worker
+            subject = f"floor.{name}"  # each floor its own worker
             processes.append(ctx.Process(target=floor_worker, args=(subject, nats_server.address, ca, args.threads, args.dtype, worker_ready), daemon=True))
             processes[-1].start()
-            processes.append(ctx.Process(target=floor_router, args=(kind, subject, nats_server.address, ca, port, router_ready), daemon=True))
+            processes.append(ctx.Process(target=floor_router, args=(kind, subject, nats_server.address, ca, port, http, router_ready), daemon=True))
             processes[-1].start()
             if not (worker_ready.wait(300) and router_ready.wait(60)):
-                raise RuntimeError(f"the {kind} floor did not start")
-            urls[kind] = f"http://127.0.0.1:{port}"
+                raise RuntimeError(f"the {name} floor did not start")
+            urls[name] = f"http://127.0.0.1:{port}"
         mesh = await asyncio.to_thread(start_up, argparse.Namespace(dtype=args.dtype, threads=args.threads), workdir, "mesh")
         urls["kvmesh"] = mesh.base_url
-        engine_urls = {kind: f"{urls[kind]}/engine_total" for kind in FLOORS}
+        engine_urls = {name: f"{urls[name]}/engine_total" for name in floors}
         engine_urls["kvmesh"] = worker_metrics_url(mesh.workdir / "mesh") or ""
         if not engine_urls["kvmesh"]:
             raise RuntimeError("no metrics URL in the prefill worker's log")
 
-        sides = [*FLOORS, "kvmesh"]
+        sides = [*floors, "kvmesh"]
         tokenizer = Tokenizer.from_dir(resolve_model(None))
         prompts = prompts_for(tokenizer, len(sides) * (args.requests + args.warmup), args.prompt_tokens)
         clients = {side: SocketClient(urls[side]) for side in sides}
@@ -322,6 +327,8 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
             "ttft_p50_ms": statistics.median(ttfts[side]),
             "requests": len(paths[side]),
             "path_ms": [round(p, 3) for p in paths[side]],
+            # each request's path through kvmesh less the one before or after it here: same moment
+            "kvmesh_less_this_paired_p50_ms": statistics.median(k - p for k, p in zip(paths["kvmesh"], paths[side], strict=True)),
         }
         for side in paths
     }
@@ -349,8 +356,16 @@ def main() -> None:
     parser.add_argument("--app-requests", type=int, default=2000, help="the apps alone: requests per app back to back")
     parser.add_argument("--app-cold-requests", type=int, default=300, help="the apps alone: requests per app after an idle gap")
     parser.add_argument("--gap-ms", type=float, default=50.0, help="the idle gap")
+    parser.add_argument("--http", default="h11", type=lambda text: text.split(","),
+                        help="the floors' uvicorn HTTP implementations, comma-separated: h11, httptools (if importable; "
+                             "the router's is h11 either way)")  # fmt: skip
     parser.add_argument("--json", type=Path, help="the results as JSON")
     args = parser.parse_args()
+    if set(args.http) - {"h11", "httptools"}:
+        parser.error(f"--http: h11 or httptools, not {args.http}")
+    if "httptools" in args.http:
+        import httptools  # noqa: F401 - a clear error here rather than in a child
+
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     apps = [asyncio.run(app_costs(args.app_requests, 0.0)), asyncio.run(app_costs(args.app_cold_requests, args.gap_ms / 1e3))]
     results = asyncio.run(run(args))
@@ -359,10 +374,11 @@ def main() -> None:
         f"Path floor, {datetime.now(UTC):%Y-%m-%d %H:%M} UTC, `{' '.join(sys.argv)}`",
         f"Machine: {meta['cpu']} ({meta['cpu_flags']}), {meta['cores']} cores, Python {meta['python']}, torch {meta['torch']}",
         "",
-        "| side | path p50 (ms) | p10 | p90 | mean | TTFT p50 (ms) | requests |",
-        "|---|---:|---:|---:|---:|---:|---:|",
+        "| side | path p50 (ms) | p10 | p90 | mean | kvmesh less this, paired p50 (ms) | TTFT p50 (ms) | requests |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|",
         *(
-            f"| {side} | {r['path_p50_ms']:.2f} | {r['path_p10_ms']:.2f} | {r['path_p90_ms']:.2f} | {r['path_mean_ms']:.2f} | {r['ttft_p50_ms']:.1f} | {r['requests']} |"
+            f"| {side} | {r['path_p50_ms']:.2f} | {r['path_p10_ms']:.2f} | {r['path_p90_ms']:.2f} | {r['path_mean_ms']:.2f} "
+            f"| {r['kvmesh_less_this_paired_p50_ms']:.2f} | {r['ttft_p50_ms']:.1f} | {r['requests']} |"
             for side, r in results.items()
         ),
         "",
