@@ -14,7 +14,12 @@ streamed). Side by side in one run, rounds interleaved:
   records them, with no exporter);
 - ``router-no-otel``: the same with no tracer provider (spans not recorded);
 - ``router-off-loop``: the router with every prompt tokenized in its thread pool (as before
-  small bodies were tokenized on the event loop).
+  small bodies were tokenized on the event loop);
+- ``router (baseline)``, with ``--baseline-tree DIR``: the router as another checkout serves
+  it (the code before a change), in the same run.
+
+``--gap-ms`` leaves the servers idle before each request, as a router is while a prefill runs
+(Python's work after an idle moment costs about twice its hot-loop time on some CPUs).
 
     .venv/bin/python benchmarks/router_http_bench.py --requests 300 --rounds 3 --json /tmp/router-http.json
 """
@@ -30,6 +35,7 @@ import os
 import platform
 import socket
 import statistics
+import subprocess
 import sys
 import time
 from collections.abc import AsyncIterator
@@ -123,6 +129,32 @@ def _serve(kind: str, port_out: Any) -> None:
     asyncio.run(serve(RouterServer(app, limits), sock))
 
 
+def _serve_baseline(tree: Path) -> tuple[Any, int]:
+    """The router as ``tree`` (another checkout: the code before a change) serves it, in a
+    process of its own: ``tree``'s Python and ``kvmesh`` (``shared/kvmesh/services`` linked
+    to its ``services``, as ``mesh_bench.py --baseline-tree`` needs), this file's server."""
+    here = str(Path(__file__).resolve().parent)
+    code = f"import sys; sys.path.insert(0, {here!r}); import router_http_bench as b; b._serve_printing('router')"
+    env = {**os.environ, "PYTHONPATH": str(tree / "shared")}
+    proc = subprocess.Popen([str(tree / ".venv" / "bin" / "python"), "-c", code], env=env, stdout=subprocess.PIPE, text=True)
+    assert proc.stdout is not None
+    line = proc.stdout.readline()
+    if not line.strip().isdigit():
+        proc.kill()
+        raise RuntimeError(f"the baseline router from {tree} did not start: {line!r}")
+    return proc, int(line)
+
+
+def _serve_printing(kind: str) -> None:
+    """``_serve``, its port printed on stdout."""
+
+    class Out:
+        def send(self, port: int) -> None:
+            print(port, flush=True)
+
+    _serve(kind, Out())
+
+
 # --------------------------------------------------------------------------- the client
 def _request(port: int, stream: bool) -> bytes:
     body = json.dumps({**CHAT, "stream": stream}).encode()
@@ -155,13 +187,16 @@ def _read_answer(conn: socket.socket, stream: bool) -> float:
                 return time.perf_counter()
 
 
-def measure(port: int, requests: int, stream: bool, warmup: int = 20) -> list[float]:
-    """Latencies (ms) of ``requests`` sequential requests on one keep-alive connection."""
+def measure(port: int, requests: int, stream: bool, warmup: int = 20, gap: float = 0.0) -> list[float]:
+    """Latencies (ms) of ``requests`` sequential requests on one keep-alive connection,
+    ``gap`` seconds idle before each (as a router waits through a prefill)."""
     request = _request(port, stream)
     out: list[float] = []
     with socket.create_connection(("127.0.0.1", port)) as conn:
         conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         for i in range(warmup + requests):
+            if gap:
+                time.sleep(gap)
             t0 = time.perf_counter()
             conn.sendall(request)
             t1 = _read_answer(conn, stream)
@@ -170,7 +205,7 @@ def measure(port: int, requests: int, stream: bool, warmup: int = 20) -> list[fl
     return out
 
 
-def measure_httpx(port: int, requests: int, stream: bool, warmup: int = 20) -> list[float]:
+def measure_httpx(port: int, requests: int, stream: bool, warmup: int = 20, gap: float = 0.0) -> list[float]:
     """The same with httpx's AsyncClient, as ``mesh_bench.py`` sends its requests: what a
     common Python client adds on the client's side."""
     import httpx
@@ -180,6 +215,8 @@ def measure_httpx(port: int, requests: int, stream: bool, warmup: int = 20) -> l
         payload = {**CHAT, "stream": stream}
         async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{port}", timeout=30) as client:
             for i in range(warmup + requests):
+                if gap:
+                    await asyncio.sleep(gap)
                 t0 = time.perf_counter()
                 if stream:
                     async with client.stream("POST", "/v1/chat/completions", json=payload) as response:
@@ -226,6 +263,8 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--servers", default=",".join(SERVERS))
     parser.add_argument("--clients", default="socket,httpx", help="socket (a plain keep-alive socket), httpx (its AsyncClient)")
+    parser.add_argument("--gap-ms", type=float, default=0.0, help="idle before each request (a router waits through a prefill)")
+    parser.add_argument("--baseline-tree", type=Path, help="also the router as this checkout serves it: router (baseline)")
     parser.add_argument("--json", type=Path, default=None)
     args = parser.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(message)s")
@@ -238,6 +277,9 @@ def main() -> None:
             proc = ctx.Process(target=_serve, args=(kind, child), daemon=True)
             proc.start()
             procs[kind] = (proc, parent.recv())
+        if args.baseline_tree:
+            kinds.append("router (baseline)")
+            procs["router (baseline)"] = _serve_baseline(args.baseline_tree)
         for _, port in procs.values():
             _wait_listening(port)
         clients = {"socket": measure, "httpx": measure_httpx}
@@ -250,7 +292,7 @@ def main() -> None:
             for client in wanted:
                 for kind in order:
                     for mode in ("stream", "json"):
-                        samples[f"{kind} ({client})"][mode] += clients[client](procs[kind][1], args.requests, mode == "stream")
+                        samples[f"{kind} ({client})"][mode] += clients[client](procs[kind][1], args.requests, mode == "stream", gap=args.gap_ms / 1e3)
         results = {
             kind: {
                 mode: {"p50_ms": round(statistics.median(v), 3), "p90_ms": round(statistics.quantiles(v, n=10)[-1], 3), "n": len(v)}
@@ -261,7 +303,7 @@ def main() -> None:
     finally:
         for proc, _ in procs.values():
             proc.terminate()
-            proc.join(5)
+            proc.join(5) if hasattr(proc, "join") else proc.wait(5)
     report = {
         "command": " ".join([os.path.basename(sys.executable), *sys.argv]),
         "machine": {"cpu": _cpu(), "cores": os.cpu_count(), "load_before": os.getloadavg()},

@@ -118,7 +118,7 @@ class BodyLimit(AnsweringMiddleware):
             return
         headers = Headers(scope=scope)
         if "content-length" not in headers and "transfer-encoding" not in headers:
-            await self.app(scope, receive, send)  # no body (h11 frames bodies by these two only)
+            await self.app(scope, receive, send)  # no body (HTTP/1.1 frames a request body by these two only)
             return
         limit = self.limits.max_body_bytes
         try:

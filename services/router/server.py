@@ -58,7 +58,6 @@ class RouterServer(uvicorn.Server):
         config = uvicorn.Config(
             app,
             http=router_protocol(limits),  # type: ignore[arg-type]
-            h11_max_incomplete_event_size=limits.max_header_bytes,
             timeout_graceful_shutdown=GRACE_SECONDS,  # type: ignore[arg-type]
             log_level=log_level,
             access_log=False,

@@ -59,13 +59,44 @@ HEADERS_TOO_LARGE = error(
 # --------------------------------------------------------------------------- headers
 @pytest.mark.parametrize("size", [20_000, 1_000_000])
 async def test_a_large_header_is_431_and_the_client_reads_it(router: Served, size: int) -> None:
-    """20 KB arrives in one read (plain uvicorn lets it through); 1 MB fills h11's buffer
-    (plain uvicorn answers a text 400 and resets the connection while the client still sends)."""
+    """20 KB arrives in one read, 1 MB in many: both are answered, and the client still sending
+    reads the answer (plain uvicorn let 20 KB through with h11 and reset the connection on 1 MB)."""
     async with httpx.AsyncClient(base_url=router.url, timeout=5) as client:
         resp = await client.get("/health", headers={"x-big": "a" * size})
         assert (resp.status_code, resp.json()) == (431, HEADERS_TOO_LARGE)
         assert resp.headers["connection"] == "close"
         assert (await client.get("/health")).status_code == 200  # a new connection serves
+
+
+async def test_a_large_head_still_arriving_is_431_before_it_ends(router: Served) -> None:
+    """The parser holds a header field until it ends: the bytes of a head still arriving are
+    bounded too (a client could otherwise send one header line for ever)."""
+    reader, writer = await asyncio.open_connection(router.host, router.port)
+    try:
+        writer.write(b"GET /health HTTP/1.1\r\nHost: x\r\nX-Big: ")
+        for _ in range(20):  # 20 KB of one header value, in pieces, never ended
+            writer.write(b"a" * 1024)
+            await writer.drain()
+            await asyncio.sleep(0.01)
+        answer = await asyncio.wait_for(reader.read(), 5)  # the 431, then FIN
+    finally:
+        writer.close()
+    status, headers, body = parse(answer)
+    assert (status, body) == (431, HEADERS_TOO_LARGE)
+    assert headers["connection"] == "close"
+
+
+async def test_pipelined_requests_are_answered_in_order(router: Served) -> None:
+    reader, writer = await asyncio.open_connection(router.host, router.port)
+    try:
+        writer.write(b"GET /health/live HTTP/1.1\r\nHost: x\r\n\r\nGET /version HTTP/1.1\r\nHost: x\r\n\r\n")
+        answers = b""
+        while answers.count(b"HTTP/1.1 200 OK") < 2 or not answers.endswith(b"}"):
+            answers += await asyncio.wait_for(reader.read(65536), 5)
+    finally:
+        writer.close()
+    first, second = answers.split(b"HTTP/1.1 200 OK")[1:]
+    assert first.endswith(b'{"status":"alive"}') and b'"version"' in second
 
 
 async def test_a_header_within_the_limit_is_served(router: Served) -> None:
