@@ -161,7 +161,10 @@ class RouterHTTPProtocol(HttpToolsProtocol):
         try:
             self.parser.feed_data(data)
         except httptools.HttpParserUpgrade:
-            self._unsupported_upgrade_warning()  # the router serves no WebSocket: HTTP goes on
+            if self._should_upgrade():  # a WebSocket library is installed: it refuses the handshake (no such route)
+                self.handle_websocket_upgrade()
+            else:  # any other upgrade (h2c): answered in HTTP/1.1
+                self._unsupported_upgrade_warning()
         except httptools.HttpParserError as exc:
             if self._too_large:
                 self._reject_large_head()

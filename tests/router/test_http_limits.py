@@ -99,6 +99,27 @@ async def test_pipelined_requests_are_answered_in_order(router: Served) -> None:
     assert first.endswith(b'{"status":"alive"}') and b'"version"' in second
 
 
+@pytest.mark.parametrize(
+    "upgrade",
+    [
+        b"Upgrade: websocket\r\nConnection: Upgrade\r\nSec-WebSocket-Key: dGhlIHNhbXBsZSBub25jZQ==\r\nSec-WebSocket-Version: 13\r\n",
+        b"Upgrade: h2c\r\nConnection: Upgrade, HTTP2-Settings\r\nHTTP2-Settings: AAMAAABkAARAAAAAAAIAAAAA\r\n",
+    ],
+    ids=["websocket", "h2c"],
+)
+async def test_an_upgrade_request_is_answered(router: Served, upgrade: bytes) -> None:
+    """The router serves no WebSocket and no HTTP/2: an upgrade request still gets an answer
+    (a refused handshake, or the plain HTTP one), never a connection left waiting."""
+    reader, writer = await asyncio.open_connection(router.host, router.port)
+    try:
+        writer.write(b"GET /health/live HTTP/1.1\r\nHost: x\r\n" + upgrade + b"\r\n")
+        answer = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 5)
+    finally:
+        writer.close()
+    assert answer.startswith(b"HTTP/1.1 ")
+    assert not answer.startswith(b"HTTP/1.1 101")  # nothing was switched to
+
+
 async def test_a_header_within_the_limit_is_served(router: Served) -> None:
     async with httpx.AsyncClient(base_url=router.url, timeout=5) as client:
         assert (await client.get("/health", headers={"x-big": "a" * 15_000})).status_code == 200
