@@ -5,6 +5,7 @@ code 1: not a traceback, not a retry for ever. Ctrl-C while it waits ends it qui
 from __future__ import annotations
 
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -43,6 +44,13 @@ def service(name: str, *args: str, nats_url: str, etcd: str, cache: Path) -> sub
     )
 
 
+# gRPC's own log lines ("E1207 22:31:01.969276   29808 ev_epoll1_linux.cc:309] epoll_ctl failed:
+# ..."): its fork handlers write them in the child between fork and exec (``preexec_fn`` makes
+# Python fork) when this test process has gRPC threads of its own, from another test's etcd
+# client. They are not the service's.
+GRPC_LOG_LINE = re.compile(r"[DIWEF]\d{4} \d\d:\d\d:\d\d\.\d+ +\d+ \S+:\d+\] ")
+
+
 def ended(process: subprocess.Popen[str], timeout: float = 60) -> tuple[int, list[str]]:
     """The exit code and the lines on stderr that are not the service's own log lines."""
     try:
@@ -51,7 +59,11 @@ def ended(process: subprocess.Popen[str], timeout: float = 60) -> tuple[int, lis
         process.kill()
         process.communicate()
         raise AssertionError(f"still running after {timeout}s") from None
-    lines = [line for line in err.splitlines() if not line.startswith("{") and " INFO " not in line and " WARNING " not in line]
+    lines = [
+        line
+        for line in err.splitlines()
+        if not line.startswith("{") and " INFO " not in line and " WARNING " not in line and not GRPC_LOG_LINE.match(line)
+    ]
     return process.returncode, lines
 
 
