@@ -1,7 +1,8 @@
 """The router's HTTP edge: OpenAI-compatible endpoints over a ``GenerationBackend``.
 
 ``create_app`` wires the routes; a request's body is read within ``limits``, validated
-(``openai_api``), tokenized (``prompts``; off the event loop unless the body is small), checked against the model's context,
+(``openai_api``; a valid JSON body to completions or chat completions straight from its bytes,
+past FastAPI's request handling: ``fast_lane``), tokenized (``prompts``; off the event loop unless the body is small), checked against the model's context,
 handed to the backend, and its token events are returned as one JSON object or as server-sent
 events (``streaming``). Errors become OpenAI error bodies; metrics go to a registry owned by the
 app (``metrics``); ``auth`` guards ``/v1/*`` (and, when asked, ``/metrics`` and the docs) with named
@@ -23,6 +24,7 @@ from typing import Any, TypeVar
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
+from fastapi.routing import APIRoute
 from fastapi.telemetry import TelemetryConfig
 from opentelemetry.trace import TracerProvider
 from prometheus_client import CONTENT_TYPE_LATEST
@@ -45,6 +47,7 @@ from kvmesh.services.router.auth import BearerAuth
 from kvmesh.services.router.backend import GenerationBackend, HealthReport
 from kvmesh.services.router.generation import CHAT_COMPLETIONS, COMPLETIONS, SESSION_HEADER, Generation
 from kvmesh.services.router.generation_defaults import GenerationDefaults
+from kvmesh.services.router.fast_lane import FastLane, Lane
 from kvmesh.services.router.http_spans import HttpSpans
 from kvmesh.services.router.internal_errors import InternalErrors
 from kvmesh.services.router.limits import BodyLimit, Limits
@@ -77,6 +80,7 @@ __all__ = [
 logger = logging.getLogger(__name__)
 
 GENERATION_PATHS = frozenset({COMPLETIONS, CHAT_COMPLETIONS, RESPONSES})
+LANE_MODELS = {COMPLETIONS: CompletionRequest, CHAT_COMPLETIONS: ChatCompletionRequest}  # served by ``FastLane``
 HEALTH_TIMEOUT = 2.0  # seconds the backend has to answer a health check
 TOKENIZER_THREADS = 2
 # A request body up to this many bytes is tokenized on the event loop: a hop to the tokenizer
@@ -216,7 +220,9 @@ def create_app(
     app.state.shutdown = shutdown
     app.state.limits = limits
     app.state.rate_limiter = limiter
-    # innermost: what a handler raised and nothing answered becomes a 500 with an error body
+    lanes: dict[str, Lane] = {}  # the routes below whose valid JSON requests skip FastAPI's handling
+    app.add_middleware(FastLane, lanes=lanes, on_error=lambda request, error: rejected(request, error))
+    # inside the others: what a handler raised and nothing answered becomes a 500 with an error body
     app.add_middleware(InternalErrors, metrics=metrics, counted_paths=GENERATION_PATHS)
     if api_keys is not None:
         app.add_middleware(
@@ -360,4 +366,7 @@ def create_app(
             raise
         return responses_answer(answer, body, chat)
 
+    for route in app.routes:
+        if isinstance(route, APIRoute) and route.path in LANE_MODELS and "POST" in (route.methods or ()):
+            lanes[route.path] = Lane(LANE_MODELS[route.path], route.endpoint, route)
     return app

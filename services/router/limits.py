@@ -69,24 +69,28 @@ async def read_body(receive: Receive, *, limit: int, timeout: float) -> tuple[by
     message to pass on. Raises ``APIError`` 413 past ``limit`` and 408 past ``timeout``; what
     was read so far is dropped either way.
     """
-    loop = asyncio.get_running_loop()
-    deadline = loop.time() + timeout
     chunks: list[bytes] = []
     size = 0
-    while True:
-        try:
-            message = await asyncio.wait_for(receive(), max(deadline - loop.time(), 0.0))
-        except TimeoutError:
+    # a timeout in this task, not ``wait_for``'s task per read: the body has mostly arrived
+    # with the head, and a task and a turn of the event loop were a stream's first token's
+    within = asyncio.timeout(timeout)
+    try:
+        async with within:
+            while True:
+                message = await receive()
+                if message["type"] != "http.request":
+                    return b"", message  # gone mid-body
+                chunk = message.get("body", b"")
+                size += len(chunk)
+                if size > limit:
+                    raise too_large(limit)
+                chunks.append(chunk)
+                if not message.get("more_body", False):
+                    return b"".join(chunks), None
+    except TimeoutError:
+        if within.expired():
             raise body_timed_out(timeout) from None
-        if message["type"] != "http.request":
-            return b"", message  # gone mid-body
-        chunk = message.get("body", b"")
-        size += len(chunk)
-        if size > limit:
-            raise too_large(limit)
-        chunks.append(chunk)
-        if not message.get("more_body", False):
-            return b"".join(chunks), None
+        raise
 
 
 class AnsweringMiddleware:

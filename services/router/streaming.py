@@ -3,7 +3,8 @@
 A non-streamed answer (and a stream's first event) is awaited with ``unless_disconnected``; a
 streamed one is an ``EventStreamResponse`` over an ``EventStream``, which closes the backend
 iterator (cancelling an unfinished request) and records the outcome once, however the response
-ends. Both end early when the router shuts down: a 503, or an error event and ``[DONE]``.
+ends. Both wait in the request's own task, which a watcher of the client's ``receive`` cancels
+when the client leaves (``_CancelOnLeave``). Both end early when the router shuts down: a 503, or an error event and ``[DONE]``.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from typing import Any, TypeVar
 import anyio
 from fastapi import Request
 from fastapi.responses import StreamingResponse
+from starlette.requests import ClientDisconnect
 from starlette.types import Receive, Scope, Send
 
 from kvmesh.errors import ERROR_KINDS, ErrorCode, MeshError
@@ -81,28 +83,69 @@ async def _anext_or_none(events: AsyncIterator[TokenEvent]) -> TokenEvent | None
     return await anext(events, None)
 
 
-async def _wait_for_disconnect(request: Request) -> None:
-    while (await request.receive())["type"] != "http.disconnect":
+async def _wait_for_disconnect(receive: Receive) -> None:
+    while (await receive())["type"] != "http.disconnect":
         pass
 
 
+class _CancelOnLeave:
+    """From its making until ``stop`` the current task is cancelled when the client disconnects
+    (or, given a ``Shutdown``, when the router begins shutting down); ``cause`` then says which.
+
+    The work stays in the caller's task: waiting for it in a task of its own, beside a watcher,
+    cost a stream's first token two more tasks and turns of the event loop. The watcher is one
+    task reading ``receive`` until the client leaves."""
+
+    def __init__(self, receive: Receive, shutdown: Shutdown | None = None) -> None:
+        self.cause: str | None = None  # "gone" or "shutdown", once it cancelled the task
+        self._task = asyncio.current_task()
+        self._watcher = asyncio.ensure_future(_wait_for_disconnect(receive))
+        self._watcher.add_done_callback(self._client_left)
+        self._stopping = shutdown.future() if shutdown is not None else None
+        if self._stopping is not None:
+            self._stopping.add_done_callback(self._shutting_down)
+
+    def _client_left(self, watcher: asyncio.Future[None]) -> None:
+        if not watcher.cancelled():
+            self._cancel("gone")
+
+    def _shutting_down(self, _: asyncio.Future[None]) -> None:
+        self._cancel("shutdown")
+
+    def _cancel(self, cause: str) -> None:
+        if self.cause is None and self._task is not None:
+            self.cause = cause
+            self._task.cancel()
+
+    def stop(self) -> bool:
+        """Stop watching. True when this cancelled the task and nothing else did: the
+        ``CancelledError`` the task met (or its work swallowed) is this one's, taken back."""
+        self._watcher.remove_done_callback(self._client_left)
+        self._watcher.cancel()
+        if self._stopping is not None:
+            self._stopping.remove_done_callback(self._shutting_down)
+        if self.cause is None or self._task is None:
+            return False
+        return self._task.uncancel() == 0
+
+
 async def unless_disconnected(request: Request, work: Awaitable[T], shutdown: Shutdown) -> T:
-    """Await ``work``; cancel it and raise ``ClientGone`` if the client goes away first, or the
-    shutdown's 503 ``APIError`` if the router begins shutting down first."""
-    task = asyncio.ensure_future(work)
-    watcher = asyncio.ensure_future(_wait_for_disconnect(request))
-    stopping = shutdown.future()
+    """Await ``work`` in this task; cancel it and raise ``ClientGone`` if the client goes away
+    first, or the shutdown's 503 ``APIError`` if the router begins shutting down first."""
+    leave = _CancelOnLeave(request.receive, shutdown)
     try:
-        await asyncio.wait({task, watcher, stopping}, return_when=asyncio.FIRST_COMPLETED)
-    finally:
-        for t in (task, watcher):
-            t.cancel()
-        await asyncio.gather(task, watcher, return_exceptions=True)
-    if task.cancelled():
-        if stopping.done():
-            raise shutdown.error()
-        raise ClientGone()
-    return task.result()
+        result = await work
+    except asyncio.CancelledError:
+        if not leave.stop():
+            raise
+        if leave.cause == "shutdown":
+            raise shutdown.error() from None
+        raise ClientGone() from None
+    except BaseException:
+        leave.stop()
+        raise
+    leave.stop()
+    return result
 
 
 @dataclass(slots=True)
@@ -177,11 +220,11 @@ class EventStream:
             await self.close()
 
     def _fetch(self, index: int) -> None:
-        """Ask a choice's backend for its next event, in a task of its own.
-
-        Starlette stops a stream whose client left by cancelling an anyio scope, which re-cancels
-        every later await in that scope; were the backend iterated here, its cleanup (telling the
-        mesh to cancel) could not await anything. ``close`` cancels these tasks instead, once.
+        """Ask a choice's backend for its next event, in a task of its own: the choices of a
+        request stream side by side, and a stream ended from outside (the client left, the
+        server cancelled it; under Starlette's own streaming, an anyio scope that re-cancels
+        every later await in it) leaves the backend iterator to ``close``, which cancels these
+        tasks once and closes it, its cleanup (telling the mesh to cancel) free to await.
         """
         self._pending[index] = asyncio.ensure_future(_anext_or_none(self._choices[index].events))
 
@@ -226,9 +269,30 @@ class EventStreamResponse(StreamingResponse):
         super().__init__(self._chunks, headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        """Starlette's streaming, with the chunks sent from this task: Starlette sends them from
+        a task of its own, started in an anyio task group, while this one reads ``receive``;
+        that put a task's start and a turn of the event loop before the first chunk. Here the
+        watcher for the client's leaving starts once the first chunk is out."""
+        leave: _CancelOnLeave | None = None
+        # a server on ASGI spec 2.4 says the client left by raising from ``send``, as Starlette expects
+        watch = tuple(map(int, scope.get("asgi", {}).get("spec_version", "2.0").split("."))) < (2, 4)
         try:
-            await super().__call__(scope, receive, send)
+            await send({"type": "http.response.start", "status": self.status_code, "headers": self.raw_headers})
+            async for chunk in self.body_iterator:
+                body = chunk if isinstance(chunk, (bytes, memoryview)) else chunk.encode(self.charset)
+                await send({"type": "http.response.body", "body": body, "more_body": True})
+                if leave is None and watch:
+                    leave = _CancelOnLeave(receive)
+            await send({"type": "http.response.body", "body": b"", "more_body": False})
+        except asyncio.CancelledError:
+            ours, leave = leave is not None and leave.stop(), None
+            if not ours:  # ours: the client left, and the stream just ends, as Starlette's does
+                raise
+        except OSError:  # a server that reports a lost client from ``send`` (ASGI spec 2.4)
+            raise ClientDisconnect() from None
         finally:
+            if leave is not None:
+                leave.stop()
             with anyio.CancelScope(shield=True):
                 await self._chunks.aclose()
                 await self._stream.close()

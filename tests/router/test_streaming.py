@@ -252,3 +252,24 @@ async def test_stream_read_to_the_end_is_not_a_cancel(fake: FakeBackend) -> None
     await client.run(app, "/v1/chat/completions")
     assert fake.cancelled == []
     assert client.body_chunks()[-1] == "data: [DONE]\n\n"
+
+
+@pytest.mark.parametrize("when", ["before the first token", "mid-stream"])
+async def test_a_cancel_from_outside_is_not_taken_for_the_client_leaving(fake: FakeBackend, when: str) -> None:
+    """The router's disconnect watch cancels the request's own task when the client leaves;
+    a cancellation from elsewhere (the server ending the request) must still end that task
+    cancelled, not be taken for the client's leaving and swallowed."""
+    fake.script = [Sleep(30), Finish("stop")] if when == "before the first token" else SLOW
+    app = create_app(fake)
+    client = Disconnecting(CHAT, after_chunks=1_000_000, spec_version="2.3", fake=fake)  # never leaves
+    task = asyncio.ensure_future(client.run(app, "/v1/chat/completions"))
+    for _ in range(200):
+        await asyncio.sleep(0.01)
+        if fake.calls and (when == "before the first token" or len(client.body_chunks()) >= 2):
+            break
+    assert not task.done() and fake.calls
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    assert fake.cancelled == [fake.calls[0].request_id]
+    assert "kvmesh_router_requests_in_flight 0.0" in app.state.metrics.render().decode()

@@ -367,13 +367,15 @@ async def test_many_large_tool_schemas_are_refused_without_stalling_the_loop(cli
     gaps: list[float] = []
     done = asyncio.Event()
 
-    async def ticker() -> None:
+    async def ticker() -> None:  # the gap that ends with the answer counts too
         last = time.perf_counter()
-        while not done.is_set():
+        while True:
             await asyncio.sleep(0.01)
             now = time.perf_counter()
             gaps.append(now - last)
             last = now
+            if done.is_set():
+                return
 
     task = asyncio.create_task(ticker())
     resp = await client.post(CHAT, content=raw, headers={"content-type": "application/json"})
