@@ -33,7 +33,7 @@ from kvmesh.services.prefill_worker.peer_prefix import CostModel, borrow_handle,
 from kvmesh.services.prefill_worker.pins import PinTable
 from kvmesh.telemetry import extract_context, record_queue_wait
 from kvmesh.worker.in_flight import InFlight
-from kvmesh.worker.engine_api import EngineDeadError, FinishReason
+from kvmesh.worker.engine_api import EngineDeadError, FinishReason, RequestOutput
 from kvmesh.worker.runtime import WorkerRuntime
 from kvmesh.service_main import start_service
 from kvmesh.settings.worker import worker_settings
@@ -129,48 +129,57 @@ class PrefillWorker:
                 error = ErrorInfo(code=code, message=out.error or "the engine failed this request")
                 await msg.respond(PrefillResponse(request_id=rid, error=error).encode())
                 return
-            if out.queue_seconds is not None:
-                record_queue_wait(rt.tracer, span, out.queue_seconds)
-            span.set_attribute("kvmesh.cached_tokens", out.num_cached_tokens)
-            self.cost.observe_prefill(out.num_prompt_tokens - out.num_cached_tokens, time.perf_counter() - started)
-            span.set_attribute("kvmesh.computed_tokens", out.num_prompt_tokens - out.num_cached_tokens)
-            if out.finish_reason is FinishReason.ABORT or out.kv_export is None:
-                await msg.respond(PrefillResponse(request_id=rid, error=ErrorInfo(code=ErrorCode.CANCELLED, message="aborted")).encode())
-                return
-            export = out.kv_export
-            if self.in_flight.is_cancelled(rid):  # cancelled after the engine finished it: nobody will pull
-                await rt.engine.release_export(rid)
-                await self._respond_cancelled(msg, rid)
-                return
-            layout = rt.engine.kv_layout
-            with rt.tracer.start_as_current_span("pin") as pin_span:
-                pin = self.pins.pin(rid, rt.worker_id.encode(), len(export.block_ids) * layout.moved_block_bytes)
-                pin_span.set_attribute("kvmesh.blocks", len(export.block_ids))
-            handle = KVHandle(
-                prefill_worker_id=rt.worker_id,
-                transfer_endpoint=rt.agent.endpoint,
-                kv_base_address=layout.base_address,
-                layout=KVLayoutSpec.from_layout(layout),
-                block_ids=export.block_ids,
-                num_tokens=export.num_tokens,
-                pin_key=rt.keys.pin(rt.worker_id, rid),
-                pin_token=pin.token,
-                producer_started_at=self.started_at,
-                pin_ttl=float(rt.settings.pin_ttl),
-            )
-            response = PrefillResponse(
-                request_id=rid,
-                first_token_id=out.new_token_ids[0],
-                num_cached_tokens=out.num_cached_tokens,
-                kv=handle,
-                first_logprob=(LogprobSpec.many(out.logprobs) or [None])[0],
-                prompt_logprobs=LogprobSpec.many(out.prompt_logprobs),
-            )
+            prefill_seconds = time.perf_counter() - started
             try:
-                await msg.respond(response.encode())
-            except Exception as exc:  # noqa: BLE001 - the router gave up on us: nobody will pull
-                logger.warning("the answer to %s could not be sent (%s); unpinning", rid, exc)
-                await self.pins.release(rid, reason="router gone")
+                await self._answer(msg, rid, out)
+            finally:  # the books, once the answer is on its way
+                if out.queue_seconds is not None:
+                    record_queue_wait(rt.tracer, span, out.queue_seconds)
+                span.set_attribute("kvmesh.cached_tokens", out.num_cached_tokens)
+                span.set_attribute("kvmesh.computed_tokens", out.num_prompt_tokens - out.num_cached_tokens)
+                self.cost.observe_prefill(out.num_prompt_tokens - out.num_cached_tokens, prefill_seconds)
+
+    async def _answer(self, msg: Msg, rid: str, out: RequestOutput) -> None:
+        """The router's answer to a prefill the engine finished: the first token and a handle
+        to the blocks, pinned until they are pulled (or why there is none)."""
+        rt = self.runtime
+        if out.finish_reason is FinishReason.ABORT or out.kv_export is None:
+            await msg.respond(PrefillResponse(request_id=rid, error=ErrorInfo(code=ErrorCode.CANCELLED, message="aborted")).encode())
+            return
+        export = out.kv_export
+        if self.in_flight.is_cancelled(rid):  # cancelled after the engine finished it: nobody will pull
+            await rt.engine.release_export(rid)
+            await self._respond_cancelled(msg, rid)
+            return
+        layout = rt.engine.kv_layout
+        with rt.tracer.start_as_current_span("pin") as pin_span:
+            pin = self.pins.pin(rid, rt.worker_id.encode(), len(export.block_ids) * layout.moved_block_bytes)
+            pin_span.set_attribute("kvmesh.blocks", len(export.block_ids))
+        handle = KVHandle(
+            prefill_worker_id=rt.worker_id,
+            transfer_endpoint=rt.agent.endpoint,
+            kv_base_address=layout.base_address,
+            layout=KVLayoutSpec.from_layout(layout),
+            block_ids=export.block_ids,
+            num_tokens=export.num_tokens,
+            pin_key=rt.keys.pin(rt.worker_id, rid),
+            pin_token=pin.token,
+            producer_started_at=self.started_at,
+            pin_ttl=float(rt.settings.pin_ttl),
+        )
+        response = PrefillResponse(
+            request_id=rid,
+            first_token_id=out.new_token_ids[0],
+            num_cached_tokens=out.num_cached_tokens,
+            kv=handle,
+            first_logprob=(LogprobSpec.many(out.logprobs) or [None])[0],
+            prompt_logprobs=LogprobSpec.many(out.prompt_logprobs),
+        )
+        try:
+            await msg.respond(response.encode())
+        except Exception as exc:  # noqa: BLE001 - the router gave up on us: nobody will pull
+            logger.warning("the answer to %s could not be sent (%s); unpinning", rid, exc)
+            await self.pins.release(rid, reason="router gone")
 
     async def _respond_cancelled(self, msg: Msg, rid: str) -> None:
         logger.info("prefill of %s cancelled before its pin", rid)

@@ -24,6 +24,7 @@ import logging
 import uuid
 from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
+from typing import Any
 
 import nats
 import nats.errors
@@ -337,7 +338,6 @@ class MeshBackend:
         span.set_attribute("kvmesh.decode_choice", decode.reason)
         span.set_attribute("kvmesh.prefill_worker", prefill.worker.worker_id if prefill else "")
         span.set_attribute("kvmesh.route.reason", route.reason)
-        request = DecodeRequest(request_id=attempt_id, prompt_token_ids=prompt, sampling=sampling, resumed=resumed)
         attempt = Attempt(
             attempt_id,
             decode.worker.worker_id,
@@ -354,15 +354,9 @@ class MeshBackend:
         finished = False
         try:
             first_sent = False
+            prefilled: dict[str, Any] = {}  # what the decode request carries of the prefill's answer
             if prefill is not None:
                 response = await self._prefill(attempt, prefill.worker, prompt, sampling, ctx, peer, resumed=resumed)
-                request = request.model_copy(
-                    update={
-                        "first_token_id": response.first_token_id,
-                        "kv": response.kv,
-                        "prefill_cached_tokens": response.num_cached_tokens,
-                    }
-                )
                 first_sent = True
                 assert response.first_token_id is not None  # _prefill checked it
                 yield TokenEvent(
@@ -373,6 +367,9 @@ class MeshBackend:
                     logprobs=[response.first_logprob] if sampling.logprobs is not None else None,
                     prompt_logprobs=response.prompt_logprobs,
                 )
+                prefilled = {"first_token_id": response.first_token_id, "kv": response.kv, "prefill_cached_tokens": response.num_cached_tokens}
+            # made after the first token went to the client: off that token's path
+            request = DecodeRequest(request_id=attempt_id, prompt_token_ids=prompt, sampling=sampling, resumed=resumed, **prefilled)
             attempt.stage = "decode"
             attempt.heard()
             await self._start_decode(decode.worker, attempt, request, ctx)
