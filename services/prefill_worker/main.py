@@ -13,6 +13,7 @@ import logging
 import time
 
 from nats.aio.msg import Msg
+from opentelemetry import trace
 from pydantic import ValidationError
 
 from kvmesh.errors import ErrorCode, KvmeshError
@@ -31,7 +32,7 @@ from kvmesh.hashing import hash_from_hex
 from kvmesh.protocol import KVLendReply, KVLendRequest, LogprobSpec, request_id_of
 from kvmesh.services.prefill_worker.peer_prefix import CostModel, borrow_handle, borrow_prefix
 from kvmesh.services.prefill_worker.pins import PinTable
-from kvmesh.telemetry import extract_context, record_queue_wait
+from kvmesh.telemetry import extract_context, record_queue_wait, record_span
 from kvmesh.worker.in_flight import InFlight
 from kvmesh.worker.engine_api import EngineDeadError, FinishReason, RequestOutput
 from kvmesh.worker.runtime import WorkerRuntime
@@ -152,9 +153,9 @@ class PrefillWorker:
             await self._respond_cancelled(msg, rid)
             return
         layout = rt.engine.kv_layout
-        with rt.tracer.start_as_current_span("pin") as pin_span:
-            pin = self.pins.pin(rid, rt.worker_id.encode(), len(export.block_ids) * layout.moved_block_bytes)
-            pin_span.set_attribute("kvmesh.blocks", len(export.block_ids))
+        pinning = time.time_ns()
+        pin = self.pins.pin(rid, rt.worker_id.encode(), len(export.block_ids) * layout.moved_block_bytes)
+        pinned = time.time_ns()
         handle = KVHandle(
             prefill_worker_id=rt.worker_id,
             transfer_endpoint=rt.agent.endpoint,
@@ -180,6 +181,8 @@ class PrefillWorker:
         except Exception as exc:  # noqa: BLE001 - the router gave up on us: nobody will pull
             logger.warning("the answer to %s could not be sent (%s); unpinning", rid, exc)
             await self.pins.release(rid, reason="router gone")
+        finally:  # the pin's span, once the answer is on its way
+            record_span(rt.tracer, trace.get_current_span(), "pin", pinning, pinned, {"kvmesh.blocks": len(export.block_ids)})
 
     async def _respond_cancelled(self, msg: Msg, rid: str) -> None:
         logger.info("prefill of %s cancelled before its pin", rid)

@@ -21,8 +21,9 @@ from typing import Any
 from fastapi import Request
 from fastapi.responses import Response
 from pydantic import BaseModel, ValidationError
-from starlette.types import ASGIApp, Message, Receive, Scope, Send
+from starlette.types import ASGIApp, Receive, Scope, Send
 
+from kvmesh.services.router.limits import replayed
 from kvmesh.services.router.openai_api import APIError
 
 __all__ = ["FastLane", "Lane"]
@@ -44,19 +45,6 @@ def _is_json(scope: Scope) -> bool:
     return False
 
 
-def _replay(first: Message, receive: Receive) -> Receive:
-    sent = False
-
-    async def replay() -> Message:
-        nonlocal sent
-        if not sent:
-            sent = True
-            return first
-        return await receive()
-
-    return replay
-
-
 class FastLane:
     """ASGI middleware, the innermost: a lane's valid requests served here, the rest passed on.
 
@@ -76,14 +64,14 @@ class FastLane:
             return
         first = await receive()  # the whole body (``BodyLimit`` has read it) or the client's leaving
         if first["type"] != "http.request" or first.get("more_body", False):
-            await self.app(scope, _replay(first, receive), send)
+            await self.app(scope, replayed(first, receive), send)
             return
         request = Request(scope, receive, send)
         try:
             try:
                 body = lane.model.model_validate_json(first.get("body", b""))
             except ValidationError:  # FastAPI's answer names the bad fields
-                await self.app(scope, _replay(first, receive), send)
+                await self.app(scope, replayed(first, receive), send)
                 return
             scope["route"] = lane.route
             response = await lane.endpoint(body, request)

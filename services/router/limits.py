@@ -21,7 +21,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from kvmesh.services.router.metrics import RouterMetrics
 from kvmesh.services.router.openai_api import APIError, error_json
 
-__all__ = ["BodyLimit", "Limits", "answer_error", "read_body"]
+__all__ = ["BodyLimit", "Limits", "answer_error", "read_body", "replayed"]
 
 logger = logging.getLogger(__name__)
 
@@ -134,18 +134,19 @@ class BodyLimit(AnsweringMiddleware):
             logger.info("%s %s rejected: %d %s", scope["method"], scope["path"], error.status, error.message)
             await self.answer(scope, send, error)
             return
-        await self.app(scope, _replay(body, gone, receive), send)
+        await self.app(scope, replayed(gone or {"type": "http.request", "body": body, "more_body": False}, receive), send)
 
 
-def _replay(body: bytes, gone: Message | None, receive: Receive) -> Receive:
+def replayed(first: Message, receive: Receive) -> Receive:
+    """``receive`` with ``first`` (a message already taken from it) given out again first."""
     sent = False
 
     async def replay() -> Message:
         nonlocal sent
         if not sent:
             sent = True
-            return gone or {"type": "http.request", "body": body, "more_body": False}
-        return await receive()  # from now on only http.disconnect can come
+            return first
+        return await receive()
 
     return replay
 

@@ -4,7 +4,8 @@ A non-streamed answer (and a stream's first event) is awaited with ``unless_disc
 streamed one is an ``EventStreamResponse`` over an ``EventStream``, which closes the backend
 iterator (cancelling an unfinished request) and records the outcome once, however the response
 ends. Both wait in the request's own task, which a watcher of the client's ``receive`` cancels
-when the client leaves (``_CancelOnLeave``). Both end early when the router shuts down: a 503, or an error event and ``[DONE]``.
+when the client leaves (``_CancelOnLeave``). Both end early when the router shuts down: a 503,
+or an error event and ``[DONE]``.
 """
 
 from __future__ import annotations
@@ -106,8 +107,11 @@ class _CancelOnLeave:
             self._stopping.add_done_callback(self._shutting_down)
 
     def _client_left(self, watcher: asyncio.Future[None]) -> None:
-        if not watcher.cancelled():
-            self._cancel("gone")
+        if watcher.cancelled():
+            return
+        if watcher.exception() is not None:  # ``receive`` itself failed: taken as the client gone
+            logger.debug("reading the client's disconnect failed: %r", watcher.exception())
+        self._cancel("gone")
 
     def _shutting_down(self, _: asyncio.Future[None]) -> None:
         self._cancel("shutdown")
